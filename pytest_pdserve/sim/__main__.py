@@ -1,0 +1,42 @@
+"""Entry point: ``pdserve-sim serve MODEL [flags]`` / ``python -m pytest_pdserve.sim serve MODEL [flags]``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+USAGE = "usage: pdserve-sim serve [model_tag] [options]   (vLLM's `vllm serve` flags; see --help)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``serve`` arguments and environment, then run the simulator; returns the exit status.
+
+    Only the stdlib-only argument parser is imported before validation, so argparse errors (status 2)
+    are immediate; the server stack is imported afterwards.
+    """
+    from pytest_pdserve.sim.cli import parse_serve_args
+    from pytest_pdserve.sim.faults import SimEnv, SimEnvError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(USAGE, file=sys.stderr if not args else sys.stdout)
+        return 2 if not args else 0
+    if args[0] != "serve":
+        print(USAGE, file=sys.stderr)
+        print(f"pdserve-sim: error: invalid choice: {args[0]!r} (choose from 'serve')", file=sys.stderr)
+        return 2
+    serve_args = parse_serve_args(args[1:])
+    try:
+        env = SimEnv.from_environ(os.environ)
+    except SimEnvError as exc:
+        print(f"pdserve-sim: error: {exc}", file=sys.stderr)
+        return 2
+
+    from pytest_pdserve.sim.server import serve
+
+    return serve(serve_args, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,481 @@
+"""The simulator's HTTP API: vLLM's OpenAI-compatible routes on starlette.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /metrics``, ``GET /version``, and ``POST /reset_prefix_cache`` when ``VLLM_SERVER_DEV_MODE=1``.
+Response and error bodies follow vLLM 0.33's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pytest_pdserve.sim import tokenizer
+from pytest_pdserve.sim.engine import (
+    VLLM_VERSION,
+    Engine,
+    EngineDeadError,
+    Generation,
+    KVLoadError,
+    RequestError,
+    SamplingParams,
+)
+
+logger = logging.getLogger("pytest_pdserve.sim")
+
+MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs``."""
+
+
+@dataclass
+class AppState:
+    """Everything the routes need."""
+
+    engine: Engine
+    extra_version_info: dict[str, Any] = field(default_factory=dict)
+
+
+class _ApiError(Exception):
+    def __init__(self, message: str, err_type: str = "BadRequestError", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.err_type = err_type
+        self.status = status
+
+
+def error_response(message: str, err_type: str, status: int) -> JSONResponse:
+    """vLLM's ``ErrorResponse`` body."""
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": None, "code": status}}, status_code=status
+    )
+
+
+class ApiKeyMiddleware:
+    """vLLM's ``--api-key`` check: ``/v1/*`` needs ``Authorization: Bearer KEY``; other paths stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _int_field(body: Mapping[str, Any], name: str, default: int | None, lo: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise _ApiError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str = "max_tokens") -> SamplingParams:
+    max_tokens = _int_field(body, max_field, None, 1)
+    if max_tokens is None and max_field != "max_tokens":
+        max_tokens = _int_field(body, "max_tokens", None, 1)
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        raise _ApiError(f"temperature must be a number >= 0, got {temperature!r}")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise _ApiError(f"seed must be an integer, got {seed!r}")
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise _ApiError(f"n={n!r} is not supported by pdserve-sim (only n=1)")
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=float(temperature),
+        seed=seed,
+    )
+
+
+def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _ApiError(f"kv_transfer_params must be an object or null, got {type(value).__name__}")
+    return value
+
+
+def _check_model(body: Mapping[str, Any], engine: Engine) -> None:
+    model = body.get("model")
+    names = engine.args.served_model_name or (engine.args.model,)
+    if model is not None and model not in names:
+        raise _ApiError(f"The model `{model}` does not exist.", "NotFoundError", 404)
+
+
+def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
+    details = (
+        {"cached_tokens": gen.local_hit_tokens + gen.external_tokens}
+        if engine.args.enable_prompt_tokens_details
+        else None
+    )
+    n_prompt, n_out = len(gen.prompt_ids), len(gen.output_ids)
+    return {
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": details,
+    }
+
+
+def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tuple[int, float]]:
+    chosen = gen.output_ids[position]
+    base = tokenizer.logprob_of(engine.model_key, gen.prompt_ids, position, chosen) / 3.0
+    ids = tokenizer.top_alternatives(chosen, position, max(count, 1))
+    return [(tid, base - 0.75 * rank) for rank, tid in enumerate(ids)]
+
+
+def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+    offsets, tokens, lps, tops = [], [], [], []
+    offset = 0
+    for pos, tid in enumerate(gen.output_ids):
+        text = tokenizer.token_text(tid)
+        top = _top(engine, gen, pos, count)
+        offsets.append(offset)
+        tokens.append(text)
+        lps.append(top[0][1])
+        tops.append({tokenizer.token_text(t): lp for t, lp in top})
+        offset += len(text)
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+    content = []
+    for pos, _tid in enumerate(gen.output_ids):
+        top = _top(engine, gen, pos, max(count, 1))
+        entries = [
+            {"token": tokenizer.token_text(t), "logprob": lp, "bytes": list(tokenizer.token_text(t).encode())}
+            for t, lp in top
+        ]
+        content.append({**entries[0], "top_logprobs": entries[:count]})
+    return {"content": content}
+
+
+def _sse(payload: Mapping[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    # vLLM: "<prefix>-<X-Request-Id or random>"; the proxy sends the same X-Request-Id to P and D.
+    return f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+def build_app(state: AppState) -> Starlette:
+    """The starlette application for one engine."""
+    engine = state.engine
+    args = engine.args
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _ApiError(f"Request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _ApiError("Request body must be a JSON object")
+        return body
+
+    def guarded(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except _ApiError as exc:
+                return error_response(exc.message, exc.err_type, exc.status)
+            except RequestError as exc:
+                return error_response(str(exc), "BadRequestError", 400)
+            except KVLoadError:
+                # vLLM hides the cause from the client; the log has it.
+                return error_response("Internal server error", "InternalServerError", 500)
+            except EngineDeadError as exc:
+                return error_response(str(exc), "InternalServerError", 500)
+
+        return run
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=503 if engine.dead else 200)
+
+    async def version(request: Request) -> Response:
+        info = engine.info()
+        sim = {
+            "engine": "pdserve-sim",
+            "model": args.model,
+            "served_model_name": args.served_name,
+            "engine_id": info.engine_id,
+            "attention_backend": info.attention_backend,
+            "block_size": info.block_size,
+            "num_gpu_blocks": info.num_blocks,
+            "bytes_per_block": info.bytes_per_block,
+            "kv_connector": args.kv_transfer_config.kv_connector if args.kv_transfer_config else None,
+            "kv_role": args.kv_transfer_config.kv_role if args.kv_transfer_config else None,
+            "side_channel": (
+                {"host": info.side_channel[0], "port": info.side_channel[1]} if info.side_channel else None
+            ),
+            "dead": engine.dead,
+            **state.extra_version_info,
+        }
+        return JSONResponse({"version": VLLM_VERSION, "pdserve_sim": sim})
+
+    async def models(request: Request) -> Response:
+        created = int(time.time())
+        names = args.served_model_name or (args.model,)
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": args.model,
+                "parent": None,
+                "max_model_len": args.effective_max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{uuid.uuid4().hex}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+            for name in names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics(request: Request) -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        return JSONResponse({"success": engine.reset_prefix_cache()})
+
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        _check_model(body, engine)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt)
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.VOCAB_SIZE for t in prompt)
+        ):
+            prompt_ids = list(prompt)
+        else:
+            raise _ApiError(
+                "prompt must be a non-empty string or a list of token ids "
+                f"in [0, {tokenizer.VOCAB_SIZE}) (batched prompts are not supported by pdserve-sim)"
+            )
+        params = _sampling(body, 16)
+        logprobs = _int_field(body, "logprobs", None, 0)
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise _ApiError(
+                f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {MAX_LOGPROBS}"
+            )
+        rid = _request_id(request, "cmpl")
+        gen = await engine.generate(prompt_ids, params, _kv_params(body), f"{rid}-0")
+        created = int(time.time())
+        want_ids = bool(body.get("return_token_ids"))
+        lp = _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, chat=False)
+        choice = {
+            "index": 0,
+            "text": tokenizer.decode(gen.output_ids),
+            "logprobs": lp,
+            "finish_reason": gen.finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": gen.prompt_ids if want_ids else None,
+            "token_ids": gen.output_ids if want_ids else None,
+        }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": args.served_name,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": _usage(engine, gen),
+                "kv_transfer_params": gen.kv_transfer_params,
+            }
+        )
+
+    async def chat(request: Request) -> Response:
+        body = await body_of(request)
+        _check_model(body, engine)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _ApiError("messages must be a non-empty list of {role, content} objects")
+        lines = []
+        for msg in messages:
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise _ApiError(f"invalid message {msg!r}: expected {{'role': str, 'content': str}}")
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            lines.append(f"{msg['role']}: {content or ''}\n")
+        # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
+        prompt_ids = tokenizer.encode("".join(lines) + "assistant: ", add_bos=False)
+        params = _sampling(body, max(1, args.effective_max_model_len - len(prompt_ids)), "max_completion_tokens")
+        top = _int_field(body, "top_logprobs", 0, 0) or 0
+        if top > MAX_LOGPROBS:
+            raise _ApiError(f"top_logprobs={top} is greater than max allowed: {MAX_LOGPROBS}")
+        rid = _request_id(request, "chatcmpl")
+        gen = await engine.generate(prompt_ids, params, _kv_params(body), rid)
+        created = int(time.time())
+        want_ids = bool(body.get("return_token_ids"))
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return _stream(engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat=True)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": tokenizer.decode(gen.output_ids),
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            "reasoning_content": None,
+        }
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": _chat_logprobs(engine, gen, top) if body.get("logprobs") else None,
+            "finish_reason": gen.finish_reason,
+            "stop_reason": None,
+            "token_ids": gen.output_ids if want_ids else None,
+        }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": args.served_name,
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": _usage(engine, gen),
+                "prompt_logprobs": None,
+                "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                "kv_transfer_params": gen.kv_transfer_params,
+            }
+        )
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+    ]
+    if engine.env.dev_mode:
+        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # FastAPI's default body for routing errors, as vLLM answers them.
+        assert isinstance(exc, HTTPException)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    if args.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    return app
+
+
+def _stream(
+    engine: Engine,
+    gen: Generation,
+    rid: str,
+    created: int,
+    obj: str,
+    include_usage: bool,
+    want_ids: bool,
+    chat: bool,
+) -> StreamingResponse:
+    """SSE stream: a chunk per generated token, the finish reason on the last, optional usage, [DONE]."""
+    model = engine.args.served_name
+    running = engine.metrics.num_requests_running.labels(**engine.metrics.labels)
+
+    async def events() -> AsyncIterator[str]:
+        running.inc()
+        try:
+            base = {"id": rid, "object": obj, "created": created, "model": model}
+            if chat:
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            last = len(gen.output_ids) - 1
+            for i, tid in enumerate(gen.output_ids):
+                finish = gen.finish_reason if i == last else None
+                text = tokenizer.token_text(tid) if tid not in tokenizer.SPECIAL_TOKENS else ""
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+                if chat:
+                    choice["delta"] = {"content": text}
+                else:
+                    choice["text"] = text
+                if want_ids:
+                    choice["token_ids"] = [tid]
+                    if i == 0 and not chat:
+                        choice["prompt_token_ids"] = gen.prompt_ids
+                chunk: dict[str, Any] = {**base, "choices": [choice]}
+                if want_ids and i == 0 and chat:
+                    chunk["prompt_token_ids"] = gen.prompt_ids
+                yield _sse(chunk)
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(engine, gen)})
+            yield _sse("[DONE]")
+        finally:
+            running.dec()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,387 @@
+"""``vllm serve``-compatible command line of the simulator (stdlib only, imported before anything heavy).
+
+Flag names, value types and argparse error wording follow vLLM 0.33 so that the plugin's command
+builder can hand the simulator exactly the argv it hands ``vllm serve``. Errors that vLLM reports from
+argparse (unknown flags, bad ``--kv-transfer-config`` JSON, bad choices) exit with status 2 and the
+``vllm serve: error: ...`` wording; errors vLLM reports later, while building the engine config (an
+unknown ``--attention-backend``), are raised as :class:`ValueError` by :func:`resolve_attention_backend`
+and turned into a non-zero exit at startup by the server module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+PROG = "vllm serve"
+"""Program name in usage and error lines, as vLLM prints it."""
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+"""vLLM's default ``model_tag`` when none is given."""
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""The synthetic model's ``max_position_embeddings`` (the tiny Llama of vllm-cpu.md has 2048)."""
+
+ATTENTION_BACKENDS: tuple[str, ...] = (
+    "FLASH_ATTN",
+    "FLASH_ATTN_DIFFKV",
+    "TRITON_ATTN",
+    "TRITON_ATTN_DIFFKV",
+    "TRITON_FLASH_ATTN",
+    "ROCM_ATTN",
+    "ROCM_SEGMENTED_ATTN",
+    "ROCM_AITER_MLA",
+    "ROCM_AITER_TRITON_MLA",
+    "ROCM_AITER_FA",
+    "ROCM_AITER_MLA_SPARSE",
+    "XPU_MLA_SPARSE",
+    "TORCH_SDPA",
+    "FLASHINFER",
+    "TRITON_FLASHINFER",
+    "FLASHINFER_MLA",
+    "TOKENSPEED_MLA",
+    "FLASHINFER_MLA_SPARSE",
+    "FLASHINFER_MLA_SPARSE_SM120",
+    "FLASHINFER_MLA_SPARSE_SM90",
+    "TRITON_MLA",
+    "CUTLASS_MLA",
+    "FLASHMLA",
+    "FLASHMLA_SPARSE",
+    "FLASHMLA_SPARSE_DSV4",
+    "FLASHINFER_MLA_SPARSE_DSV4",
+    "ROCM_FLASHMLA_SPARSE_DSV4",
+    "FLASHMLA_SPARSE_DSV41",
+    "FLASHINFER_MLA_SPARSE_DSV41",
+    "ROCM_FLASHMLA_SPARSE_DSV41",
+    "FLASHMLA_MEGA_ATTN_DSV41",
+    "B12X",
+    "FLASH_ATTN_MLA",
+    "FLASH_ATTN_MLA_SPARSE",
+    "FLASH_ATTN_MLA_SPARSE_FA4",
+    "MINIMAX_M3_SPARSE",
+    "CUTLASS_MSA",
+    "TRITON_MSA",
+    "STEP5_DSA",
+    "NO_ATTENTION",
+    "FLEX_ATTENTION",
+    "HPC_ATTN",
+    "ROCM_AITER_UNIFIED_ATTN",
+    "CPU_ATTN",
+    "CPU_MLA",
+    "AMX_MLA",
+    "TURBOQUANT",
+    "ROCM_OCTAVE",
+    "ULTRAQUANT",
+    "CUSTOM",
+)
+"""``AttentionBackendEnum`` members of vLLM 0.33 (``vllm/v1/attention/backends/registry.py``), in order."""
+
+KV_CONNECTORS: tuple[str, ...] = (
+    "NixlConnector",
+    "NixlPullConnector",
+    "NixlPushConnector",
+    "MultiConnector",
+    "OffloadingConnector",
+    "MooncakeConnector",
+    "MoRIIOConnector",
+    "LMCacheConnectorV1",
+    "LMCacheMPConnector",
+    "HiSparseConnector",
+    "DecodeBenchConnector",
+    "ExampleConnector",
+    "P2pNcclConnector",
+    "SimpleCPUOffloadConnector",
+)
+"""Connector names vLLM 0.33 registers; any other name needs ``kv_connector_module_path``."""
+
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+"""Connectors the simulator implements (as pull-mode NIXL)."""
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+EXECUTOR_BACKENDS = ("external_launcher", "mp", "ray", "uni")
+UVICORN_LOG_LEVELS = ("critical", "debug", "error", "info", "trace", "warning")
+MAMBA_CACHE_MODES = ("align", "none")
+
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])?(i?[bB])?$")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """The subset of vLLM's ``KVTransferConfig`` the simulator uses (validated like vLLM's pydantic model)."""
+
+    kv_connector: str
+    kv_role: str | None = None
+    engine_id: str | None = None
+    kv_buffer_device: str = "cuda"
+    kv_connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+    kv_port: int = 14579
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_nixl(self) -> bool:
+        """True when the config carries a NIXL connector (directly or inside a MultiConnector)."""
+        if self.kv_connector in NIXL_CONNECTORS:
+            return True
+        if self.kv_connector == "MultiConnector":
+            children = self.kv_connector_extra_config.get("connectors", [])
+            return any(isinstance(c, Mapping) and c.get("kv_connector") in NIXL_CONNECTORS for c in children)
+        return False
+
+    @property
+    def kv_lease_duration(self) -> float:
+        """Seconds the prefill side keeps a finished request's blocks for the decode side (default 30)."""
+        value = self.kv_connector_extra_config.get("kv_lease_duration", 30)
+        return float(value)
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """Parsed ``serve`` arguments (vLLM names, snake_case)."""
+
+    model: str
+    host: str | None = None
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()
+    api_key: str | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+    attention_backend: str | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dtype: str = "auto"
+    mamba_cache_mode: str | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_sleep_mode: bool = False
+    disable_log_stats: bool = False
+    disable_log_requests: bool = False
+    uvicorn_log_level: str = "info"
+    enable_prompt_tokens_details: bool = False
+    kv_cache_dtype: str = "auto"
+    distributed_executor_backend: str | None = None
+    revision: str | None = None
+    non_default: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def served_name(self) -> str:
+        """The model id clients use: the first ``--served-model-name``, else MODEL."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """``--max-model-len`` or the synthetic model's context length."""
+        return self.max_model_len if self.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
+
+
+class _VllmArgumentParser(argparse.ArgumentParser):
+    """argparse with vLLM's error path (usage + ``vllm serve: error: ...`` on stderr, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's ``human_readable_int``: ``25.6k`` = 25600, ``1K``/``1KiB`` = 1024, ``8GiB`` = 8 * 2**30."""
+    match = _HUMAN_INT.match(value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: expected an integer, optionally with a k/K, m/M, g/G or t/T suffix"
+        )
+    number, suffix, binary_tail = match.groups()
+    if suffix is None:
+        if "." in number or binary_tail:
+            raise argparse.ArgumentTypeError(f"invalid value {value!r}: a plain number must be an integer")
+        return int(number)
+    power = "kmgt".index(suffix.lower()) + 1
+    binary = suffix.isupper() or bool(binary_tail and binary_tail.lower().startswith("i"))
+    return int(float(number) * ((1024 if binary else 1000) ** power))
+
+
+def parse_kv_transfer_config(value: str) -> KVTransferConfig:
+    """argparse ``type=`` of ``--kv-transfer-config``: a JSON object checked like ``KVTransferConfig``."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a JSON object (got {type(data).__name__})")
+
+    def fail(key: str, accepted: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(f"{key}={data.get(key)!r} in {value!r} is invalid: expected {accepted}")
+
+    connector = data.get("kv_connector")
+    if not isinstance(connector, str) or not connector:
+        fail("kv_connector", 'a connector name string, e.g. "NixlConnector"')
+    role = data.get("kv_role")
+    if role is not None and role not in KV_ROLES:
+        fail("kv_role", " | ".join(KV_ROLES))
+    engine_id = data.get("engine_id")
+    if engine_id is not None and not isinstance(engine_id, str):
+        fail("engine_id", "a string")
+    buffer_device = data.get("kv_buffer_device", "cuda")
+    if not isinstance(buffer_device, str):
+        fail("kv_buffer_device", "a device type string (cuda, cpu, xpu)")
+    extra = data.get("kv_connector_extra_config", {})
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        fail("kv_connector_extra_config", "a JSON object")
+    policy = data.get("kv_load_failure_policy", "fail")
+    if policy not in KV_LOAD_FAILURE_POLICIES:
+        fail("kv_load_failure_policy", " | ".join(KV_LOAD_FAILURE_POLICIES))
+    kv_port = data.get("kv_port", 14579)
+    if not isinstance(kv_port, int) or isinstance(kv_port, bool):
+        fail("kv_port", "an integer")
+    lease = extra.get("kv_lease_duration", 30)
+    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or lease <= 0:
+        raise argparse.ArgumentTypeError(
+            f"kv_connector_extra_config.kv_lease_duration={lease!r} in {value!r} is invalid: expected seconds > 0"
+        )
+    return KVTransferConfig(
+        kv_connector=connector,
+        kv_role=role,
+        engine_id=engine_id,
+        kv_buffer_device=buffer_device,
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy=policy,
+        kv_port=kv_port,
+        raw=data,
+    )
+
+
+def resolve_attention_backend(value: str | None) -> str | None:
+    """vLLM's ``AttentionConfig.validate_backend_before``: case-insensitive member name, ``auto`` -> None.
+
+    :raises ValueError: with vLLM's exact wording for an unknown name.
+    """
+    if value is None or value.lower() == "auto":
+        return None
+    name = value.upper()
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"Unknown attention backend: '{value}'. Valid options are: {', '.join(ATTENTION_BACKENDS)}")
+    return name
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected an integer > 0")
+    return number
+
+
+def _port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected 0..65535")
+    return number
+
+
+def _fraction(value: str) -> float:
+    number = float(value)
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a float in (0, 1]")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``serve`` parser, named ``vllm serve`` like vLLM's."""
+    p = _VllmArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [model_tag] [options]",
+        description="Start the pdserve simulator of a vLLM OpenAI-compatible server.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="model name or path (default %(default)s)")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--max-model-len", type=human_readable_int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
+    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--disable-log-stats", action="store_true", default=False)
+    p.add_argument("--disable-log-requests", action="store_true", default=False)
+    p.add_argument("--enable-log-requests", action="store_true", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", default=False)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None)
+    p.add_argument("--revision", default=None)
+    return p
+
+
+def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
+    """Parse the arguments after ``serve``; argparse errors exit 2 like ``vllm serve``."""
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    model = ns.model_tag if ns.model_tag is not None else ns.model_flag
+    if model is None:
+        model = DEFAULT_MODEL
+    defaults = vars(parser.parse_args([]))
+    non_default = {k: v for k, v in vars(ns).items() if v != defaults.get(k) and k not in {"model_tag", "model_flag"}}
+    return ServeArgs(
+        model=model,
+        host=ns.host,
+        port=ns.port,
+        served_model_name=tuple(ns.served_model_name or ()),
+        api_key=ns.api_key,
+        kv_transfer_config=ns.kv_transfer_config,
+        attention_backend=ns.attention_backend,
+        block_size=ns.block_size,
+        max_model_len=ns.max_model_len,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enforce_eager=ns.enforce_eager,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        seed=ns.seed,
+        trust_remote_code=ns.trust_remote_code,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        pipeline_parallel_size=ns.pipeline_parallel_size,
+        data_parallel_size=ns.data_parallel_size,
+        dtype=ns.dtype,
+        mamba_cache_mode=ns.mamba_cache_mode,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        enable_sleep_mode=ns.enable_sleep_mode,
+        disable_log_stats=ns.disable_log_stats,
+        disable_log_requests=ns.disable_log_requests and not ns.enable_log_requests,
+        uvicorn_log_level=ns.uvicorn_log_level,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        distributed_executor_backend=ns.distributed_executor_backend,
+        revision=ns.revision,
+        non_default=non_default,
+    )

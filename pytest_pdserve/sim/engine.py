@@ -1,0 +1,552 @@
+"""The simulated engine: block-granular prefix cache, P/D leases and pulls, generation, metrics.
+
+Arithmetic mirrored from vLLM (measured on vLLM 0.32 CPU, see the reference notes):
+
+* block hashes are chained: ``h_i = H(h_{i-1}, tokens of block i)``; only full blocks are cached;
+* at most ``P - 1`` prompt tokens can hit, so a fully cached prompt hits ``((P - 1) // B) * B`` tokens;
+* every request adds ``P`` to ``prefix_cache_queries`` and the local hit to ``prefix_cache_hits``; with
+  a KV connector it also adds ``P`` to ``external_prefix_cache_queries`` and the externally loaded
+  tokens (``P - local_hit`` for a transferred request) to ``external_prefix_cache_hits``;
+* a transferred request pulls ``ceil(P / B_remote) - local_hit / B_remote`` blocks of
+  ``B * bytes_per_token`` bytes (``bytes_per_token`` = 2 layers x K,V x 2 heads x 32 x dtype size =
+  1024 for float32), and computes nothing locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_pdserve.sim import kvtransfer
+from pytest_pdserve.sim.cli import ServeArgs
+from pytest_pdserve.sim.faults import SimEnv
+from pytest_pdserve.sim.metrics import SimMetrics
+from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb
+
+logger = logging.getLogger("pytest_pdserve.sim")
+
+VLLM_VERSION = "0.33.0"
+"""The vLLM version the simulator answers as (``GET /version``)."""
+
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_DIM = 32
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+"""KV cache size when ``--kv-cache-memory-bytes`` is not given (VLLM_CPU_KVCACHE_SPACE=1 in the reference)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has died (``PDSERVE_SIM_CRASH_AFTER_REQUESTS``); like vLLM's EngineDeadError."""
+
+
+class RequestError(ValueError):
+    """A request vLLM would reject with HTTP 400."""
+
+
+class KVLoadError(RuntimeError):
+    """A remote KV load failed under ``kv_load_failure_policy=fail`` (HTTP 500)."""
+
+
+def chain_hashes(root: bytes, tokens: Sequence[int], block_size: int, include_partial: bool) -> list[bytes]:
+    """Chained block hashes of ``tokens`` (full blocks; plus the trailing partial one if asked)."""
+    out: list[bytes] = []
+    parent = root
+    for start in range(0, len(tokens), block_size):
+        block = tokens[start : start + block_size]
+        if len(block) < block_size and not include_partial:
+            break
+        parent = hashlib.blake2b(parent + ids_bytes(block), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class CacheFullError(RuntimeError):
+    """No free or evictable block is left."""
+
+
+class BlockPool:
+    """Fixed pool of KV blocks with a hash -> block prefix cache and LRU eviction of unused cached blocks.
+
+    Block ids start at 1 (vLLM reserves block 0 as the null block).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks + 1))
+        self._ref: dict[int, int] = {}
+        self._cached: OrderedDict[bytes, int] = OrderedDict()
+        self._hash_of: dict[int, bytes] = {}
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes``."""
+        hit: list[int] = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks (and mark them recently used)."""
+        for block in blocks:
+            self._ref[block] = self._ref.get(block, 0) + 1
+            h = self._hash_of.get(block)
+            if h is not None:
+                self._cached.move_to_end(h)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` fresh blocks with one reference each, evicting least recently used cached blocks."""
+        out: list[int] = []
+        while len(out) < count:
+            if self._free:
+                out.append(self._free.popleft())
+                continue
+            victim = next((b for b in self._cached.values() if self._ref.get(b, 0) == 0), None)
+            if victim is None:
+                self.release(out)
+                raise CacheFullError(f"KV cache is full: {count} blocks needed, {self.num_blocks} in total")
+            del self._cached[self._hash_of.pop(victim)]
+            out.append(victim)
+        for block in out:
+            self._ref[block] = 1
+        return out
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Register a computed full block under its hash (first writer wins, like vLLM)."""
+        if block_hash in self._cached or block in self._hash_of:
+            return
+        self._cached[block_hash] = block
+        self._hash_of[block] = block_hash
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference per block; unreferenced uncached blocks go back to the free list."""
+        for block in blocks:
+            ref = self._ref.get(block, 0) - 1
+            if ref > 0:
+                self._ref[block] = ref
+                continue
+            self._ref.pop(block, None)
+            if block not in self._hash_of:
+                self._free.append(block)
+
+    def usage(self) -> float:
+        """Share of blocks referenced by requests or leases (cached-but-idle blocks count as free)."""
+        return len(self._ref) / self.num_blocks if self.num_blocks else 0.0
+
+    def reset(self) -> bool:
+        """Drop every unreferenced cached block; False (and no change) if any block is in use, like vLLM."""
+        if self._ref:
+            return False
+        for block in self._cached.values():
+            self._free.append(block)
+        self._cached.clear()
+        self._hash_of.clear()
+        return True
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The request parameters the engine needs."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    """The engine's answer to one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    local_hit_tokens: int
+    external_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class _Lease:
+    block_ids: list[int]
+    hashes: list[bytes]
+    expires_at: float
+
+
+@dataclass
+class EngineInfo:
+    """Static facts about the engine, shown in ``/version``."""
+
+    engine_id: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    side_channel: tuple[str, int] | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """One simulated vLLM engine (DP rank 0).
+
+    :param on_dead: called once when the engine dies (the server schedules the process exit).
+    """
+
+    def __init__(
+        self, args: ServeArgs, env: SimEnv, attention_backend: str, on_dead: Callable[[], None] | None = None
+    ) -> None:
+        self.args = args
+        self.env = env
+        self.attention_backend = attention_backend
+        self.block_size = args.block_size
+        kv = args.kv_transfer_config
+        self.kv_config = kv
+        self.nixl = kv is not None and kv.is_nixl
+        self.connector = kv is not None
+        self.engine_id = kv.engine_id if kv is not None and kv.engine_id else str(uuid.uuid4())
+        elem = 4 if args.dtype in {"auto", "float", "float32"} else 2
+        if args.kv_cache_dtype.startswith("fp8"):
+            elem = 1
+        elif args.kv_cache_dtype in {"bfloat16", "float16"}:
+            elem = 2
+        self.bytes_per_token = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * elem
+        self.bytes_per_block = self.block_size * self.bytes_per_token
+        cache_bytes = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        self.pool = BlockPool(max(1, cache_bytes // self.bytes_per_block))
+        self.model_key = args.model.encode()
+        self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
+        self.compat_hash = kvtransfer.compatibility_hash(
+            {
+                "vllm_version": VLLM_VERSION,
+                "model": args.model,
+                "dtype": args.dtype,
+                "num_kv_heads": NUM_KV_HEADS,
+                "head_size": HEAD_DIM,
+                "num_layers": NUM_LAYERS,
+                "attention_backend": attention_backend,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "transfer_mode": "pull",
+            }
+        )
+        self.side_channel_port = env.side_channel_port + 0  # + data-parallel index (the simulator is DP rank 0)
+        self.metrics = SimMetrics(
+            args.served_name,
+            self.nixl,
+            {
+                "block_size": self.block_size,
+                "cache_dtype": args.kv_cache_dtype,
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "num_gpu_blocks": self.pool.num_blocks,
+                "kv_cache_memory_bytes": self.pool.num_blocks * self.bytes_per_block,
+                "mamba_cache_mode": args.mamba_cache_mode or "none",
+            },
+        )
+        self._leases: dict[str, _Lease] = {}
+        self._expired: deque[str] = deque(maxlen=4096)
+        self._rng = random.Random(args.seed)
+        self._served = 0
+        self.dead = False
+        self._on_dead = on_dead
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> EngineInfo:
+        """Static facts for ``/version``."""
+        side = (self.env.side_channel_host, self.side_channel_port) if self.nixl else None
+        return EngineInfo(
+            self.engine_id,
+            self.attention_backend,
+            self.block_size,
+            self.pool.num_blocks,
+            self.bytes_per_block,
+            side,
+        )
+
+    def handshake_meta(self) -> kvtransfer.HandshakeMeta:
+        """What the side channel tells peers."""
+        return kvtransfer.HandshakeMeta(self.engine_id, self.compat_hash, self.block_size, self.bytes_per_block)
+
+    # ------------------------------------------------------------------ leases (prefill side)
+    def expire_leases(self) -> None:
+        """Free the blocks of requests whose lease ran out (``vllm:nixl_num_kv_expired_reqs``)."""
+        now = time.monotonic()
+        for rid in [r for r, lease in self._leases.items() if lease.expires_at <= now]:
+            lease = self._leases.pop(rid)
+            self.pool.release(lease.block_ids)
+            self._expired.append(rid)
+            if self.nixl:
+                self.metrics.nixl_num_kv_expired_reqs.labels(**self.metrics.labels).inc()
+            logger.warning(
+                "KV lease of request %s expired after %.1f s; freeing %d blocks",
+                rid,
+                self._lease_duration(),
+                len(lease.block_ids),
+            )
+        self._update_usage()
+
+    def read_blocks(self, request_id: str, block_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of leased blocks for the side channel. :raises KeyError: unknown/expired request/block."""
+        self.expire_leases()
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise KeyError(f"request {request_id} is unknown or its KV lease expired")
+        index = {b: i for i, b in enumerate(lease.block_ids)}
+        try:
+            return [lease.hashes[index[b]] for b in block_ids]
+        except KeyError:
+            raise KeyError(f"block ids {list(block_ids)} are not all held for request {request_id}") from None
+
+    def notify_done(self, request_id: str) -> None:
+        """The decode side finished reading: free the request's blocks."""
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            if request_id in self._expired and self.nixl:
+                self.metrics.nixl_num_notifications_after_expiry.labels(**self.metrics.labels).inc()
+            return
+        self.pool.release(lease.block_ids)
+        self._update_usage()
+
+    def _lease_duration(self) -> float:
+        return self.kv_config.kv_lease_duration if self.kv_config is not None else 30.0
+
+    def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``."""
+        return self.pool.reset()
+
+    # ------------------------------------------------------------------ requests
+    def _update_usage(self) -> None:
+        self.metrics.kv_cache_usage_perc.labels(**self.metrics.labels).set(self.pool.usage())
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv_params: Mapping[str, Any] | None,
+        request_id: str,
+    ) -> Generation:
+        """Run one request to completion.
+
+        :raises EngineDeadError: the engine is dead.
+        :raises RequestError: invalid request (HTTP 400).
+        :raises KVLoadError: remote KV load failed with policy ``fail`` (HTTP 500).
+        """
+        if self.dead:
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        started = time.monotonic()
+        m = self.metrics
+        labels = m.labels
+        n_prompt = len(prompt_ids)
+        max_len = self.args.effective_max_model_len
+        if n_prompt == 0:
+            raise RequestError("The prompt cannot be empty.")
+        if n_prompt + params.max_tokens > max_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the messages, "
+                f"{params.max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        kv = kv_params or {}
+        remote_decode = self.nixl and bool(kv.get("do_remote_decode"))
+        remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
+        self.expire_leases()
+
+        bs = self.block_size
+        hashes = chain_hashes(self.root_hash, prompt_ids, bs, include_partial=True)
+        hit_blocks = self.pool.lookup(hashes[: (n_prompt - 1) // bs]) if self.args.enable_prefix_caching else []
+        self.pool.acquire(hit_blocks)
+        try:
+            new_blocks = self.pool.allocate(len(hashes) - len(hit_blocks))
+        except CacheFullError as exc:
+            self.pool.release(hit_blocks)
+            raise RequestError(str(exc)) from None
+        block_ids = hit_blocks + new_blocks
+        local_hit = len(hit_blocks) * bs
+        self._update_usage()
+
+        external = 0
+        if remote_prefill:
+            external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id)
+
+        # Everything from here to the end is synchronous: no other request interleaves.
+        if self.args.enable_prefix_caching:
+            for i in range(len(hit_blocks), n_prompt // bs):
+                self.pool.cache(block_ids[i], hashes[i])
+        computed = n_prompt - local_hit - external
+        self._record_prompt(n_prompt, local_hit, external, computed)
+        n_out = 1 if remote_decode else params.max_tokens
+        output = self._sample(prompt_ids, params, n_out)
+        output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
+        transfer_params: dict[str, Any] | None = None
+        if remote_decode:
+            # The blocks stay referenced by the lease until the decode side notifies or it expires.
+            transfer_params = self._lease(request_id, block_ids, hashes, n_prompt, local_hit)
+        else:
+            self.pool.release(block_ids)
+        self._update_usage()
+
+        m.generation_tokens.labels(**labels).inc(len(output))
+        m.request_success.labels(**labels, finished_reason="length").inc()
+        m.request_prompt_tokens.labels(**labels).observe(n_prompt)
+        m.request_generation_tokens.labels(**labels).observe(len(output))
+        m.e2e_request_latency.labels(**labels).observe(time.monotonic() - started)
+        if not self.args.disable_log_requests:
+            logger.info(
+                "Finished request %s: prompt_tokens=%d local_cache_hit=%d external_kv_transfer=%d "
+                "local_compute=%d generated=%d",
+                request_id,
+                n_prompt,
+                local_hit,
+                external,
+                n_prompt - local_hit - external,
+                len(output),
+            )
+        self._count_served()
+        return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params)
+
+    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int) -> None:
+        m, labels = self.metrics, self.metrics.labels
+        m.prefix_cache_queries.labels(**labels).inc(n_prompt)
+        m.prefix_cache_hits.labels(**labels).inc(local_hit)
+        if self.connector:
+            m.external_prefix_cache_queries.labels(**labels).inc(n_prompt)
+            m.external_prefix_cache_hits.labels(**labels).inc(external)
+        m.prompt_tokens.labels(**labels).inc(n_prompt)
+        m.prompt_tokens_by_source.labels(**labels, source="local_compute").inc(computed)
+        m.prompt_tokens_by_source.labels(**labels, source="local_cache_hit").inc(local_hit)
+        m.prompt_tokens_by_source.labels(**labels, source="external_kv_transfer").inc(external)
+        m.prompt_tokens_cached.labels(**labels).inc(local_hit + external)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="device").inc(local_hit)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="p2p").inc(external)
+
+    async def _pull(
+        self,
+        prompt_ids: list[int],
+        kv: Mapping[str, Any],
+        local_hit: int,
+        block_ids: list[int],
+        request_id: str,
+    ) -> int:
+        """Pull the remote blocks; returns the externally loaded token count (0 after a recompute)."""
+        m, labels = self.metrics, self.metrics.labels
+        n_prompt = len(prompt_ids)
+        m.num_requests_waiting.labels(**labels).inc()
+        try:
+            remote_ids = kv.get("remote_block_ids") or [[]]
+            group = remote_ids[0] if remote_ids and isinstance(remote_ids[0], list) else remote_ids
+            result = await kvtransfer.pull_blocks(
+                str(kv.get("remote_host")),
+                int(kv.get("remote_port") or 0),
+                remote_request_id=str(kv.get("remote_request_id")),
+                remote_block_ids=[int(b) for b in group],
+                compat_hash=self.compat_hash,
+                expected_hashes=lambda rbs: chain_hashes(self.root_hash, prompt_ids, rbs, include_partial=True),
+                first_token=local_hit,
+                fail_reads=self.env.fail_kv_pull,
+                on_notify_failure=lambda: m.nixl_num_failed_notifications.labels(**labels).inc(),
+            )
+        except (kvtransfer.KVTransferError, ValueError, TypeError) as exc:
+            m.nixl_num_failed_transfers.labels(**labels).inc()
+            affected = n_prompt - local_hit
+            policy = self.kv_config.kv_load_failure_policy if self.kv_config is not None else "fail"
+            logger.error("KV transfer for request %s failed: %s", request_id, exc)
+            if policy == "fail":
+                logger.error(
+                    "Failing 1 request(s) due to KV load failure (failure_policy=fail, %d tokens affected)",
+                    affected,
+                )
+                self.pool.release(block_ids)
+                self._update_usage()
+                m.request_success.labels(**labels, finished_reason="error").inc()
+                self._count_served()
+                raise KVLoadError(str(exc)) from None
+            logger.warning(
+                "Recomputing %d tokens of request %s locally (failure_policy=recompute)", affected, request_id
+            )
+            return 0
+        finally:
+            m.num_requests_waiting.labels(**labels).dec()
+        m.nixl_bytes_transferred.labels(**labels).observe(result.bytes_transferred)
+        m.nixl_num_descriptors.labels(**labels).observe(result.num_blocks * NUM_LAYERS * 2)
+        m.nixl_xfer_time.labels(**labels).observe(result.xfer_time_s)
+        m.nixl_post_time.labels(**labels).observe(result.post_time_s)
+        return n_prompt - local_hit
+
+    def _sample(self, prompt_ids: list[int], params: SamplingParams, count: int) -> list[int]:
+        if params.temperature == 0:
+            return generate_ids(self.model_key, prompt_ids, count)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        key = f"seed={seed};t={params.temperature!r}".encode()
+        return generate_ids(self.model_key, prompt_ids, count, sample_key=key)
+
+    def _maybe_perturb(self, prompt_ids: list[int], output: list[int], local_hit: int, request_id: str) -> list[int]:
+        """Simulated batch variance: a non-batch-invariant backend may change a token on a warm cache."""
+        if local_hit == 0 or len(output) < 2 or self.attention_backend not in self.env.nondeterministic_backends:
+            return output
+        digest = hashlib.blake2b(
+            b"nondeterminism|" + ids_bytes(prompt_ids) + local_hit.to_bytes(4, "little"), digest_size=8
+        ).digest()
+        draw = int.from_bytes(digest[:4], "little") / 2**32
+        if draw >= self.env.nondeterminism_rate:
+            return output
+        index = 1 + int.from_bytes(digest[4:], "little") % (len(output) - 1)
+        changed = list(output)
+        changed[index] = perturb(changed[index], digest)
+        logger.debug(
+            "request %s: %s is not batch-invariant; token %d differs on the warm cache",
+            request_id,
+            self.attention_backend,
+            index,
+        )
+        return changed
+
+    def _lease(
+        self, request_id: str, block_ids: list[int], hashes: list[bytes], n_prompt: int, local_hit: int
+    ) -> dict[str, Any]:
+        duration = self._lease_duration()
+        self._leases[request_id] = _Lease(block_ids, hashes, time.monotonic() + duration)
+        args = self.args
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(block_ids)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.env.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": args.tensor_parallel_size,
+            "dcp_size": 1,
+            "pp_size": args.pipeline_parallel_size,
+            "remote_num_tokens": n_prompt,
+            "remote_blocks_expiry_time": time.time() + duration,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": local_hit,
+        }
+
+    def _count_served(self) -> None:
+        self._served += 1
+        limit = self.env.crash_after_requests
+        if limit is not None and self._served >= limit and not self.dead:
+            self.dead = True
+            logger.error("EngineCore encountered a fatal error (PDSERVE_SIM_CRASH_AFTER_REQUESTS=%d).", limit)
+            logger.error(
+                "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
+                "See stack trace (above) for the root cause."
+            )
+            if self._on_dead is not None:
+                self._on_dead()
+
+    async def run_lease_reaper(self, interval_s: float = 0.5) -> None:
+        """Background task: expire leases even when no request arrives."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.expire_leases()

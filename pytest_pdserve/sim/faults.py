@@ -1,0 +1,199 @@
+"""Environment knobs of the simulator (vLLM's own and ``PDSERVE_SIM_*``) and the fault helpers.
+
+:class:`SimEnv` reads and validates every variable once at startup; a bad value stops the process
+with a message naming the variable, the value and what is accepted. The helpers here implement the
+faults that live outside the HTTP app: orphan-prone worker processes and the "hang" listener.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_NONDETERMINISTIC_BACKENDS = frozenset({"FLASH_ATTN"})
+
+
+class SimEnvError(ValueError):
+    """A simulator environment variable has a value that is not accepted."""
+
+
+@dataclass(frozen=True)
+class SimEnv:
+    """Validated environment of one simulator process (see the package docstring for the table)."""
+
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    dev_mode: bool = False
+    startup_delay: float = 0.0
+    crash_at_startup: str | None = None
+    crash_exit_code: int = 1
+    crash_after_requests: int | None = None
+    hang: bool = False
+    ignore_sigterm: bool = False
+    spawn_workers: int = 0
+    fail_kv_pull: bool = False
+    nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
+    nondeterminism_rate: float = 1.0
+    gpu: bool = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> SimEnv:
+        """Read every knob from ``environ``.
+
+        :raises SimEnvError: naming the variable, its value and the accepted values.
+        """
+
+        def get(name: str) -> str | None:
+            value = environ.get(name)
+            return None if value is None or value.strip() == "" else value.strip()
+
+        def flag(name: str) -> bool:
+            value = get(name)
+            if value is None:
+                return False
+            if value.lower() in {"1", "true", "yes", "on"}:
+                return True
+            if value.lower() in {"0", "false", "no", "off"}:
+                return False
+            raise SimEnvError(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+        def number(name: str, default: float, lo: float, hi: float | None = None) -> float:
+            value = get(name)
+            if value is None:
+                return default
+            try:
+                result = float(value)
+            except ValueError:
+                result = float("nan")
+            if not (result >= lo and (hi is None or result <= hi)):
+                bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise SimEnvError(f"{name}={value!r} is not accepted: expected a number {bound}")
+            return result
+
+        def integer(name: str, default: int | None, lo: int, hi: int = 2**31) -> int | None:
+            value = get(name)
+            if value is None:
+                return default
+            try:
+                result = int(value)
+            except ValueError:
+                result = lo - 1
+            if not lo <= result <= hi:
+                raise SimEnvError(f"{name}={value!r} is not accepted: expected an integer in [{lo}, {hi}]")
+            return result
+
+        backends_raw = get("PDSERVE_SIM_NONDETERMINISTIC_BACKENDS")
+        backends = (
+            DEFAULT_NONDETERMINISTIC_BACKENDS
+            if backends_raw is None
+            else frozenset(b.strip().upper() for b in backends_raw.split(",") if b.strip())
+        )
+        crash_code = integer("PDSERVE_SIM_CRASH_EXIT_CODE", 1, 1, 255)
+        side_port = integer("VLLM_NIXL_SIDE_CHANNEL_PORT", 5600, 1, 65535)
+        workers = integer("PDSERVE_SIM_SPAWN_WORKERS", 0, 0, 64)
+        if crash_code is None or side_port is None or workers is None:  # pragma: no cover - defaults given
+            raise AssertionError("integer knobs with defaults cannot be None")
+        return cls(
+            side_channel_host=environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
+            side_channel_port=side_port,
+            dev_mode=flag("VLLM_SERVER_DEV_MODE"),
+            startup_delay=number("PDSERVE_SIM_STARTUP_DELAY", 0.0, 0.0),
+            crash_at_startup=environ.get("PDSERVE_SIM_CRASH_AT_STARTUP") or None,
+            crash_exit_code=crash_code,
+            crash_after_requests=integer("PDSERVE_SIM_CRASH_AFTER_REQUESTS", None, 1),
+            hang=flag("PDSERVE_SIM_HANG"),
+            ignore_sigterm=flag("PDSERVE_SIM_IGNORE_SIGTERM"),
+            spawn_workers=workers,
+            fail_kv_pull=flag("PDSERVE_SIM_FAIL_KV_PULL"),
+            nondeterministic_backends=backends,
+            nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
+            gpu=flag("PDSERVE_SIM_GPU"),
+        )
+
+
+# The child keeps nothing of the parent (no sockets, no app): it renames itself like vLLM's
+# processes (setproctitle in vLLM; prctl(PR_SET_NAME) here, 15 bytes max, as /proc/PID/comm shows)
+# and sleeps until killed. It is started with start_new_session=True (setsid), so it leaves the
+# parent's process group and survives a SIGKILL of the parent: the orphan the plugin must sweep.
+_WORKER_CODE = """
+import ctypes, sys, time
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(15, sys.argv[1].encode()[:15], 0, 0, 0)
+except Exception:
+    pass
+while True:
+    time.sleep(3600)
+"""
+
+
+def worker_names(count: int) -> list[str]:
+    """vLLM-like process names: the first is the engine core, the rest are workers."""
+    return ["VLLM::EngineCore" if i == 0 else "VLLM::Worker" for i in range(count)]
+
+
+def spawn_workers(count: int) -> list[subprocess.Popen[bytes]]:
+    """Start ``count`` detached sleeper processes named like vLLM's EngineCore / Worker."""
+    procs: list[subprocess.Popen[bytes]] = []
+    for name in worker_names(count):
+        procs.append(
+            subprocess.Popen(
+                [name, "-c", _WORKER_CODE, name],
+                executable=sys.executable,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
+        )
+    for proc, name in zip(procs, worker_names(count), strict=True):
+        _wait_renamed(proc, name)
+    return procs
+
+
+def _wait_renamed(proc: subprocess.Popen[bytes], name: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the child shows its vLLM name, so anyone who sees it listed sees the name."""
+    comm = f"/proc/{proc.pid}/comm"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with open(comm) as f:
+                if f.read().strip() == name[:15]:
+                    return
+        except OSError:
+            return  # no procfs: nothing to wait for
+        time.sleep(0.01)
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill the workers this process started (graceful shutdown path; a SIGKILLed parent leaves them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def hang_forever(sock: socket.socket) -> None:
+    """Listen on ``sock`` but never accept: clients connect (the kernel completes the handshake via the
+    backlog) and then wait forever for an HTTP answer. Returns only if SIGTERM/SIGINT arrive (and
+    SIGTERM is not ignored)."""
+    sock.listen(128)
+    deadline_step = 3600.0
+    while True:
+        # signal.pause would also work; a bounded sleep keeps this interruptible and portable.
+        time.sleep(deadline_step)
+
+
+def install_default_signal_behaviour(ignore_sigterm: bool) -> None:
+    """Before uvicorn takes over: ignore SIGTERM if asked, else exit 143 quietly on it (no traceback)."""
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))

@@ -1,0 +1,291 @@
+"""Process lifecycle of ``pdserve-sim serve``: startup faults, socket binding, engine, uvicorn, shutdown.
+
+The order mirrors vLLM's: validate the config (an unknown attention backend fails here), bind the
+API socket early (so "address already in use" fails fast), "load the model" (startup delay, GPU
+tensor), start the engine and its NIXL side channel, then serve HTTP. Heavy modules (starlette,
+uvicorn, prometheus_client; torch only in GPU mode) are imported by this module, which ``__main__``
+imports only after the arguments parsed, so argparse errors stay instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from pytest_pdserve.sim import faults, kvtransfer
+from pytest_pdserve.sim.app import AppState, build_app
+from pytest_pdserve.sim.cli import KV_CONNECTORS, ServeArgs, resolve_attention_backend
+from pytest_pdserve.sim.engine import VLLM_VERSION, Engine
+from pytest_pdserve.sim.faults import SimEnv
+
+logger = logging.getLogger("pytest_pdserve.sim")
+
+DEAD_EXIT_DELAY_S = 1.0
+"""How long a dead engine keeps answering 503 on /health before the process exits (like vLLM's shutdown)."""
+
+GPU_TENSOR_MIB = 16
+
+
+def configure_logging() -> None:
+    """vLLM-like log lines on stdout: ``INFO 11-29 10:00:00 [server.py:42] message``."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", datefmt="%m-%d %H:%M:%S")
+    )
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.DEBUG if os.environ.get("VLLM_LOGGING_LEVEL") == "DEBUG" else logging.INFO)
+    logger.propagate = False
+
+
+def _startup_error(exc: BaseException) -> int:
+    """Print an exception the way a dying vLLM does (traceback on stderr) and return exit status 1."""
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr, flush=True)
+    return 1
+
+
+def _bind(host: str | None, port: int) -> socket.socket:
+    bind_host = "0.0.0.0" if host is None or host == "" else host
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def _load_gpu() -> tuple[dict[str, Any], Any]:
+    """GPU mode: hold a small tensor on cuda:0 and describe the device. :raises RuntimeError: no CUDA."""
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as exc:
+        raise RuntimeError(f"PDSERVE_SIM_GPU=1 needs torch with CUDA, but importing torch failed: {exc}") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "PDSERVE_SIM_GPU=1 but torch.cuda.is_available() is False "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    tensor = torch.ones(GPU_TENSOR_MIB * 1024 * 256, dtype=torch.float32, device="cuda:0")
+    props = torch.cuda.get_device_properties(0)
+    uuid = str(props.uuid)
+    info = {
+        "uuid": uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",
+        "name": props.name,
+        "total_memory": int(props.total_memory),
+        "allocated_bytes": int(tensor.numel() * tensor.element_size()),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "torch_version": str(torch.__version__),
+    }
+    return info, tensor
+
+
+def serve(args: ServeArgs, env: SimEnv) -> int:
+    """Run the simulator until shutdown; returns the process exit status."""
+    configure_logging()
+    faults.install_default_signal_behaviour(env.ignore_sigterm)
+    logger.info("vLLM API server version %s (pdserve-sim)", VLLM_VERSION)
+    logger.info("non-default args: %s", dict(args.non_default))
+
+    if env.crash_at_startup is not None:
+        print(env.crash_at_startup, file=sys.stderr, flush=True)
+        return env.crash_exit_code
+    try:
+        backend = resolve_attention_backend(args.attention_backend)
+    except ValueError as exc:
+        return _startup_error(exc)
+    kv = args.kv_transfer_config
+    if kv is not None and kv.kv_connector not in KV_CONNECTORS and "kv_connector_module_path" not in kv.raw:
+        return _startup_error(
+            ValueError(
+                f"Unsupported connector type: {kv.kv_connector}. Registered connectors: {', '.join(KV_CONNECTORS)}"
+            )
+        )
+    if kv is not None and not kv.is_nixl:
+        logger.warning(
+            "pdserve-sim implements only NixlConnector; %s is accepted but transfers nothing", kv.kv_connector
+        )
+    if kv is not None and kv.is_nixl and kv.kv_role == "kv_both":
+        logger.warning(
+            "Using kv_role='kv_both' with NixlConnector is deprecated. Please set "
+            "kv_role='kv_producer' for prefill instances and kv_role='kv_consumer' for decode instances."
+        )
+    if args.mamba_cache_mode is not None:
+        logger.warning(
+            "--mamba-cache-mode is deprecated and will be removed in v0.33.0. It has no effect: "
+            "Mamba prefix caching follows --enable-prefix-caching."
+        )
+
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        logger.error("%s", exc)
+        return _startup_error(exc)
+
+    if env.hang:
+        logger.info("PDSERVE_SIM_HANG=1: listening on port %d without ever answering", args.port)
+        faults.hang_forever(sock)
+        return 0
+
+    if env.startup_delay > 0:
+        logger.info("Loading model weights (PDSERVE_SIM_STARTUP_DELAY=%.2f s)", env.startup_delay)
+        time.sleep(env.startup_delay)
+
+    gpu_info: dict[str, Any] | None = None
+    gpu_tensor: Any = None
+    if env.gpu:
+        try:
+            gpu_info, gpu_tensor = _load_gpu()
+        except RuntimeError as exc:
+            sock.close()
+            return _startup_error(exc)
+        logger.info(
+            "GPU mode: holding %d bytes on %s (%s)",
+            gpu_info["allocated_bytes"],
+            gpu_info["uuid"],
+            gpu_info["name"],
+        )
+    if backend is None:
+        # vLLM picks FLASH_ATTN on Hopper and CPU_ATTN on the CPU platform.
+        backend = "FLASH_ATTN" if env.gpu else "CPU_ATTN"
+    logger.info("Using %s attention backend.", backend)
+
+    workers = faults.spawn_workers(env.spawn_workers)
+    for proc, name in zip(workers, faults.worker_names(env.spawn_workers), strict=True):
+        logger.info("Started %s process pid=%d (detached session)", name, proc.pid)
+    try:
+        return asyncio.run(_serve_async(args, env, backend, sock, gpu_info, [p.pid for p in workers]))
+    finally:
+        faults.stop_workers(workers)
+        del gpu_tensor
+
+
+async def _serve_async(
+    args: ServeArgs,
+    env: SimEnv,
+    backend: str,
+    sock: socket.socket,
+    gpu_info: dict[str, Any] | None,
+    worker_pids: list[int],
+) -> int:
+    exit_code = 0
+    server: _SimServer | None = None
+
+    def on_dead() -> None:
+        nonlocal exit_code
+        exit_code = 1
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
+
+    engine = Engine(args, env, backend, on_dead=on_dead)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d bytes per block)",
+        engine.pool.num_blocks,
+        args.block_size,
+        engine.bytes_per_block,
+    )
+    side_channel = None
+    if engine.nixl:
+        try:
+            side_channel = await kvtransfer.start_side_channel(
+                env.side_channel_host,
+                engine.side_channel_port,
+                engine.handshake_meta,
+                engine.read_blocks,
+                engine.notify_done,
+            )
+        except OSError as exc:
+            logger.error(
+                "NIXL side channel could not bind %s:%d: %s",
+                env.side_channel_host,
+                engine.side_channel_port,
+                exc,
+            )
+            sock.close()
+            return _startup_error(exc)
+        logger.info(
+            "NIXL side channel listening on %s:%d (engine_id %s)",
+            env.side_channel_host,
+            engine.side_channel_port,
+            engine.engine_id,
+        )
+    reaper = asyncio.create_task(engine.run_lease_reaper())
+
+    extra: dict[str, Any] = {
+        "pid": os.getpid(),
+        "worker_pids": worker_pids,
+        "gpu_mode": env.gpu,
+        "device": gpu_info,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    app = build_app(AppState(engine=engine, extra_version_info=extra))
+    config = uvicorn.Config(
+        app,
+        host=args.host if args.host else "0.0.0.0",
+        port=sock.getsockname()[1],
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_log_requests,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = _SimServer(config, ignore_sigterm=env.ignore_sigterm)
+    logger.info("Starting vLLM API server 0 on http://%s:%d", config.host, config.port)
+    announcer = asyncio.create_task(_announce(server, config))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        reaper.cancel()
+        if side_channel is not None:
+            side_channel.close()
+    if exit_code:
+        logger.error("Engine died; the API server is exiting with status %d", exit_code)
+    return exit_code
+
+
+async def _announce(server: uvicorn.Server, config: uvicorn.Config) -> None:
+    """uvicorn logs "Uvicorn running on ..." only for sockets it binds itself; we pass a pre-bound one."""
+    for _ in range(6000):  # bounded: 60 s
+        if server.started or server.should_exit:
+            break
+        await asyncio.sleep(0.01)
+    if server.started:
+        logging.getLogger("uvicorn.error").info(
+            "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", config.host, config.port
+        )
+
+
+class _SimServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM honours ``PDSERVE_SIM_IGNORE_SIGTERM`` and a signal ends the
+    process normally (cleanup, then status 0) instead of being re-raised after shutdown."""
+
+    def __init__(self, config: uvicorn.Config, ignore_sigterm: bool) -> None:
+        super().__init__(config)
+        self._ignore_sigterm = ignore_sigterm
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self._ignore_sigterm:
+            logger.warning("Received SIGTERM; ignoring it (PDSERVE_SIM_IGNORE_SIGTERM=1)")
+            return
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True

@@ -1,0 +1,129 @@
+"""Deterministic synthetic tokenizer and "model" of the simulator (stdlib only).
+
+Text is split into regex pieces (a word or a punctuation mark with its leading whitespace); each piece
+maps to a stable id in a 2048-token vocabulary through blake2b, so every process, on every machine,
+tokenizes the same text to the same ids. Like the tiny Llama tokenizer the reference uses, ids 0..3
+are ``<s> </s> <unk> <pad>`` and text prompts get a leading BOS; token-id prompts are used as given.
+
+Generated ids are detokenized through a fixed synthetic word list. At temperature 0 the generated ids
+are a pure function of the model name ("the weights") and the prompt ids (a hash chain), never of
+``--seed``, just as greedy decoding in vLLM does not depend on the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from collections.abc import Sequence
+
+VOCAB_SIZE = 2048
+BOS_ID = 0
+EOS_ID = 1
+UNK_ID = 2
+PAD_ID = 3
+FIRST_REGULAR_ID = 4
+SPECIAL_TOKENS = {BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>", PAD_ID: "<pad>"}
+
+_PIECE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "ta",
+    "so",
+    "vi",
+    "de",
+    "pa",
+    "zu",
+    "ho",
+    "ri",
+    "ge",
+    "bo",
+    "an",
+    "el",
+    "is",
+    "on",
+    "ur",
+)
+
+
+def ids_bytes(ids: Sequence[int]) -> bytes:
+    """Packed little-endian uint32 form of token ids, the input of every hash in the simulator."""
+    return array("I", ids).tobytes()
+
+
+def _piece_id(piece: str) -> int:
+    digest = hashlib.blake2b(piece.encode("utf-8"), digest_size=8).digest()
+    return FIRST_REGULAR_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_REGULAR_ID)
+
+
+def encode(text: str, add_bos: bool = True) -> list[int]:
+    """Token ids of ``text`` (with a leading BOS unless ``add_bos`` is false)."""
+    ids = [BOS_ID] if add_bos else []
+    ids.extend(_piece_id(piece) for piece in _PIECE.findall(text))
+    return ids
+
+
+def token_text(token_id: int) -> str:
+    """Text of one generated id: a synthetic word with a leading space, or a special token."""
+    if token_id in SPECIAL_TOKENS:
+        return SPECIAL_TOKENS[token_id]
+    i = token_id - FIRST_REGULAR_ID
+    word = _SYLLABLES[i % 20] + _SYLLABLES[(i // 20) % 20]
+    if i >= 400:
+        word += _SYLLABLES[(i // 400) % 20]
+    return " " + word
+
+
+def decode(token_ids: Sequence[int]) -> str:
+    """Text of generated ids (special tokens skipped, like ``skip_special_tokens=True``)."""
+    return "".join(token_text(t) for t in token_ids if t not in SPECIAL_TOKENS)
+
+
+def _token_from(digest: bytes) -> int:
+    return FIRST_REGULAR_ID + int.from_bytes(digest[:8], "little") % (VOCAB_SIZE - FIRST_REGULAR_ID)
+
+
+def generate_ids(model_key: bytes, prompt_ids: Sequence[int], count: int, sample_key: bytes = b"") -> list[int]:
+    """``count`` generated ids: a blake2b chain seeded by the model, the prompt and ``sample_key``.
+
+    ``sample_key`` is empty for greedy decoding (temperature 0); for sampling it carries the request
+    seed and temperature so that a seeded request is reproducible and different seeds differ.
+    """
+    state = hashlib.blake2b(model_key + b"|" + sample_key + b"|" + ids_bytes(prompt_ids), digest_size=16).digest()
+    out: list[int] = []
+    for step in range(count):
+        state = hashlib.blake2b(state + step.to_bytes(4, "little"), digest_size=16).digest()
+        out.append(_token_from(state))
+    return out
+
+
+def perturb(token_id: int, salt: bytes) -> int:
+    """A different regular id derived from ``token_id`` (for the simulated batch-variance)."""
+    digest = hashlib.blake2b(salt + token_id.to_bytes(4, "little"), digest_size=8).digest()
+    offset = 1 + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_REGULAR_ID - 1)
+    return FIRST_REGULAR_ID + (token_id - FIRST_REGULAR_ID + offset) % (VOCAB_SIZE - FIRST_REGULAR_ID)
+
+
+def logprob_of(model_key: bytes, prompt_ids: Sequence[int], position: int, token_id: int) -> float:
+    """A deterministic log-probability in (-3, 0) for a token at a position."""
+    digest = hashlib.blake2b(
+        model_key + ids_bytes(prompt_ids[-8:]) + position.to_bytes(4, "little") + token_id.to_bytes(4, "little"),
+        digest_size=4,
+    ).digest()
+    return -3.0 * (int.from_bytes(digest, "little") / 2**32) - 1e-4
+
+
+def top_alternatives(token_id: int, position: int, n: int) -> list[int]:
+    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0)."""
+    out = [token_id]
+    salt = position.to_bytes(4, "little")
+    candidate = token_id
+    while len(out) < n:
+        candidate = perturb(candidate, salt)
+        if candidate not in out:
+            out.append(candidate)
+    return out

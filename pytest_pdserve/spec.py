@@ -1,0 +1,175 @@
+"""`ClusterSpec`: what a test asks for, as a frozen, hashable value.
+
+Equal specs share one running cluster (see `cluster.ClusterManager`), so every field is immutable and
+mappings are stored as sorted tuples. Build specs with keyword arguments; `env` and
+`kv_connector_extra_config` accept plain dicts and are frozen on construction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pytest_pdserve.errors import ClusterSpecError
+
+#: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
+#: vLLM's CPU backend only supports 128, so one default keeps the arithmetic identical on every engine.
+DEFAULT_BLOCK_SIZE = 128
+
+KV_CONNECTORS = ("NixlConnector", "MultiConnector")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+MAMBA_CACHE_MODES = ("all", "align", "none")
+
+
+def _freeze_env(env: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
+    items = env.items() if isinstance(env, Mapping) else (env or ())
+    frozen = []
+    for key, value in items:
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ClusterSpecError(f"env key {key!r} is not a valid environment variable name")
+        if not isinstance(value, str):
+            raise ClusterSpecError(f"env value for {key} must be a string, got {type(value).__name__} {value!r}")
+        frozen.append((key, value))
+    return tuple(sorted(frozen))
+
+
+def _freeze_args(args: Iterable[str] | str | None, what: str) -> tuple[str, ...]:
+    if args is None:
+        return ()
+    if isinstance(args, str):
+        # A string here is almost always a mistake (it would become one argv element per character).
+        raise ClusterSpecError(f"{what} must be a list of argv elements, not the string {args!r}")
+    out = tuple(args)
+    for a in out:
+        if not isinstance(a, str):
+            raise ClusterSpecError(f"{what} must hold strings, got {a!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A P/D topology plus the per-cluster settings that make it different from the session defaults.
+
+    ``None`` means "use the session setting" (CLI > env > ini > default), so a spec only states what it changes.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    #: "vllm" or "sim" to override --pd-engine for this cluster (the contract tests run both).
+    engine: str | None = None
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    model: str | None = None
+    #: Which tiny model to build when ``model`` is None and the engine is real vLLM: "llama" or "nemotronh".
+    model_kind: str = "llama"
+    attention_backend: str | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+    mamba_cache_mode: str | None = None
+    trust_remote_code: bool = False
+    kv_connector: str = "NixlConnector"
+    kv_buffer_device: str | None = None
+    kv_load_failure_policy: str | None = None
+    #: JSON text (kept as a string so the spec stays hashable); pass a dict, it is serialised.
+    kv_connector_extra_config: str | None = None
+    extra_args: tuple[str, ...] = ()
+    prefill_extra_args: tuple[str, ...] = ()
+    decode_extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    prefill_env: tuple[tuple[str, str], ...] = ()
+    decode_env: tuple[tuple[str, str], ...] = ()
+    #: Free-form label shown in logs and the ready line.
+    name: str = field(default="pd", compare=False)
+
+    def __post_init__(self) -> None:
+        for attr in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ClusterSpecError(f"ClusterSpec.{attr} must be a positive integer, got {value!r}")
+        for attr in ("block_size", "max_model_len"):
+            value = getattr(self, attr)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ClusterSpecError(f"ClusterSpec.{attr} must be a positive integer or None, got {value!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and not (isinstance(util, (int, float)) and 0 < util <= 1):
+            raise ClusterSpecError(f"ClusterSpec.gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ClusterSpecError(
+                f"ClusterSpec.kv_connector {self.kv_connector!r} is not supported; use one of {KV_CONNECTORS}"
+            )
+        policy = self.kv_load_failure_policy
+        if policy is not None and policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ClusterSpecError(
+                f"ClusterSpec.kv_load_failure_policy {policy!r} is not one of {KV_LOAD_FAILURE_POLICIES}"
+            )
+        if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ClusterSpecError(
+                f"ClusterSpec.mamba_cache_mode {self.mamba_cache_mode!r} is not one of {MAMBA_CACHE_MODES}"
+            )
+        if self.engine not in (None, "vllm", "sim"):
+            raise ClusterSpecError(f"ClusterSpec.engine {self.engine!r} is not 'vllm', 'sim' or None")
+        if self.model_kind not in ("llama", "nemotronh"):
+            raise ClusterSpecError(f"ClusterSpec.model_kind {self.model_kind!r} is not 'llama' or 'nemotronh'")
+        extra = self.kv_connector_extra_config
+        if extra is not None and not isinstance(extra, str):
+            object.__setattr__(self, "kv_connector_extra_config", json.dumps(extra, sort_keys=True))
+        elif isinstance(extra, str):
+            try:
+                parsed = json.loads(extra)
+            except ValueError as exc:
+                raise ClusterSpecError(f"ClusterSpec.kv_connector_extra_config is not JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ClusterSpecError("ClusterSpec.kv_connector_extra_config must be a JSON object")
+        for attr in ("env", "prefill_env", "decode_env"):
+            object.__setattr__(self, attr, _freeze_env(getattr(self, attr)))
+        for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):
+            object.__setattr__(self, attr, _freeze_args(getattr(self, attr), f"ClusterSpec.{attr}"))
+        for flag in ("--attention-backend", "--port", "--host", "--kv-transfer-config"):
+            for args in (self.extra_args, self.prefill_extra_args, self.decode_extra_args):
+                if any(a == flag or a.startswith(flag + "=") for a in args):
+                    raise ClusterSpecError(
+                        f"{flag} in ClusterSpec extra args: pdserve sets it itself"
+                        + (" (use ClusterSpec.attention_backend)" if flag == "--attention-backend" else "")
+                    )
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the whole topology needs when every server has its own."""
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A hybrid SSM (Mamba) model: its prefill stops one token short, so P/D output is not bit-exact."""
+        return self.model_kind == "nemotronh" or dict(self.env).get("VLLM_SSM_CONV_STATE_LAYOUT") is not None
+
+    def extra_config(self) -> dict[str, Any] | None:
+        """`kv_connector_extra_config` as a dict."""
+        return None if self.kv_connector_extra_config is None else dict(json.loads(self.kv_connector_extra_config))
+
+    def with_(self, **changes: Any) -> ClusterSpec:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def hybrid_ssm(cls, **overrides: Any) -> ClusterSpec:
+        """The hybrid-SSM (Mamba) prefix-cache setup of vLLM's ``run_mamba_prefix_cache_test.sh``.
+
+        Env ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` and ``VLLM_KV_CACHE_LAYOUT=HND`` on both servers, block size 128,
+        ``--trust-remote-code``, prefix caching on, and ``--mamba-cache-mode align`` where the installed vLLM
+        still takes that flag (the command builder drops it for vLLM >= 0.33, where it is a deprecated no-op).
+        """
+        base: dict[str, Any] = {
+            "model_kind": "nemotronh",
+            "block_size": 128,
+            "trust_remote_code": True,
+            "enable_prefix_caching": True,
+            "mamba_cache_mode": "align",
+            "env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_KV_CACHE_LAYOUT": "HND"},
+            "name": "hybrid-ssm",
+        }
+        base.update(overrides)
+        return cls(**base)

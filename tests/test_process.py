@@ -1,0 +1,288 @@
+"""ServerProcess against a real stand-in server process: ready, fail fast, time out, stop the whole tree."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
+from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
+from pytest_pdserve.watchdog import proc_table
+
+STANDIN = str(Path(__file__).with_name("_standin.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gone(pid: int) -> bool:
+    """Exited (zombies count: the container's init may not reap reparented processes)."""
+    info = proc_table().get(pid)
+    return info is None or not info.live
+
+
+def wait_until(cond: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return bool(cond())  # type: ignore[operator]
+
+
+def log_value(srv: ServerProcess, key: str, timeout: float = 5.0) -> str:
+    """Wait for a ``KEY value`` line in the stand-in's log and return the value."""
+    pattern = re.compile(rf"^{key} (\S+)$", re.MULTILINE)
+    found: list[str] = []
+
+    def look() -> bool:
+        m = pattern.search(srv.log_path.read_text(errors="replace"))
+        if m:
+            found.append(m.group(1))
+        return bool(m)
+
+    assert wait_until(look, timeout), f"{key} never appeared in {srv.log_path}"
+    return found[0]
+
+
+class Factory:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.made: list[ServerProcess] = []
+
+    def __call__(self, *knobs: str, name: str = "standin", model_id: str | None = None) -> ServerProcess:
+        port = free_port()
+        srv = ServerProcess(
+            name,
+            [sys.executable, STANDIN, "--port", str(port), *knobs],
+            dict(os.environ),
+            self.tmp_path / f"{name}.log",
+            health_url=f"http://127.0.0.1:{port}/health",
+            models_url=f"http://127.0.0.1:{port}/v1/models" if model_id else None,
+            model_id=model_id,
+            run_token=new_run_token(),
+        )
+        self.made.append(srv)
+        return srv
+
+
+@pytest.fixture
+def standin(tmp_path: Path) -> Iterator[Factory]:
+    factory = Factory(tmp_path)
+    yield factory
+    for srv in factory.made:
+        srv.stop(grace=0)
+
+
+def test_readiness_is_noticed_quickly(standin: Factory) -> None:
+    srv = standin("--delay", "0.4").start()
+    progress: list[tuple[str, float, str]] = []
+    seconds = srv.wait_ready(time.monotonic() + 20, on_progress=lambda *a: progress.append(a))
+    noticed = time.monotonic()
+    ready_at = float(log_value(srv, "READY_AT"))
+    latency = noticed - ready_at
+    assert 0 <= latency < 0.3, f"readiness noticed {latency * 1000:.0f} ms after the server listened"
+    assert seconds >= 0.4
+    assert srv.alive
+
+
+def test_progress_reports_the_last_log_line(standin: Factory) -> None:
+    srv = standin("--delay", "1.3").start()
+    progress: list[tuple[str, float, str]] = []
+    srv.wait_ready(time.monotonic() + 20, on_progress=lambda *a: progress.append(a))
+    assert progress, "on_progress was never called during a 1.3 s startup"
+    name, elapsed, line = progress[0]
+    assert name == "standin"
+    assert 0.9 <= elapsed <= 2.0
+    assert line.startswith(("stand-in starting", "pdserve: starting"))
+
+
+def test_models_check_requires_the_model_id(standin: Factory) -> None:
+    ok = standin("--model", "tiny", model_id="tiny", name="ok").start()
+    assert ok.wait_ready(time.monotonic() + 20) < 20
+    wrong = standin("--model", "tiny", model_id="other", name="wrong").start()
+    with pytest.raises(ServerStartupTimeout) as exc_info:
+        wrong.wait_ready(time.monotonic() + 1.0)
+    assert "model 'other'" in exc_info.value.waiting_for
+    assert "['tiny']" in exc_info.value.waiting_for
+
+
+def test_crash_at_startup_fails_fast_with_exit_code_and_log(standin: Factory) -> None:
+    msg = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    srv = standin("--crash-after", "0.2", "--exit-code", "3", "--crash-message", msg).start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedEarly) as exc_info:
+        srv.wait_ready(t0 + 60)
+    took = time.monotonic() - t0
+    assert took < 2.0, f"crash noticed after {took:.2f}s"
+    err = exc_info.value
+    assert err.returncode == 3
+    assert msg in err.log_tail
+    assert err.hint is not None
+    assert "GPU ran out of memory" in err.hint
+    text = str(err)
+    assert "exit code 3" in text
+    assert msg in text
+    assert str(srv.log_path) in text
+
+
+def test_exit_code_zero_before_ready_is_also_a_failure(tmp_path: Path) -> None:
+    srv = ServerProcess(
+        "quitter",
+        [sys.executable, "-c", "print('bye')"],
+        dict(os.environ),
+        tmp_path / "q.log",
+        health_url=f"http://127.0.0.1:{free_port()}/health",
+        run_token=new_run_token(),
+    ).start()
+    with pytest.raises(ServerExitedEarly, match="exit code 0") as exc_info:
+        srv.wait_ready(time.monotonic() + 10)
+    assert "bye" in exc_info.value.log_tail
+
+
+def test_hang_times_out_at_the_deadline_and_the_process_is_gone(standin: Factory) -> None:
+    srv = standin("--hang").start()
+    pid = srv.pid
+    assert pid is not None
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartupTimeout) as exc_info:
+        srv.wait_ready(t0 + 1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.8, f"timeout raised after {took:.2f}s for a 1.0s deadline"
+    assert gone(pid), "the timed-out server is still running"
+    assert srv.returncode == -9
+    assert "connect" in exc_info.value.waiting_for.lower()
+    assert "stand-in hanging forever" in exc_info.value.log_tail
+
+
+def test_graceful_stop_needs_no_sigkill(standin: Factory) -> None:
+    srv = standin().start()
+    srv.wait_ready(time.monotonic() + 20)
+    report = srv.stop(grace=5)
+    assert not report.sigkill_needed
+    assert report.returncode == -15
+    assert report.total_seconds < 1.0
+    assert srv.stop(grace=5) is report, "stop() is idempotent"
+
+
+def test_ignored_sigterm_escalates_to_sigkill(standin: Factory) -> None:
+    srv = standin("--ignore-sigterm").start()
+    srv.wait_ready(time.monotonic() + 20)
+    report = srv.stop(grace=0.5)
+    assert report.sigkill_needed
+    assert report.returncode == -9
+    assert 0.5 <= report.term_seconds < 1.0
+    assert report.remaining_pids == ()
+
+
+def test_setsid_child_is_swept_by_token(standin: Factory) -> None:
+    srv = standin("--spawn-child").start()
+    srv.wait_ready(time.monotonic() + 20)
+    child = int(log_value(srv, "CHILD_PID"))
+    assert os.getsid(child) == child, "the stand-in's child should lead its own session"
+    assert not gone(child)
+    report = srv.stop(grace=2)
+    assert child in report.swept_pids
+    assert wait_until(lambda: gone(child), 1.0), f"setsid child {child} survived stop()"
+
+
+def test_stop_only_touches_its_own_server(standin: Factory) -> None:
+    a = standin("--spawn-child", name="a").start()
+    b = standin("--spawn-child", name="b").start()
+    wait_all_ready([a, b], time.monotonic() + 20)
+    b_child = int(log_value(b, "CHILD_PID"))
+    a.stop(grace=2)
+    assert b.alive
+    assert not gone(b_child), "stopping server a killed server b's descendant"
+
+
+def test_chatty_log_does_not_block(standin: Factory) -> None:
+    srv = standin("--spam-bytes", str(8 << 20)).start()
+    srv.wait_ready(time.monotonic() + 30)
+    assert srv.log_offset() > 8 << 20
+    t0 = time.monotonic()
+    tail = srv.log_tail(5)
+    assert time.monotonic() - t0 < 0.1
+    assert len(tail.splitlines()) == 5
+    assert "READY_AT" in tail or "chatty" in tail
+
+
+def test_port_in_use_is_refused_before_spawning(tmp_path: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        srv = ServerProcess(
+            "prefill-0",
+            [sys.executable, STANDIN, "--port", str(port)],
+            dict(os.environ),
+            tmp_path / "p.log",
+            health_url=f"http://127.0.0.1:{port}/health",
+            run_token=new_run_token(),
+        )
+        with pytest.raises(PortInUse) as exc_info:
+            srv.start()
+    assert srv.pid is None
+    assert f"port {port}" in str(exc_info.value)
+    assert "a previous server may still be running" in str(exc_info.value)
+
+
+def test_wait_all_fails_at_once_when_any_exits(standin: Factory) -> None:
+    slow = standin("--hang", name="decode-0").start()
+    crasher = standin("--crash-after", "0.3", "--exit-code", "7", name="prefill-0").start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedEarly) as exc_info:
+        wait_all_ready([slow, crasher], t0 + 60)
+    assert time.monotonic() - t0 < 2.0
+    assert exc_info.value.name == "prefill-0"
+    assert exc_info.value.returncode == 7
+    assert slow.alive, "the other server is left for the caller to stop"
+
+
+def test_wait_all_returns_per_server_seconds(standin: Factory) -> None:
+    a = standin("--delay", "0.3", name="a").start()
+    b = standin(name="b").start()
+    seconds = wait_all_ready([a, b], time.monotonic() + 20)
+    assert set(seconds) == {"a", "b"}
+    assert seconds["a"] >= 0.3
+
+
+def test_run_and_server_tokens_are_in_the_env(tmp_path: Path) -> None:
+    out = tmp_path / "env.log"
+    srv = ServerProcess(
+        "envdump",
+        [
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['PDSERVE_RUN_TOKEN'], os.environ['PDSERVE_SERVER_TOKEN'])",
+        ],
+        {"PATH": os.environ.get("PATH", "")},
+        out,
+        health_url=None,
+        run_token="tok-123",
+    ).start()
+    assert wait_until(lambda: not srv.alive, 5)
+    assert f"tok-123 {srv.server_token}" in out.read_text()
+    assert srv.server_token.startswith("tok-123.envdump.")
+
+
+def test_stop_before_start_is_a_no_op(tmp_path: Path) -> None:
+    srv = ServerProcess("never", ["true"], {}, tmp_path / "n.log", health_url=None, run_token="t")
+    report = srv.stop(grace=1)
+    assert report.pid is None
+    assert not report.sigkill_needed
+
+
+def test_argv_must_be_a_list() -> None:
+    with pytest.raises(ValueError, match="argv must be a non-empty list"):
+        ServerProcess("bad", "vllm serve x", {}, Path("x.log"), health_url=None, run_token="t")

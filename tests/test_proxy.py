@@ -1,0 +1,432 @@
+"""The built-in P/D proxy, run as users run it (``python -m pytest_pdserve.proxy``) in front of
+fake prefill/decode servers that record what they receive."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pytest_pdserve.metrics import parse_metrics
+from pytest_pdserve.proxy import PREFILL_KV_TRANSFER_PARAMS, ProxyConfig, create_app
+from pytest_pdserve.proxy.__main__ import main as proxy_main
+
+STARTUP_TIMEOUT = 20.0
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    raw: bytes
+
+
+@dataclass
+class FakeUpstream:
+    """A fake vLLM server. Body fields ``x_fail``/``x_no_kv``/``x_wait_release`` steer it."""
+
+    role: str
+    name: str
+    received: list[Received] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self.handle, methods=["POST"]),
+                Route("/v1/chat/completions", self.handle, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+            ]
+        )
+
+    def kv_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.name,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_host": "localhost",
+            "remote_port": 5559,
+        }
+
+    async def models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def handle(self, request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw)
+        self.received.append(Received(request.url.path, dict(request.headers), body, raw))
+        fail = body.get("x_fail", {}).get(self.role)
+        if fail:
+            return JSONResponse({"error": {"message": f"{self.name} refused", "code": fail}}, fail)
+        if self.role == "prefill":
+            answer: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "X"}]}
+            if not body.get("x_no_kv"):
+                answer["kv_transfer_params"] = self.kv_params()
+            return JSONResponse(answer)
+        if body.get("stream"):
+            return StreamingResponse(self.sse(body), media_type="text/event-stream")
+        return JSONResponse({"id": "cmpl-d", "choices": [{"index": 0, "text": f"from {self.name}"}]})
+
+    async def sse(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        yield b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+        released = None
+        if body.get("x_wait_release"):
+            # Only a proxy that forwards chunks as they come lets the client see chunk 1 and
+            # release us; a buffering proxy makes this time out and report released=false.
+            released = await anyio.to_thread.run_sync(self.release.wait, 10.0)
+        yield b"data: " + json.dumps({"choices": [{"index": 0, "text": "b"}], "released": released}).encode()
+        yield b"\n\ndata: [DONE]\n\n"
+
+
+class ThreadedServer:
+    """uvicorn in a thread, on a socket bound before start (no port race)."""
+
+    def __init__(self, app: Starlette, *, lifespan: str = "off") -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not self.server.started:
+            assert self.thread.is_alive(), "fake server thread died during startup"
+            assert time.monotonic() < deadline, f"fake server {self.url} did not start"
+            time.sleep(0.005)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ProxyProcess:
+    url: str
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_proxy(tmp: Path, prefill: list[str], decode: list[str], *extra: str) -> ProxyProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "pytest_pdserve.proxy", "--port", str(port)]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += list(extra)
+    log_path = tmp / f"proxy-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"proxy exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return ProxyProcess(url, log_path, proc)
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"proxy not healthy after {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+
+
+def stop_proxy(proxy: ProxyProcess) -> None:
+    proxy.proc.terminate()
+    try:
+        proxy.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proxy.proc.kill()
+        proxy.proc.wait(10)
+
+
+@dataclass
+class Rig:
+    prefill: list[FakeUpstream]
+    decode: list[FakeUpstream]
+    proxy: ProxyProcess
+    client: httpx.Client
+
+    def clear(self) -> None:
+        for fake in self.prefill + self.decode:
+            fake.received.clear()
+            fake.release.clear()
+
+    def got(self, fakes: list[FakeUpstream]) -> list[tuple[str, Received]]:
+        return [(f.name, r) for f in fakes for r in f.received]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """Two fake prefill and two fake decode servers behind one proxy process."""
+    fakes = [FakeUpstream("prefill", f"prefill-{i}") for i in range(2)]
+    fakes += [FakeUpstream("decode", f"decode-{i}") for i in range(2)]
+    servers = [ThreadedServer(f.app()) for f in fakes]
+    for server in servers:
+        server.__enter__()
+    proxy = start_proxy(tmp_path_factory.mktemp("proxy"), [s.url for s in servers[:2]], [s.url for s in servers[2:]])
+    try:
+        with httpx.Client(base_url=proxy.url, timeout=30.0, trust_env=False) as client:
+            yield Rig(fakes[:2], fakes[2:], proxy, client)
+    finally:
+        stop_proxy(proxy)
+        for server in servers:
+            server.__exit__()
+
+
+@pytest.fixture
+def fresh(rig: Rig) -> Rig:
+    rig.clear()
+    return rig
+
+
+def test_prefill_request_is_one_token_with_kv_params_and_decode_gets_p_params(fresh: Rig) -> None:
+    body = {
+        "model": "m",
+        "prompt": "Red Hat is",
+        "max_tokens": 20,
+        "min_tokens": 3,
+        "temperature": 0,
+    }
+    resp = fresh.client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"].startswith("from decode-")
+
+    [(p_name, p_got)] = fresh.got(fresh.prefill)
+    [(d_name, d_got)] = fresh.got(fresh.decode)
+    expected_p = {k: v for k, v in body.items() if k != "min_tokens"}
+    expected_p.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS))
+    assert p_got.body == expected_p
+    assert p_got.path == "/v1/completions"
+    # D gets the client's body (min_tokens included) plus the params P returned.
+    p_fake = next(f for f in fresh.prefill if f.name == p_name)
+    assert d_got.body == {**body, "kv_transfer_params": p_fake.kv_params()}
+
+    request_id = p_got.headers["x-request-id"]
+    assert d_got.headers["x-request-id"] == request_id
+    assert uuid.UUID(request_id).version == 4
+    assert resp.headers["x-request-id"] == request_id
+
+
+def test_chat_route_caps_max_completion_tokens_and_drops_stream_options(fresh: Rig) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 50,
+        "min_completion_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with fresh.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        resp.read()
+    [(_, p_got)] = fresh.got(fresh.prefill)
+    assert p_got.path == "/v1/chat/completions"
+    assert p_got.body["max_completion_tokens"] == 1
+    assert p_got.body["max_tokens"] == 1
+    assert p_got.body["stream"] is False
+    assert "stream_options" not in p_got.body
+    assert "min_completion_tokens" not in p_got.body
+    [(_, d_got)] = fresh.got(fresh.decode)
+    assert d_got.body["stream_options"] == {"include_usage": True}
+    assert d_got.body["max_completion_tokens"] == 50
+
+
+def test_round_robin_over_two_by_two(fresh: Rig) -> None:
+    for _ in range(4):
+        assert fresh.client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert [len(f.received) for f in fresh.prefill] == [2, 2]
+    assert [len(f.received) for f in fresh.decode] == [2, 2]
+    p_ids = sorted(r.headers["x-request-id"] for f in fresh.prefill for r in f.received)
+    d_ids = sorted(r.headers["x-request-id"] for f in fresh.decode for r in f.received)
+    assert p_ids == d_ids
+    assert len(set(p_ids)) == 4
+
+
+def test_round_robin_alternates_per_request(fresh: Rig) -> None:
+    seen_p: list[str] = []
+    seen_d: list[str] = []
+    for _ in range(4):
+        fresh.clear()
+        assert fresh.client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        [(p_name, _)] = fresh.got(fresh.prefill)
+        [(d_name, _)] = fresh.got(fresh.decode)
+        seen_p.append(p_name)
+        seen_d.append(d_name)
+    assert seen_p[0] != seen_p[1] and seen_p[0::2] == [seen_p[0]] * 2 and seen_p[1::2] == [seen_p[1]] * 2
+    assert seen_d[0] != seen_d[1] and seen_d[0::2] == [seen_d[0]] * 2 and seen_d[1::2] == [seen_d[1]] * 2
+
+
+def test_streaming_is_passed_through_chunk_by_chunk(fresh: Rig) -> None:
+    body = {"prompt": "x", "stream": True, "x_wait_release": True}
+    with fresh.client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "a"
+        for fake in fresh.decode:
+            fake.release.set()
+        rest = [line for line in lines if line]
+    second = json.loads(rest[0].removeprefix("data: "))
+    assert second["released"] is True, "the proxy buffered the stream instead of relaying chunk 1"
+    assert rest[-1] == "data: [DONE]"
+    [(_, p_got)] = fresh.got(fresh.prefill)
+    assert p_got.body["stream"] is False
+
+
+def test_prefill_http_error_is_passed_through(fresh: Rig) -> None:
+    resp = fresh.client.post("/v1/completions", json={"prompt": "x", "x_fail": {"prefill": 400}})
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {"message": resp.json()["error"]["message"], "code": 400}}
+    assert resp.json()["error"]["message"].endswith("refused")
+    assert fresh.got(fresh.decode) == [], "decode must not be called after a prefill error"
+
+
+def test_decode_http_error_is_passed_through(fresh: Rig) -> None:
+    resp = fresh.client.post("/v1/completions", json={"prompt": "x", "x_fail": {"decode": 422}})
+    assert resp.status_code == 422
+    assert resp.json()["error"]["message"].startswith("decode-")
+
+
+def test_without_kv_params_decode_gets_client_bytes_untouched(fresh: Rig) -> None:
+    raw = b'{"prompt": "x",   "x_no_kv": true}'
+    resp = fresh.client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 200
+    [(_, d_got)] = fresh.got(fresh.decode)
+    assert d_got.raw == raw
+
+
+def test_client_authorization_is_forwarded(fresh: Rig) -> None:
+    resp = fresh.client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer abc"})
+    assert resp.status_code == 200
+    for _, got in fresh.got(fresh.prefill) + fresh.got(fresh.decode):
+        assert got.headers["authorization"] == "Bearer abc"
+
+
+def test_bad_json_is_a_400_naming_the_problem(fresh: Rig) -> None:
+    resp = fresh.client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert "not valid JSON" in resp.json()["error"]["message"]
+    assert fresh.got(fresh.prefill) == []
+
+
+def test_health_models_and_healthcheck(rig: Rig) -> None:
+    for path in ("/health", "/healthcheck"):
+        resp = rig.client.get(path)
+        assert resp.json() == {"status": "ok", "prefill_instances": 2, "decode_instances": 2}
+    assert rig.client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_metrics_count_requests_and_latency(fresh: Rig) -> None:
+    before = parse_metrics(fresh.client.get("/metrics").text)
+    fresh.client.post("/v1/completions", json={"prompt": "x"})
+    fresh.client.post("/v1/completions", json={"prompt": "x", "x_fail": {"prefill": 400}})
+    after = parse_metrics(fresh.client.get("/metrics").text)
+    delta = after - before
+    route = "/v1/completions"
+    assert delta.value("pdserve_proxy_requests_total", route=route, status="200") == 1
+    assert delta.value("pdserve_proxy_requests_total", route=route, status="400") == 1
+    assert delta.value("pdserve_proxy_request_duration_seconds_count", route=route) == 2
+    assert delta.value("pdserve_proxy_upstream_errors_total", role="prefill") == 1
+    assert delta.value("pdserve_proxy_upstream_requests_total", role="decode") == 1
+
+
+def test_one_log_line_per_request(fresh: Rig) -> None:
+    resp = fresh.client.post("/v1/completions", json={"prompt": "x"})
+    request_id = resp.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        # The line is written before the response completes, but the file is read by another process.
+        lines = [line for line in fresh.proxy.log().splitlines() if request_id in line]
+        if lines:
+            break
+        time.sleep(0.01)
+    assert len(lines) == 1
+    assert "status=200" in lines[0] and "prefill=http://127.0.0.1:" in lines[0]
+    assert "decode=http://127.0.0.1:" in lines[0] and "total_ms=" in lines[0]
+
+
+def test_prefill_down_gives_502_naming_prefill(tmp_path: Path) -> None:
+    decode = FakeUpstream("decode", "decode-0")
+    # A bound but not listening socket: connections are refused, and nobody can take the port.
+    with socket.socket() as dead, ThreadedServer(decode.app()) as d_server:
+        dead.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        proxy = start_proxy(tmp_path, [dead_url], [d_server.url])
+        try:
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+            metrics = parse_metrics(httpx.get(proxy.url + "/metrics").text)
+        finally:
+            stop_proxy(proxy)
+    assert resp.status_code == 502
+    error = resp.json()["error"]
+    assert error["role"] == "prefill"
+    assert error["url"] == dead_url
+    assert error["message"].startswith(f"prefill server {dead_url} failed: ConnectError")
+    assert decode.received == []
+    assert metrics.value("pdserve_proxy_upstream_errors_total", role="prefill", kind="connection") == 1
+
+
+def test_api_key_replaces_client_authorization() -> None:
+    fakes = [FakeUpstream("prefill", "p"), FakeUpstream("decode", "d")]
+    with ThreadedServer(fakes[0].app()) as p, ThreadedServer(fakes[1].app()) as d:
+        config = ProxyConfig((p.url,), (d.url,), api_key="KEY", log=io.StringIO())
+        with ThreadedServer(create_app(config), lifespan="on") as proxy:
+            resp = httpx.post(
+                proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer other"}
+            )
+    assert resp.status_code == 200
+    assert [f.received[0].headers["authorization"] for f in fakes] == ["Bearer KEY", "Bearer KEY"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "1", "--prefill", "localhost:8100", "--decode", "http://h:1"], "'localhost:8100'"),
+        (["--port", "1", "--prefill", "http://h:1"], "--decode"),
+        (["--port", "70000", "--prefill", "http://h:1", "--decode", "http://h:2"], "--port 70000"),
+    ],
+)
+def test_cli_rejects_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc_info:
+        proxy_main(argv)
+    assert exc_info.value.code == 2
+    assert message in capsys.readouterr().err

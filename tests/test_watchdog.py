@@ -1,0 +1,170 @@
+"""The watchdog kills our server trees when the pytest-like parent dies without cleaning up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_pdserve.leases import try_acquire_gpus
+from pytest_pdserve.process import ServerProcess, new_run_token
+from pytest_pdserve.watchdog import Watchdog, proc_table
+
+STANDIN = str(Path(__file__).with_name("_standin.py"))
+
+# The throwaway "pytest": starts a watchdog and a stand-in server (with a setsid grandchild), optionally
+# hands a GPU lease to the watchdog, reports pids as JSON, then sleeps until it is killed.
+PARENT = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    from pathlib import Path
+    from pytest_pdserve.leases import acquire_gpus
+    from pytest_pdserve.process import ServerProcess, new_run_token
+    from pytest_pdserve.watchdog import Watchdog
+
+    standin, tmp, knobs, watch, lease_dir, how = sys.argv[1:7]
+    tmp = Path(tmp)
+    token = new_run_token()
+    wd = Watchdog.start(token, grace=1.0, log_path=tmp / "watchdog.log")
+    if lease_dir != "-":
+        lease = acquire_gpus(Path(lease_dir), ["g0", "g1"], 2, timeout=0)
+        wd.hold("gpus", lease.fds)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = ServerProcess(
+        "standin", [sys.executable, standin, "--port", str(port), *knobs.split()], dict(os.environ),
+        tmp / "server.log", health_url=f"http://127.0.0.1:{port}/health", run_token=token,
+    )
+    srv.start()
+    if watch == "watch":
+        wd.watch(srv.pid, srv.pgid)
+    srv.wait_ready(time.monotonic() + 20)
+    child = next(int(l.split()[1]) for l in (tmp / "server.log").read_text().splitlines()
+                 if l.startswith("CHILD_PID"))
+    print(json.dumps({"server": srv.pid, "child": child, "watchdog": wd.pid}), flush=True)
+    if how == "exit":
+        os._exit(1)  # what pytest-timeout's thread method does: no finalisers, no atexit
+    time.sleep(120)
+    """
+)
+
+
+def gone(pid: int) -> bool:
+    info = proc_table().get(pid)
+    return info is None or not info.live
+
+
+def start_parent(
+    tmp_path: Path, knobs: str, *, watch: bool = True, lease_dir: str = "-", how: str = "kill"
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            PARENT,
+            STANDIN,
+            str(tmp_path),
+            knobs,
+            "watch" if watch else "no",
+            lease_dir,
+            how,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    assert line, f"parent failed; server log:\n{(tmp_path / 'server.log').read_text(errors='replace')}"
+    return parent, json.loads(line)
+
+
+def wait_all_gone(pids: list[int], timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if all(gone(p) for p in pids):
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    alive = [p for p in pids if not gone(p)]
+    for p in alive:  # do not leak into the rest of the suite
+        os.kill(p, signal.SIGKILL)
+    pytest.fail(f"still alive after {timeout}s: {alive}")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "watch", "how"),
+    [
+        ("--spawn-child", True, "kill"),
+        ("--spawn-child --ignore-sigterm", True, "kill"),
+        ("--spawn-child", False, "kill"),  # never watched: found by the run token alone
+        ("--spawn-child", True, "exit"),
+    ],
+    ids=["sigkill", "sigkill-ignores-sigterm", "token-only", "os-exit"],
+)
+def test_server_tree_dies_with_its_parent(tmp_path: Path, knobs: str, watch: bool, how: str) -> None:
+    parent, pids = start_parent(tmp_path, knobs, watch=watch, how=how)
+    assert os.getsid(pids["watchdog"]) == pids["watchdog"], "the watchdog must lead its own session"
+    t0 = time.monotonic()
+    if how == "kill":
+        parent.kill()
+    parent.wait(10)
+    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 5.0)
+    took = time.monotonic() - t0
+    assert took < 5.0
+    print(f"watchdog cleanup ({knobs}, {how}): {took * 1000:.0f} ms from parent death to all gone")
+    log = (tmp_path / "watchdog.log").read_text()
+    assert "EOF from parent" in log or "parent changed" in log
+    assert "remaining=[]" in log
+
+
+def test_lease_is_held_until_the_watchdog_finished_killing(tmp_path: Path) -> None:
+    lease_dir = tmp_path / "leases"
+    parent, pids = start_parent(tmp_path, "--spawn-child --ignore-sigterm", lease_dir=str(lease_dir))
+    parent.kill()
+    parent.wait(10)
+    # The server ignores SIGTERM, so the watchdog is still in its 1 s grace: the lease must be held.
+    assert not gone(pids["server"])
+    assert try_acquire_gpus(lease_dir, ["g0", "g1"], 1) is None
+    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 5.0)
+    lease = try_acquire_gpus(lease_dir, ["g0", "g1"], 2)
+    assert lease is not None, "the lease was not freed after the watchdog exited"
+    lease.release()
+
+
+def test_close_exits_without_killing(tmp_path: Path) -> None:
+    token = new_run_token()
+    wd = Watchdog.start(token, grace=1.0)
+    srv = ServerProcess(
+        "standin",
+        [sys.executable, STANDIN, "--hang"],
+        dict(os.environ),
+        tmp_path / "s.log",
+        health_url=None,
+        run_token=token,
+    ).start()
+    try:
+        assert srv.pid is not None
+        wd.watch(srv.pid, srv.pid)
+        wd.unwatch(srv.pid)
+        wd.close()
+        assert not wd.alive
+        assert wd.returncode == 0
+        assert srv.alive, "a normal close() must not kill anything"
+    finally:
+        srv.stop(grace=0)
+
+
+def test_watchdog_survives_sigint_to_its_group() -> None:
+    wd = Watchdog.start(new_run_token(), grace=0.5)
+    os.killpg(wd.pid, signal.SIGINT)
+    # The SIGINT is pending before the watchdog can read "exit", so a clean exit code proves it survived.
+    wd.close()
+    assert wd.returncode == 0
