@@ -168,6 +168,8 @@ class PDCluster:
     decode: tuple[ServerHandle, ...]
     proxy: ServerHandle
     attached: bool = False
+    #: "cuda", "rocm" or "cpu": where the servers run (examples skip what a platform cannot do).
+    platform: str = "cpu"
     vllm_version: str | None = None
     started_seconds: float = 0.0
     _stopped: bool = field(default=False, repr=False)
@@ -551,7 +553,7 @@ class ClusterManager:
                 spec=spec, engine=setup.info.name, model=model,
                 block_size=spec.block_size or self.defaults.block_size or DEFAULT_BLOCK_SIZE,
                 attention_backend=backend, prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
-                proxy=proxy, vllm_version=str(setup.info.version), started_seconds=time.monotonic() - t0,
+                proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version), started_seconds=time.monotonic() - t0,
             )  # fmt: skip
             self.report(cluster.describe())
             return _Running(cluster, processes, gpu_lease, port_leases, label)

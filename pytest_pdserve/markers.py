@@ -97,12 +97,12 @@ def skip_reason(req: Requirement, inv: Inventory) -> str | None:
     if req.platforms and inv.platform not in req.platforms:
         wanted = " or ".join(sorted(req.platforms))
         return f"needs platform {wanted}, this machine is {inv.platform} ({_how(inv)})"
-    if inv.count >= req.gpus:
+    if inv.count >= req.gpus or inv.platform == "cpu":
+        # On a CPU-only machine pdserve's servers run on the CPU (the simulator, or vLLM's CPU backend), so a
+        # GPU count does not apply; --pd-platform=cuda|rocm makes it apply (and skip) anyway.
         return None
     plural = "GPU" if req.gpus == 1 else "GPUs"
     reason = f"needs {req.gpus} {plural}, "
-    if inv.platform == "cpu":
-        return reason + f"none visible (platform cpu: {inv.source}); set --pd-simulate-gpus to simulate"
     reason += f"{inv.count} visible" if inv.count else "none visible"
     if inv.visibility:
         reason += f": {inv.visibility}"

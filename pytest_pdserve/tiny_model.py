@@ -84,8 +84,8 @@ def _training_text() -> list[str]:
 
 
 def _build_tokenizer(out: Path) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # type: ignore[import-not-found,unused-ignore]
+    from transformers import PreTrainedTokenizerFast  # type: ignore[import-not-found,unused-ignore]
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -111,8 +111,8 @@ def _build_tokenizer(out: Path) -> Any:
 
 
 def _build_llama(out: Path) -> int:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found,unused-ignore]
 
     tok = _build_tokenizer(out)
     torch.manual_seed(0)
@@ -129,8 +129,8 @@ def _build_llama(out: Path) -> int:
 
 
 def _build_nemotronh(out: Path) -> int:
-    import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import NemotronHConfig, NemotronHForCausalLM  # type: ignore[import-not-found,unused-ignore]
 
     tok = _build_tokenizer(out)
     torch.manual_seed(0)

@@ -100,6 +100,16 @@ def our_pids(token: str) -> list[int]:
     return found
 
 
+def wait_all_gone(token: str, timeout: float = 15.0) -> tuple[list[int], float]:
+    """Poll until no process carries our run token (children exit a little after the group leader)."""
+    t0 = time.monotonic()
+    left = our_pids(token)
+    while left and time.monotonic() - t0 < timeout:
+        time.sleep(0.2)
+        left = our_pids(token)
+    return left, round(time.monotonic() - t0, 2)
+
+
 class Server:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.argv, self.log = name, argv, log
@@ -175,7 +185,9 @@ def start_pair(args: argparse.Namespace, model: Path, work: Path, token: str) ->
     return servers[0], servers[1], info
 
 
-def pd_request(client: httpx.Client, p_url: str, d_url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any, float, float]:
+def pd_request(
+    client: httpx.Client, p_url: str, d_url: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], Any, float, float]:
     pre = dict(body, max_tokens=1, stream=False, kv_transfer_params={
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None})  # fmt: skip
@@ -241,8 +253,7 @@ def run_pair(args: argparse.Namespace, model: Path, work: Path, out: Path) -> di
     finally:
         info["stop_s"] = {"prefill": p.stop(), "decode": d.stop()}
         info["exit_codes"] = {"prefill": p.proc.returncode, "decode": d.proc.returncode}
-        left = our_pids(token)
-        info["leftover_pids"] = left
+        info["leftover_pids"], info["all_gone_after_s"] = wait_all_gone(token)
     return info
 
 
@@ -264,7 +275,7 @@ def probe(args: argparse.Namespace, model: Path, work: Path, extra: list[str], n
     s.stop()
     lines = s.log.read_text(errors="replace").splitlines()
     result["log_tail"] = [ln for ln in lines if "Error" in ln or "error" in ln or "backend" in ln.lower()][-8:]
-    result["leftover_pids"] = our_pids(token)
+    result["leftover_pids"], result["all_gone_after_s"] = wait_all_gone(token)
     return result
 
 

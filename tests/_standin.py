@@ -5,7 +5,8 @@ and prints machine-readable lines to stdout (which ``ServerProcess`` sends to th
 
 * ``CHILD_PID <pid>``: the pid of the ``setsid`` child made by ``--spawn-child``;
 * ``READY_AT <t>``: ``time.monotonic()`` right after the socket listens (CLOCK_MONOTONIC is
-  system-wide on Linux, so the test can compare it with its own clock).
+  system-wide on Linux, so the test can compare it with its own clock);
+* ``EXITING_AT <t>``: the same, just before a ``--crash-after`` exit.
 
 Knobs: ``--delay S`` before listening; ``--crash-after S`` then print ``--crash-message`` and exit with
 ``--exit-code``; ``--hang`` never listens; ``--health-status CODE``; ``--ignore-sigterm``;
@@ -82,6 +83,7 @@ def main() -> int:
     if args.crash_after is not None:
         time.sleep(args.crash_after)
         print(args.crash_message, flush=True)
+        print(f"EXITING_AT {time.monotonic():.6f}", flush=True)
         return int(args.exit_code)
     if args.hang:
         print("stand-in hanging forever", flush=True)

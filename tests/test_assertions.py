@@ -436,7 +436,10 @@ def test_prefix_cache_miss_shows_table(cluster: FakeCluster) -> None:
     ]
 
 
-def test_prefix_cache_check_is_vacuous_when_server_not_queried(cluster: FakeCluster) -> None:
+def test_prefix_cache_check_is_vacuous_when_server_not_queried(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(A, "SETTLE_TIMEOUT", 0.3)  # it waits for a query that never comes
     with pytest.raises(AssertionError, match=r"^vacuous: no prefix-cache queries on decode-0"):
         A.assert_prefix_cache_hit(cluster.decode[0], lambda: A.complete(cluster.prefill[0], {"prompt": LONG}))
 
@@ -461,7 +464,11 @@ def test_kv_transferred_fails_without_nixl_metrics() -> None:
     assert "absent" in message
 
 
-def test_kv_transferred_fails_when_decode_computed_locally(cluster: FakeCluster) -> None:
+def test_kv_transferred_fails_when_decode_computed_locally(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only one server counts the request, so the wait for two runs out: keep it short.
+    monkeypatch.setattr(A, "SETTLE_TIMEOUT", 0.3)
     # Route the "proxy" straight to decode: no kv_transfer_params, so nothing moves.
     cluster.proxy = handle_for("proxy", decode_engine(cluster), 8000)
     with pytest.raises(AssertionError, match=r"no KV transfer: .*no decode server received KV over NIXL"):

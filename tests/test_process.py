@@ -85,15 +85,20 @@ def standin(tmp_path: Path) -> Iterator[Factory]:
 
 
 def test_readiness_is_noticed_quickly(standin: Factory) -> None:
-    srv = standin("--delay", "0.4").start()
-    progress: list[tuple[str, float, str]] = []
-    seconds = srv.wait_ready(time.monotonic() + 20, on_progress=lambda *a: progress.append(a))
-    noticed = time.monotonic()
-    ready_at = float(log_value(srv, "READY_AT"))
-    latency = noticed - ready_at
-    assert 0 <= latency < 0.3, f"readiness noticed {latency * 1000:.0f} ms after the server listened"
-    assert seconds >= 0.4
-    assert srv.alive
+    # Best of three: a loaded CI machine can stall any process for a while; a slow readiness loop
+    # (e.g. a 1 s poll interval) fails all three attempts.
+    latencies = []
+    for attempt in range(3):
+        srv = standin("--delay", "0.4", name=f"attempt-{attempt}").start()
+        seconds = srv.wait_ready(time.monotonic() + 30)
+        noticed = time.monotonic()
+        latencies.append(noticed - float(log_value(srv, "READY_AT")))
+        assert seconds >= 0.4
+        assert srv.alive
+        srv.stop(grace=0)
+        if latencies[-1] < 0.3:
+            break
+    assert 0 <= min(latencies) < 0.3, f"readiness noticed {latencies} s after the server listened"
 
 
 def test_progress_reports_the_last_log_line(standin: Factory) -> None:
@@ -103,7 +108,7 @@ def test_progress_reports_the_last_log_line(standin: Factory) -> None:
     assert progress, "on_progress was never called during a 1.3 s startup"
     name, elapsed, line = progress[0]
     assert name == "standin"
-    assert 0.9 <= elapsed <= 2.0
+    assert 0.9 <= elapsed <= 5.0
     assert line.startswith(("stand-in starting", "pdserve: starting"))
 
 
@@ -111,8 +116,9 @@ def test_models_check_requires_the_model_id(standin: Factory) -> None:
     ok = standin("--model", "tiny", model_id="tiny", name="ok").start()
     assert ok.wait_ready(time.monotonic() + 20) < 20
     wrong = standin("--model", "tiny", model_id="other", name="wrong").start()
+    log_value(wrong, "READY_AT", timeout=20)  # /health answers now; only the model check can fail
     with pytest.raises(ServerStartupTimeout) as exc_info:
-        wrong.wait_ready(time.monotonic() + 1.0)
+        wrong.wait_ready(time.monotonic() + 0.5)
     assert "model 'other'" in exc_info.value.waiting_for
     assert "['tiny']" in exc_info.value.waiting_for
 
@@ -123,8 +129,10 @@ def test_crash_at_startup_fails_fast_with_exit_code_and_log(standin: Factory) ->
     t0 = time.monotonic()
     with pytest.raises(ServerExitedEarly) as exc_info:
         srv.wait_ready(t0 + 60)
-    took = time.monotonic() - t0
-    assert took < 2.0, f"crash noticed after {took:.2f}s"
+    noticed = time.monotonic()
+    exited = float(log_value(srv, "EXITING_AT"))
+    assert noticed - exited < 0.5, f"crash noticed {noticed - exited:.2f}s after the process exited"
+    assert noticed - t0 < 10, "waited for the deadline instead of failing fast"
     err = exc_info.value
     assert err.returncode == 3
     assert msg in err.log_tail
@@ -158,7 +166,7 @@ def test_hang_times_out_at_the_deadline_and_the_process_is_gone(standin: Factory
     with pytest.raises(ServerStartupTimeout) as exc_info:
         srv.wait_ready(t0 + 1.0)
     took = time.monotonic() - t0
-    assert 1.0 <= took < 1.8, f"timeout raised after {took:.2f}s for a 1.0s deadline"
+    assert 1.0 <= took < 3.0, f"timeout raised after {took:.2f}s for a 1.0s deadline"
     assert gone(pid), "the timed-out server is still running"
     assert srv.returncode == -9
     assert "connect" in exc_info.value.waiting_for.lower()
@@ -171,7 +179,7 @@ def test_graceful_stop_needs_no_sigkill(standin: Factory) -> None:
     report = srv.stop(grace=5)
     assert not report.sigkill_needed
     assert report.returncode == -15
-    assert report.total_seconds < 1.0
+    assert report.total_seconds < 3.0
     assert srv.stop(grace=5) is report, "stop() is idempotent"
 
 
@@ -181,7 +189,7 @@ def test_ignored_sigterm_escalates_to_sigkill(standin: Factory) -> None:
     report = srv.stop(grace=0.5)
     assert report.sigkill_needed
     assert report.returncode == -9
-    assert 0.5 <= report.term_seconds < 1.0
+    assert 0.5 <= report.term_seconds < 2.0
     assert report.remaining_pids == ()
 
 
@@ -212,7 +220,7 @@ def test_chatty_log_does_not_block(standin: Factory) -> None:
     assert srv.log_offset() > 8 << 20
     t0 = time.monotonic()
     tail = srv.log_tail(5)
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.5, "log_tail read the whole 8 MB log"
     assert len(tail.splitlines()) == 5
     assert "READY_AT" in tail or "chatty" in tail
 
@@ -243,7 +251,7 @@ def test_wait_all_fails_at_once_when_any_exits(standin: Factory) -> None:
     t0 = time.monotonic()
     with pytest.raises(ServerExitedEarly) as exc_info:
         wait_all_ready([slow, crasher], t0 + 60)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10, "waited for the deadline instead of failing fast"
     assert exc_info.value.name == "prefill-0"
     assert exc_info.value.returncode == 7
     assert slow.alive, "the other server is left for the caller to stop"

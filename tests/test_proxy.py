@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 import httpx
@@ -101,7 +101,7 @@ class FakeUpstream:
 class ThreadedServer:
     """uvicorn in a thread, on a socket bound before start (no port race)."""
 
-    def __init__(self, app: Starlette, *, lifespan: str = "off") -> None:
+    def __init__(self, app: Starlette, *, lifespan: Literal["on", "off"] = "off") -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -289,8 +289,12 @@ def test_round_robin_alternates_per_request(fresh: Rig) -> None:
         [(d_name, _)] = fresh.got(fresh.decode)
         seen_p.append(p_name)
         seen_d.append(d_name)
-    assert seen_p[0] != seen_p[1] and seen_p[0::2] == [seen_p[0]] * 2 and seen_p[1::2] == [seen_p[1]] * 2
-    assert seen_d[0] != seen_d[1] and seen_d[0::2] == [seen_d[0]] * 2 and seen_d[1::2] == [seen_d[1]] * 2
+    assert seen_p[0] != seen_p[1]
+    assert seen_p[0::2] == [seen_p[0]] * 2
+    assert seen_p[1::2] == [seen_p[1]] * 2
+    assert seen_d[0] != seen_d[1]
+    assert seen_d[0::2] == [seen_d[0]] * 2
+    assert seen_d[1::2] == [seen_d[1]] * 2
 
 
 def test_streaming_is_passed_through_chunk_by_chunk(fresh: Rig) -> None:
@@ -380,8 +384,10 @@ def test_one_log_line_per_request(fresh: Rig) -> None:
             break
         time.sleep(0.01)
     assert len(lines) == 1
-    assert "status=200" in lines[0] and "prefill=http://127.0.0.1:" in lines[0]
-    assert "decode=http://127.0.0.1:" in lines[0] and "total_ms=" in lines[0]
+    assert "status=200" in lines[0]
+    assert "prefill=http://127.0.0.1:" in lines[0]
+    assert "decode=http://127.0.0.1:" in lines[0]
+    assert "total_ms=" in lines[0]
 
 
 def test_prefill_down_gives_502_naming_prefill(tmp_path: Path) -> None:

@@ -17,10 +17,8 @@ usually want the progress thread.
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import logging
 import os
 import sys
@@ -36,7 +34,9 @@ KEEP_ENV = "VLLM_NIXL_KEEP_PROG_THREAD"
 # `nixl._api` (it picks the CUDA 13, CUDA 12 or ROCm build at import time).
 _API_MODULES = frozenset({"nixl_cu13._api", "nixl_cu12._api", "nixl_rocm._api", "nixl._api"})
 _PATCHED_FLAG = "_vllm_nixl_cpu_tweaks_patched"
-_PARAM = "enable_prog_thread"
+#: NIXL's progress thread sleeps up to this long between polls when idle (its default, 0, means spin).
+DELAY_ENV = "VLLM_NIXL_PROG_THREAD_DELAY_US"
+DEFAULT_DELAY_US = 1000
 
 # A child of vLLM's "vllm" logger, so the line appears in the server log with vLLM's format.
 logger = logging.getLogger("vllm.plugins.nixl_cpu_tweaks")
@@ -57,31 +57,47 @@ def register() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
-def _patch_module(module: ModuleType) -> None:
-    cls = getattr(module, "nixl_agent_config", None)
-    if not isinstance(cls, type) or getattr(cls, _PATCHED_FLAG, False):
-        return
-    original_init = cls.__init__
+def _delay_us() -> int:
+    raw = os.environ.get(DELAY_ENV, str(DEFAULT_DELAY_US))
     try:
-        signature = inspect.signature(original_init)
-    except (TypeError, ValueError):
-        signature = None
-    if signature is None or _PARAM not in signature.parameters:
-        # A NIXL release without this parameter: do nothing rather than guess.
-        logger.warning("nixl_agent_config has no %r parameter; NIXL progress thread left as is", _PARAM)
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 1:
+        logger.warning("%s=%r is not a whole number of microseconds >= 1; using %d", DELAY_ENV, raw,
+                       DEFAULT_DELAY_US)
+        return DEFAULT_DELAY_US
+    return value
+
+
+def _patch_module(module: ModuleType) -> None:
+    bindings: Any = getattr(module, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if not isinstance(base, type) or getattr(base, _PATCHED_FLAG, False):
         return
+    delay_property = base.__dict__.get("pthrDelay")
+    if not isinstance(delay_property, property) or delay_property.fget is None or delay_property.fset is None:
+        # A NIXL release without this field: do nothing rather than guess.
+        logger.warning("nixlAgentConfig has no pthrDelay field; NIXL progress thread left as is")
+        return
+    get_delay, set_delay = delay_property.fget, delay_property.fset
+    delay = _delay_us()
 
-    @functools.wraps(original_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments[_PARAM] = False
-        original_init(*bound.args, **bound.kwargs)
-        logger.info(
-            "NIXL agent config created without the UCX progress thread (set %s=1 to keep it)", KEEP_ENV
-        )
+    class _PolitePollConfig(base):  # type: ignore[misc,valid-type]
+        """nixl_agent.__init__ assigns ``pthrDelay = 0`` (spin); keep our delay as the floor instead."""
 
-    cls.__init__ = __init__  # type: ignore[misc]
-    setattr(cls, _PATCHED_FLAG, True)
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
+            return int(get_delay(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            set_delay(self, max(int(value), delay))
+
+    _PolitePollConfig.__name__ = _PolitePollConfig.__qualname__ = base.__name__
+    setattr(_PolitePollConfig, _PATCHED_FLAG, True)
+    bindings.nixlAgentConfig = _PolitePollConfig
+    logger.info("NIXL progress thread will poll every %d us instead of spinning (%s)", delay, DELAY_ENV)
 
 
 class _PatchingLoader(importlib.abc.Loader):

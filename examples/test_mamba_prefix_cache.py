@@ -1,0 +1,47 @@
+"""Port of vLLM's test_mamba_prefix_cache.py (hybrid SSM model, P/D with prefix caching) onto the plugin.
+
+vLLM's run_mamba_prefix_cache_test.sh sets VLLM_SSM_CONV_STATE_LAYOUT=DS and VLLM_KV_CACHE_LAYOUT=HND on both
+servers, --block-size 128, --trust-remote-code and --enable-prefix-caching: `ClusterSpec.hybrid_ssm()` is that
+setup. Its checks were: request 1 moves KV, the identical request 2 moves less (the decode-side prefix cache hit),
+and both outputs are equal; it only printed the cache counters. Here each check is one assertion.
+
+On GPUs run it as CI does:  pytest examples/test_mamba_prefix_cache.py --pd-engine=vllm --pd-model=<hybrid model>
+"""
+
+from __future__ import annotations
+
+import pytest
+from _prompts import make_prompt
+
+from pytest_pdserve.assertions import assert_deterministic, assert_kv_transferred, assert_transfer_shrinks
+from pytest_pdserve.spec import ClusterSpec
+
+pytestmark = pytest.mark.gpus(2)
+
+#: vLLM's CPU Mamba kernel (ops/cpu/mamba_ssm.py) returns one final state per sequence and ignores the
+#: intermediate states prefix caching needs, so on CPU a prompt longer than one Mamba chunk kills the engine
+#: (IndexError in mamba_mixer2.py). GPU kernels have no such limit.
+CPU_MAMBA_LIMIT = (
+    "vLLM's CPU Mamba kernel cannot prefix-cache prompts longer than one chunk (mamba_ssm.py ignores "
+    "return_intermediate_states; the engine dies with IndexError); run this on a GPU"
+)
+
+
+@pytest.fixture(scope="module")
+def hybrid_cluster(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec.hybrid_ssm())
+
+
+def test_long_prompt_prefix_cache(hybrid_cluster):
+    if hybrid_cluster.engine == "vllm" and hybrid_cluster.platform == "cpu":
+        pytest.skip(CPU_MAMBA_LIMIT)
+    request = {"prompt": make_prompt(1200, seed=30), "max_tokens": 10, "seed": 42}
+    assert_transfer_shrinks(hybrid_cluster, request)  # request 1 > 0 bytes, request 2 fewer
+    assert_deterministic(hybrid_cluster, request)
+
+
+def test_short_prompt_transfers_and_repeats(hybrid_cluster):
+    # Short enough for one Mamba chunk, so it also runs on vLLM's CPU backend.
+    request = {"prompt": make_prompt(20, seed=31), "max_tokens": 10, "seed": 42}
+    assert_kv_transferred(hybrid_cluster, request)
+    assert_deterministic(hybrid_cluster, request)

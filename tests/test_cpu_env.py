@@ -1,0 +1,162 @@
+"""cpu.py (env/args for real vLLM on CPU), tiny_model.py (model cache) and the CPU tweaks plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_pdserve import cpu, tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
+REAL_PYTHON = REAL_VENV / "bin" / "python"
+DATA = Path(__file__).parent / "data" / "vllm-cpu"
+needs_real_venv = pytest.mark.skipif(not REAL_PYTHON.exists(), reason=f"no vLLM venv at {REAL_VENV}")
+
+
+# --- cpu.py ---------------------------------------------------------------------------------------
+
+
+def test_cpu_server_env_has_every_setting(tmp_path: Path) -> None:
+    env = cpu.cpu_server_env(tmp_path, kv_cache_space_gib=2)
+    assert env == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    }
+    assert all(isinstance(v, str) for v in env.values())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_cpu_server_env_rejects_bad_kv_space_naming_it(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"kv_cache_space_gib={bad!r}.*whole number of GiB"):
+        cpu.cpu_server_env(tmp_path, kv_cache_space_gib=bad)  # type: ignore[arg-type]
+
+
+def test_cpu_server_args_and_block_size() -> None:
+    assert cpu.cpu_server_args() == []
+    assert cpu.CPU_BLOCK_SIZE == 128
+
+
+def test_cpu_module_is_light() -> None:
+    """cpu, vllm_compat and tiny_model must import without pytest, torch or vllm."""
+    code = (
+        "import sys; import pytest_pdserve.cpu, pytest_pdserve.vllm_compat, pytest_pdserve.tiny_model; "
+        "bad = {'torch', 'vllm', 'pytest', 'transformers'} & set(sys.modules); assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --- tiny_model.py (no torch needed) --------------------------------------------------------------
+
+
+def test_cache_root_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "env"))
+    assert tiny_model.cache_root() == tmp_path / "env" / "models"
+    assert tiny_model.cache_root(tmp_path / "arg") == tmp_path / "arg" / "models"
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    assert tiny_model.cache_root() == Path.home() / ".cache" / "pytest-pdserve" / "models"
+
+
+def test_recipe_hash_depends_on_kind_and_versions() -> None:
+    v = {"torch": "2.13.0", "transformers": "5.19.0", "tokenizers": "0.23.3"}
+    h = tiny_model.recipe_hash("llama", v)
+    assert len(h) == 16
+    assert h == tiny_model.recipe_hash("llama", dict(v))
+    assert h != tiny_model.recipe_hash("nemotronh", v)
+    assert h != tiny_model.recipe_hash("llama", {**v, "torch": "2.14.0"})
+
+
+def test_ensure_rejects_unknown_kind(tmp_path: Path) -> None:
+    with pytest.raises(tiny_model.TinyModelError, match=r"'gpt2'.*llama, nemotronh"):
+        tiny_model.ensure_tiny_model("gpt2", sys.executable, cache_dir=tmp_path)
+
+
+def test_ensure_without_torch_reports_the_interpreter(tmp_path: Path) -> None:
+    """The dev venv has no torch: the error must say which interpreter and how to get one."""
+    with pytest.raises(tiny_model.TinyModelError, match=r"torch is not installed in .*install-vllm-cpu"):
+        tiny_model.ensure_tiny_model("llama", sys.executable, cache_dir=tmp_path)
+
+
+def test_ensure_with_missing_interpreter(tmp_path: Path) -> None:
+    with pytest.raises(tiny_model.TinyModelError, match="does not exist"):
+        tiny_model.ensure_tiny_model("llama", tmp_path / "no-python", cache_dir=tmp_path)
+
+
+# --- real venv: build, cache, concurrency, plugin -------------------------------------------------
+
+
+@needs_real_venv
+def test_build_is_cached_deterministic_and_concurrency_safe(tmp_path: Path) -> None:
+    script = str(REPO / "pytest_pdserve" / "tiny_model.py")
+    argv = [str(REAL_PYTHON), script, "build", "llama", "--cache-dir", str(tmp_path), "--print-path"]
+    # Two concurrent builders into one cache: both must print the same complete directory.
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=180)[0].strip().splitlines()[-1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1]
+    model = Path(outs[0])
+    info = json.loads((model / tiny_model.MARKER).read_text())
+    assert info["kind"] == "llama"
+    assert info["params"] == 819840
+    assert {p.name for p in model.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert [p.name for p in model.parent.iterdir() if not p.name.startswith(".")] == [model.name]
+    # Cached: the pytest-side helper returns the same path without building (no torch import: fast).
+    t0 = time.monotonic()
+    assert tiny_model.ensure_tiny_model("llama", REAL_PYTHON, cache_dir=tmp_path) == model
+    assert time.monotonic() - t0 < 5
+    # Deterministic: the committed reference hash of the weights (same libraries as the install script).
+    ref = DATA / "tiny-model-sha256.json"
+    if ref.exists() and json.loads(ref.read_text())["versions"] == info["versions"]:
+        import hashlib
+
+        digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+        assert digest == json.loads(ref.read_text())["llama"]
+
+
+@needs_real_venv
+def test_plugin_makes_nixl_progress_thread_poll_politely() -> None:
+    """Registered as a vLLM general plugin, and a NIXL agent created afterwards doesn't spin a core."""
+    code = r"""
+import importlib.metadata as md, resource, sys, time
+eps = {ep.name: ep for ep in md.entry_points(group="vllm.general_plugins")}
+eps["nixl_cpu_tweaks"].load()()
+assert "nixl" not in sys.modules, "register() must not import nixl"
+import nixl._api as api
+cfg = api.nixlBind.nixlAgentConfig(); cfg.pthrDelay = 0
+assert cfg.pthrDelay == 1000, cfg.pthrDelay
+agent = api.nixl_agent("t", api.nixl_agent_config(num_threads=4))
+r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.monotonic()
+time.sleep(2)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+used = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+print(round(100 * used / (time.monotonic() - t0), 1))
+"""
+    out = subprocess.run([str(REAL_PYTHON), "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 20.0  # unpatched: 70-100 % of a core
+
+
+@needs_real_venv
+def test_plugin_opt_out_leaves_nixl_alone() -> None:
+    code = r"""
+import vllm_nixl_cpu_tweaks as t
+t.register()
+import nixl._api as api
+cfg = api.nixlBind.nixlAgentConfig(); cfg.pthrDelay = 0
+assert cfg.pthrDelay == 0
+"""
+    env = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
+    out = subprocess.run([str(REAL_PYTHON), "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
