@@ -49,6 +49,31 @@ SIM_VERSION = vllm_compat.LATEST_KNOWN
 #: How long the release gate waits for nvidia-smi to stop listing our pids on a GPU.
 GPU_RELEASE_TIMEOUT = 60.0
 HTTP_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+#: Undocumented knob (tests, firewalled CI hosts): lease every port from ``LOW-HIGH`` instead of the default
+#: range (20000 up to just below the kernel's ephemeral range).
+PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"
+
+
+def port_range_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int | None]:
+    """``(low, high)`` for the port lease calls from ``$PDSERVE_PORT_RANGE``; ``(20000, None)`` (leases'
+    default: up to the ephemeral range) when unset.
+
+    :raises PDServeError: the value is not ``LOW-HIGH`` with ``1 <= LOW <= HIGH <= 65535``.
+    """
+    raw = (os.environ if environ is None else environ).get(PORT_RANGE_ENV, "").strip()
+    if not raw:
+        return 20000, None
+    low, sep, high = raw.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = 0
+    if not sep or not 1 <= lo <= hi <= 65535:
+        raise PDServeError(
+            f"${PORT_RANGE_ENV}={raw!r} is not a port range: expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, "
+            "e.g. 20000-20999"
+        )
+    return lo, hi
 
 
 @dataclass(frozen=True)
@@ -281,6 +306,7 @@ class ClusterManager:
         self.proxy_command = proxy_command
         self.report = reporter or (lambda msg: log.info("%s", msg))
         self.run_token = new_run_token()
+        self.port_range = port_range_from_env()
         self._watchdog: Watchdog | None = None
         self._running: dict[ClusterSpec, _Running] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
@@ -316,13 +342,20 @@ class ClusterManager:
     def attached(self, spec: ClusterSpec, cfg: Any) -> PDCluster:
         """Attach mode: the servers at ``cfg.prefill_urls`` / ``cfg.decode_urls`` (started by someone else).
 
-        No GPU or server-port lease. The given proxy is used, or the built-in one is started in front of
-        the servers. Specs whose topology differs from the attached servers are skipped, not faked.
+        Starts no server and leases no GPU and no server port; the given proxy (``cfg.proxy_url``) is
+        used, or the built-in one is started in front of the servers (it leases only its own port).
+        Every spec shares the one attached deployment; a spec asking for something the deployment does
+        not have (another topology, model or block size, or server settings attach mode cannot apply)
+        is skipped (`ClusterUnavailable`), not faked.
         """
+        __tracebackhide__ = True  # the AttachError message says it all; pytest shows no frames of ours
+        key = ClusterSpec(name="attached")
         with self._lock:
-            key = ClusterSpec(name="attached")
-            if key in self._failed:
-                raise self._failed[key]
+            failed = self._failed.get(key)
+            if failed is not None:
+                # Every later test fails at once with the same message; a cleared traceback keeps the
+                # shared exception object from growing one more chain of frames per test.
+                raise failed.with_traceback(None)
             if key not in self._running:
                 try:
                     self._running[key] = self._attach(cfg)
@@ -330,42 +363,38 @@ class ClusterManager:
                     self._failed[key] = exc
                     raise
             cluster = self._running[key].cluster
-        if (spec.num_prefill, spec.num_decode) != (len(cluster.prefill), len(cluster.decode)):
+            self._running[key].last_used = time.monotonic()
+        mismatch = _attach_mismatch(spec, cluster)
+        if mismatch:
             raise ClusterUnavailable(
-                f"cluster {spec.name} needs {spec.num_prefill}P x {spec.num_decode}D; attach mode has "
-                f"{len(cluster.prefill)}P x {len(cluster.decode)}D (--pd-prefill-url / --pd-decode-url)"
+                f"cluster {spec.name} needs {'; '.join(mismatch)}: attach mode runs every test against the attached "
+                f"deployment ({len(cluster.prefill)}P x {len(cluster.decode)}D, model {cluster.model}, block size "
+                f"{cluster.block_size}) and cannot start servers with other settings"
             )
         return cluster
 
     def _attach(self, cfg: Any) -> _Running:
+        """Check every attached URL, then use the given proxy or start the built-in one in front of the servers."""
+        __tracebackhide__ = True
         t0 = time.monotonic()
+        origin = {role: cfg.source_of(f"{role}_urls" if role != "proxy" else "proxy_url") for role in _ROLES}
+        cluster = attach(
+            prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url, model=cfg.model,
+            api_key=self.defaults.api_key, attention_backend=self.defaults.attention_backend,
+            block_size=self.defaults.block_size, check_only=cfg.proxy_url is None, origin=origin,
+        )  # fmt: skip
         processes: list[ServerProcess] = []
         port_leases: list[leases.PortLease] = []
-        proxy_url = cfg.proxy_url
-        if proxy_url is None:
-            prefill = [ServerHandle("prefill", i, u.rstrip("/")) for i, u in enumerate(cfg.prefill_urls)]
-            decode = [ServerHandle("decode", j, u.rstrip("/")) for j, u in enumerate(cfg.decode_urls)]
-            # Check the servers before starting a proxy in front of them: the error names the dead URL.
-            attach(
-                prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=None, model=cfg.model,
-                api_key=self.defaults.api_key, attention_backend=self.defaults.attention_backend,
-                block_size=self.defaults.block_size, check_only=True,
-            )  # fmt: skip
+        if cfg.proxy_url is None:
+            # The servers answered: only now start a proxy in front of them (it leases its own port only).
             try:
-                proxy = self._start_proxy("attached", [*prefill, *decode], self._watch(), processes, port_leases, t0)
+                cluster.proxy = self._start_proxy(
+                    "attached", [*cluster.prefill, *cluster.decode], self._watch(), processes, port_leases, t0
+                )
             except BaseException:
                 self._cleanup("attached", processes, None, port_leases)
                 raise
-            proxy_url = proxy.url
-        cluster = attach(
-            prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=proxy_url, model=cfg.model,
-            api_key=self.defaults.api_key, attention_backend=self.defaults.attention_backend,
-            block_size=self.defaults.block_size,
-        )  # fmt: skip
-        if processes:
-            cluster.proxy = ServerHandle(
-                "proxy", 0, proxy_url, self.defaults.api_key, processes[0].log_path, processes[0]
-            )
+        cluster.started_seconds = time.monotonic() - t0
         self.report(cluster.describe())
         return _Running(cluster, processes, None, port_leases, "attached")
 
@@ -489,10 +518,21 @@ class ClusterManager:
             self.stop(victim.cluster.spec)
 
     def _lease_ports(self, label: str, width: int) -> tuple[ServerPorts, list[leases.PortLease]]:
-        http = leases.acquire_ports(self.lease_dir, 1, purpose=f"{label} http")
-        side = leases.acquire_port_span(self.lease_dir, width, purpose=f"{label} nixl side channel")
-        window = leases.acquire_port_span(self.lease_dir, commands.VLLM_PORT_WINDOW, purpose=f"{label} VLLM_PORT")
-        return ServerPorts(http=http.base, side_channel=side.base, vllm_port=window.base), [http, side, window]
+        low, high = self.port_range
+        held: list[leases.PortLease] = []
+        try:
+            held.append(leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} http"))
+            for width_, what in ((width, "nixl side channel"), (commands.VLLM_PORT_WINDOW, "VLLM_PORT")):
+                held.append(
+                    leases.acquire_port_span(self.lease_dir, width_, low=low, high=high, purpose=f"{label} {what}")
+                )
+        except BaseException:
+            # The caller only learns about leases we return: free the ones taken before the failure.
+            for lease in held:
+                lease.release()
+            raise
+        http, side, window = held
+        return ServerPorts(http=http.base, side_channel=side.base, vllm_port=window.base), held
 
     def _child_env(self, delta: Mapping[str, str | None]) -> dict[str, str]:
         env = dict(os.environ)
@@ -535,7 +575,8 @@ class ClusterManager:
                 url = f"http://127.0.0.1:{ports.http}"
                 proc = ServerProcess(
                     cmd.name, cmd.argv, self._child_env(cmd.env), log_path,
-                    health_url=f"{url}/health", models_url=f"{url}/v1/models", model_id=model,
+                    health_url=f"{url}/health", models_url=f"{url}/v1/models",
+                    model_id=served_model_name(cmd.argv, model),
                     api_key=self.defaults.api_key, run_token=self.run_token,
                 )  # fmt: skip
                 tokens = tuple(self.inventory.gpus[p].token for p in positions)
@@ -550,7 +591,7 @@ class ClusterManager:
             n_p = spec.num_prefill
             backend = spec.attention_backend if spec.attention_backend is not None else self.defaults.attention_backend
             cluster = PDCluster(
-                spec=spec, engine=setup.info.name, model=model,
+                spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
                 block_size=spec.block_size or self.defaults.block_size or DEFAULT_BLOCK_SIZE,
                 attention_backend=backend, prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version), started_seconds=time.monotonic() - t0,
@@ -600,7 +641,8 @@ class ClusterManager:
         port_leases: list[leases.PortLease],
         t0: float,
     ) -> ServerHandle:
-        lease = leases.acquire_ports(self.lease_dir, 1, purpose=f"{label} proxy")
+        low, high = self.port_range
+        lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
         port_leases.append(lease)
         watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
         port = lease.base
@@ -699,6 +741,21 @@ def _release_gate(inventory: Inventory, lease: leases.GpuLease, our_pids: set[in
     return gate
 
 
+def served_model_name(argv: Sequence[str], model: str) -> str:
+    """The model id clients must send: the first value of the last ``--served-model-name`` in argv, else ``model``.
+
+    The extra args may rename the model (``VLLM_SERVE_EXTRA_ARGS=--served-model-name,x``); readiness and
+    ``PDCluster.complete`` must then use the new name, or the start waits for a model that is never listed.
+    """
+    name = model
+    for i, arg in enumerate(argv):
+        if arg == "--served-model-name" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            name = argv[i + 1]
+        elif arg.startswith("--served-model-name="):
+            name = arg.split("=", 1)[1]
+    return name
+
+
 def _shares_gpu(plan: list[list[int]]) -> bool:
     seen: set[int] = set()
     for positions in plan:
@@ -763,6 +820,17 @@ class _Progress:
         self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {last_line[-160:]}")
 
 
+_ROLES = ("prefill", "decode", "proxy")
+
+#: ClusterSpec fields attach mode cannot apply to servers it did not start (compared with the defaults).
+_SERVER_SETTINGS = (
+    "prefill_tp", "decode_tp", "model_kind", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
+    "mamba_cache_mode", "trust_remote_code", "kv_connector", "kv_buffer_device", "kv_load_failure_policy",
+    "kv_connector_extra_config", "extra_args", "prefill_extra_args", "decode_extra_args", "env", "prefill_env",
+    "decode_env",
+)  # fmt: skip
+
+
 def attach(
     *,
     prefill_urls: Sequence[str],
@@ -774,61 +842,137 @@ def attach(
     block_size: int | None,
     timeout: float = 10.0,
     check_only: bool = False,
+    origin: Mapping[str, str] | None = None,
 ) -> PDCluster:
-    """A cluster made of servers someone else started. Checks each URL answers /health and /v1/models."""
+    """A cluster made of servers someone else started (attach mode); starts and leases nothing.
+
+    Every prefill and decode URL must answer ``GET /health`` with 200 and list the model in
+    ``GET /v1/models`` (the first model of the first prefill server when ``model`` is None); they are
+    checked in parallel and one `AttachError` names every URL that did not. ``proxy_url`` must answer
+    ``/health`` or ``/healthcheck`` (vLLM's toy proxy). With ``check_only`` the proxy is left as a
+    placeholder for the caller to fill in. The block size is read from the servers'
+    ``vllm:cache_config_info`` metric when they export it, else ``block_size``, else the default.
+
+    :param origin: where each role's URLs came from (``{"decode": "--pd-decode-url"}``), for the error.
+    """
+    __tracebackhide__ = True
+    where = dict(origin or {})
     if not prefill_urls or not decode_urls:
         raise AttachError(
-            "attach mode needs at least one --pd-prefill-url and one --pd-decode-url "
-            f"(got {len(prefill_urls)} prefill, {len(decode_urls)} decode)"
+            "attach mode needs at least one prefill URL (--pd-prefill-url, $PDSERVE_PREFILL_URLS or ini "
+            "pdserve_prefill_urls) and one decode URL (--pd-decode-url, $PDSERVE_DECODE_URLS or ini "
+            f"pdserve_decode_urls); got prefill {list(prefill_urls)}, decode {list(decode_urls)}"
+            + (f", proxy {proxy_url}" if proxy_url else "")
         )
     handles = [ServerHandle("prefill", i, u.rstrip("/"), api_key) for i, u in enumerate(prefill_urls)]
     handles += [ServerHandle("decode", j, u.rstrip("/"), api_key) for j, u in enumerate(decode_urls)]
-    served: str | None = model
-    for h in handles:
-        served = _check_attached(h, served, timeout)
-    assert served is not None
-    if check_only:
-        proxy = ServerHandle("proxy", 0, "http://127.0.0.1:0")
-    elif proxy_url is not None:
-        proxy = ServerHandle("proxy", 0, proxy_url.rstrip("/"), api_key)
-        _check_health(proxy, ("/health", "/healthcheck"), timeout)
-    else:
-        raise AttachError("attach() needs a proxy_url unless check_only")
+    proxy = ServerHandle("proxy", 0, (proxy_url or "http://127.0.0.1:0").rstrip("/"), api_key)
+    to_check = [*handles, *([proxy] if proxy_url is not None and not check_only else [])]
+    # In parallel: an unreachable host costs one connect timeout, not one per URL.
+    with ThreadPoolExecutor(max_workers=len(to_check)) as pool:
+        futures = [(h, pool.submit(_check_attached, h, timeout)) for h in to_check]
+    problems: list[str] = []
+    served: dict[str, list[str]] = {}
+    for h, fut in futures:
+        exc = fut.exception()
+        if exc is None:
+            served[h.name] = fut.result()
+            continue
+        given = f" (given by {where[h.role]})" if h.role in where else ""
+        problems.append(f"{h.name} at {h.url}{given}: {exc}")
+    if problems:
+        raise AttachError(
+            f"attach mode: {len(problems)} of {len(to_check)} attached URLs did not answer:\n  "
+            + "\n  ".join(problems)
+            + "\nAre the servers up and reachable from this machine? (no server is started in attach mode)"
+        )
+    wanted = model if model is not None else served[handles[0].name][0]
+    wrong = [f"{h.name} at {h.url} serves {served[h.name]}" for h in handles if wanted not in served[h.name]]
+    if wrong:
+        source = "--pd-model" if model is not None else f"what {handles[0].name} serves first"
+        raise AttachError(f"attach mode: model {wanted!r} ({source}) is not served everywhere: " + "; ".join(wrong))
+    discovered = _attached_block_size(handles, timeout)
     return PDCluster(
-        spec=ClusterSpec(name="attached"), engine="attached", model=served,
-        block_size=block_size or DEFAULT_BLOCK_SIZE, attention_backend=attention_backend,
+        spec=ClusterSpec(name="attached"), engine="attached", model=wanted,
+        block_size=discovered or block_size or DEFAULT_BLOCK_SIZE, attention_backend=attention_backend,
         prefill=tuple(h for h in handles if h.role == "prefill"),
         decode=tuple(h for h in handles if h.role == "decode"), proxy=proxy, attached=True,
     )  # fmt: skip
 
 
+def _get(h: ServerHandle, path: str, timeout: float) -> httpx.Response:
+    return httpx.get(f"{h.url}{path}", headers=h.headers, timeout=timeout, trust_env=False)
+
+
 def _check_health(h: ServerHandle, paths: Sequence[str], timeout: float) -> None:
+    """``GET`` each of ``paths`` until one answers 200; else an `AttachError` saying what each did."""
+    __tracebackhide__ = True
     errors = []
     for path in paths:
         try:
-            r = httpx.get(f"{h.url}{path}", headers=h.headers, timeout=timeout, trust_env=False)
+            r = _get(h, path, timeout)
         except httpx.HTTPError as exc:
-            errors.append(f"GET {h.url}{path}: {type(exc).__name__}: {exc}")
+            errors.append(f"GET {path}: {type(exc).__name__}: {exc or 'no answer'}")
             continue
         if r.status_code == 200:
             return
-        errors.append(f"GET {h.url}{path} -> HTTP {r.status_code}")
-    raise AttachError(f"attached {h.name} at {h.url} is not healthy: " + "; ".join(errors))
+        hint = " (the server wants an API key: --pd-api-key / $PDSERVE_API_KEY)" if r.status_code == 401 else ""
+        errors.append(f"GET {path} -> HTTP {r.status_code}{hint}")
+    raise AttachError("; ".join(errors))
 
 
-def _check_attached(h: ServerHandle, model: str | None, timeout: float) -> str:
+def _check_attached(h: ServerHandle, timeout: float) -> list[str]:
+    """Health, then the model ids ``GET /v1/models`` lists (at least one); a proxy: health only."""
+    __tracebackhide__ = True
+    if h.role == "proxy":
+        # /healthcheck: vLLM's toy_proxy_server.py; /health: ours and most others.
+        _check_health(h, ("/health", "/healthcheck"), timeout)
+        return []
     _check_health(h, ("/health",), timeout)
     try:
-        r = httpx.get(f"{h.url}/v1/models", headers=h.headers, timeout=timeout, trust_env=False)
+        r = _get(h, "/v1/models", timeout)
         r.raise_for_status()
-        ids = [m["id"] for m in r.json()["data"]]
+        ids = [str(m["id"]) for m in r.json()["data"]]
+    except httpx.HTTPStatusError as exc:
+        raise AttachError(f"GET /v1/models -> HTTP {exc.response.status_code}") from None
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
-        raise AttachError(f"attached {h.name} at {h.url}: GET /v1/models failed: {exc}") from None
-    if model is not None and model not in ids:
-        raise AttachError(f"attached {h.name} at {h.url} does not serve model {model!r}; it serves {ids}")
+        raise AttachError(f"GET /v1/models: {type(exc).__name__}: {exc} (expected an OpenAI model list)") from None
     if not ids:
-        raise AttachError(f"attached {h.name} at {h.url} serves no model (/v1/models is empty)")
-    return model or str(ids[0])
+        raise AttachError("GET /v1/models lists no model")
+    return ids
+
+
+def _attached_block_size(handles: Sequence[ServerHandle], timeout: float) -> int | None:
+    """The block size an attached server reports in ``vllm:cache_config_info`` (None when none does)."""
+    for h in handles:
+        with contextlib.suppress(Exception):  # best effort: an older server or a metrics-less proxy path
+            for labels in scrape(h.client, timeout=timeout, strict=False).series("vllm:cache_config_info"):
+                value = dict(labels).get("block_size", "")
+                if value.isdigit() and int(value) > 0:
+                    return int(value)
+    return None
+
+
+def _attach_mismatch(spec: ClusterSpec, cluster: PDCluster) -> list[str]:
+    """What ``spec`` asks for that the attached deployment does not have (empty: it can run there)."""
+    out = []
+    topology = (spec.num_prefill, spec.num_decode)
+    # 1P x 1D is what `pd_cluster` asks for by default: in attach mode it means "the deployment", whatever its
+    # shape; a spec asking for another topology runs only when the deployment has exactly that one.
+    if topology != (1, 1) and topology != (len(cluster.prefill), len(cluster.decode)):
+        out.append(f"{spec.num_prefill}P x {spec.num_decode}D")
+    if spec.model is not None and spec.model != cluster.model:
+        out.append(f"model {spec.model}")
+    if spec.block_size is not None and spec.block_size != cluster.block_size:
+        out.append(f"block size {spec.block_size}")
+    backend = spec.attention_backend
+    if backend is not None and backend.upper() != (cluster.attention_backend or "").upper():
+        out.append(f"attention backend {backend}")
+    default = ClusterSpec()
+    changed = [name for name in _SERVER_SETTINGS if getattr(spec, name) != getattr(default, name)]
+    if changed:
+        out.append(f"server settings {', '.join(changed)}")
+    return out
 
 
 def iter_handles(clusters: Sequence[PDCluster]) -> Iterator[ServerHandle]:

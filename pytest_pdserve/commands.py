@@ -151,6 +151,8 @@ def build_server_command(
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)
     env["VLLM_PORT"] = str(ports.vllm_port)
     env["VLLM_HOST_IP"] = host
+    # Dev mode exposes POST /reset_prefix_cache, which the cold-vs-warm determinism check needs.
+    env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(spec.env)
     env.update(spec.prefill_env if role == "prefill" else spec.decode_env)
     return ServerCommand(role=role, index=index, argv=tuple(argv), env=env)

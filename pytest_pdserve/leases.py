@@ -14,7 +14,9 @@ registry to repair. That makes leases safe across xdist workers, concurrent pyte
 * ``lease.fds`` can be handed to the watchdog (``Watchdog.hold``) so a lease outlives a SIGKILLed
   pytest until the watchdog has killed the servers that used it.
 * ``<key>.json`` next to each lock records the holder (pid, pgid, start time, purpose) for
-  diagnostics only; the lock is the truth.
+  diagnostics only; the lock is the truth. Both files are removed on release (while still locked,
+  and a new holder checks it locked the inode that is still linked), so the directory does not fill
+  up with one file per port ever used.
 
 Implementation note: this uses ``fcntl.flock`` directly rather than the ``filelock`` package. Same
 kernel primitive, but we need the raw fd (to pass to the watchdog), non-blocking multi-lock attempts,
@@ -106,18 +108,34 @@ def _open_shared(path: Path) -> int:
 
 def _try_lock(path: Path) -> int | None:
     """Non-blocking exclusive flock; returns the fd holding it, or None if someone else holds it."""
-    fd = _open_shared(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
+    for _ in range(10):
+        fd = _open_shared(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        # The previous holder unlinks the file on release; if that happened between our open and our
+        # flock we locked an orphaned inode that nobody else will ever look at: retry on the new file.
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
         os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    return fd
+    return None
 
 
-def _unlock(fd: int) -> None:
+def _unlock(fd: int, path: Path) -> None:
+    """Release a lock taken by :func:`_try_lock` and remove its files (they would pile up otherwise)."""
+    # Unlink *while still locked* so a waiter that opened the old inode notices (see _try_lock).
+    # Another user's file in the sticky dir cannot be unlinked (EPERM): it simply stays.
+    for victim in (path.with_suffix(".json"), path):
+        with contextlib.suppress(OSError):
+            os.unlink(victim)
     # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -182,11 +200,7 @@ class _Lease:
 
     def _release_now(self) -> None:
         for path, fd in zip(self._paths, self._fds, strict=True):
-            with contextlib.suppress(OSError):
-                # Truncate (not unlink: other users cannot unlink our file in a sticky dir, and the
-                # lock file must stay one inode) so stale holder info does not mislead.
-                os.truncate(path.with_suffix(".json"), 0)
-            _unlock(fd)
+            _unlock(fd, path)
         self._fds = []
 
 
@@ -232,9 +246,7 @@ class GpuLease(_Lease):
                     log.exception("GPU release gate failed; releasing anyway")
                     break
                 if time.monotonic() >= deadline:
-                    log.warning(
-                        "GPU release gate not satisfied after %.1fs; releasing %s anyway", timeout, self.keys
-                    )
+                    log.warning("GPU release gate not satisfied after %.1fs; releasing %s anyway", timeout, self.keys)
                     break
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         self._release_now()
@@ -299,37 +311,51 @@ def _windows(n: int, count: int) -> Iterator[tuple[int, ...]]:
 def _try_gpus(
     lease_dir: Path, keys: Sequence[str], count: int, contiguous: bool, purpose: str
 ) -> tuple[GpuLease | None, list[int]]:
-    """One pass: lock free GPUs one by one, keep the first acceptable set; returns (lease, busy)."""
+    """One pass; returns (lease, []) on success, else (None, busy positions).
+
+    Locks are taken lazily, window by window, so a pass holds as few GPUs it will not keep as
+    possible (a concurrent ``try_acquire_gpus`` would see those as busy for that instant).
+    """
     paths = [_gpu_path(lease_dir, k) for k in keys]
-    fds: dict[int, int] = {}
-    busy: list[int] = []
+    held: dict[int, int] = {}
+    busy: set[int] = set()
+
+    def lock(pos: int) -> bool:
+        if pos in held:
+            return True
+        if pos in busy:
+            return False
+        fd = _try_lock(paths[pos])
+        if fd is None:
+            busy.add(pos)
+            return False
+        held[pos] = fd
+        return True
+
     chosen: tuple[int, ...] | None = None
     try:
-        for pos, path in enumerate(paths):
-            fd = _try_lock(path)
-            if fd is None:
-                busy.append(pos)
-            else:
-                fds[pos] = fd
-        free = sorted(fds)
         for window in _windows(len(keys), count):
-            if all(p in fds for p in window):
+            if all(lock(p) for p in window):
                 chosen = window
                 break
-        if chosen is None and not contiguous and len(free) >= count:
-            chosen = tuple(free[:count])
+        if chosen is None and not contiguous:
+            free = [p for p in range(len(keys)) if lock(p)]
+            if len(free) >= count:
+                chosen = tuple(free[:count])
         if chosen is None:
-            return None, busy
+            for p in range(len(keys)):  # complete the picture for the waiting message
+                lock(p)
+            return None, sorted(busy)
         for pos in chosen:
             _write_holder(paths[pos], purpose)
         lease = GpuLease(
-            chosen, tuple(keys[p] for p in chosen), [paths[p] for p in chosen], [fds[p] for p in chosen], 0.0
+            chosen, tuple(keys[p] for p in chosen), [paths[p] for p in chosen], [held[p] for p in chosen], 0.0
         )
-        return lease, busy
+        return lease, []
     finally:
-        for pos, fd in fds.items():
+        for pos, fd in held.items():
             if chosen is None or pos not in chosen:
-                _unlock(fd)
+                _unlock(fd, paths[pos])
 
 
 def _validate_gpu_request(keys: Sequence[str], count: int) -> None:
@@ -407,9 +433,7 @@ def acquire_gpus(
         time.sleep(max(0.0, min(poll, deadline - now)))
 
 
-def _gpu_wait_message(
-    lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool
-) -> str:
+def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:
     holders = ", ".join(f"{keys[p]} by {_describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
     what = f"{count} free{' adjacent' if contiguous and count > 1 else ''} GPU(s)"
     if len(busy) == len(keys):
@@ -462,7 +486,7 @@ def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
     if fd is None:
         return None
     if not _bind_free(port):
-        _unlock(fd)
+        _unlock(fd, path)
         return None
     _write_holder(path, purpose)
     return fd
@@ -497,8 +521,8 @@ def acquire_ports(
                     [lease_dir / f"port-{ports[j]}.lock" for j in order],
                     [fds[j] for j in order],
                 )
-    for fd in fds:
-        _unlock(fd)
+    for port, fd in zip(ports, fds, strict=True):
+        _unlock(fd, lease_dir / f"port-{port}.lock")
     raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
 
 
@@ -535,8 +559,8 @@ def acquire_port_span(
                 [lease_dir / f"port-{p}.lock" for p in range(base, base + width)],
                 fds,
             )
-        for fd in fds:
-            _unlock(fd)
+        for port, fd in zip(range(base, base + width), fds, strict=False):
+            _unlock(fd, lease_dir / f"port-{port}.lock")
         # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
         # point (after it, bases restart at ``low`` and do not contain the busy port).
         i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)

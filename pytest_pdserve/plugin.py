@@ -39,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Two lines: engine / model / backend / extra args, then platform, inventory and log dir."""
+    """Engine / model / backend / extra args, then platform, inventory and log dir; attach mode adds the URLs first."""
     cfg = config.stash[PDSERVE_CONFIG]
     extra = shlex.join(cfg.vllm_serve_extra_args) if cfg.vllm_serve_extra_args else "none"
     lines = [
@@ -49,10 +49,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
     log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
     second = f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}"
-    if cfg.attach_mode:
-        urls = [*cfg.prefill_urls, *cfg.decode_urls, *([cfg.proxy_url] if cfg.proxy_url else [])]
-        second += f"; attached to {' '.join(urls)}"
     lines.append(second)
+    if cfg.attach_mode:
+        # Attach mode: say so first, since engine/GPU settings above do not apply to servers we did not start.
+        proxy = cfg.proxy_url or "built-in (started here)"
+        lines.insert(
+            0,
+            f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
+            f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
+        )
     return lines
 
 

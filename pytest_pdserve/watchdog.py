@@ -165,15 +165,23 @@ def _safe_group(pgid: int) -> bool:
 
 
 def _signal_all(groups: Iterable[int], pids: Mapping[int, int], sig: int) -> None:
+    groups = {g for g in groups if _safe_group(g)}
     for pgid in groups:
-        if _safe_group(pgid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
     table = proc_table()
     for pid, starttime in pids.items():
         info = table.get(pid)
         # Same pid *and* same start time, or it is somebody else's process that reused the pid.
-        if info is not None and info.live and info.starttime == starttime and pid != os.getpid():
+        # Group members already got the signal: a second SIGTERM can turn a graceful shutdown
+        # into a forced one (uvicorn and vLLM's engine core treat repeats differently).
+        if (
+            info is not None
+            and info.live
+            and info.starttime == starttime
+            and info.pgid not in groups
+            and pid != os.getpid()
+        ):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
@@ -502,9 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     t0 = time.monotonic()
     _say(f"{reason}: cleaning up groups {sorted(groups)} and tokens {sorted(tokens)}")
-    res = terminate(
-        groups, env=[(RUN_TOKEN_ENV, t) for t in sorted(tokens)], grace=args.grace, kill_wait=10.0
-    )
+    res = terminate(groups, env=[(RUN_TOKEN_ENV, t) for t in sorted(tokens)], grace=args.grace, kill_wait=10.0)
     _say(
         f"done in {time.monotonic() - t0:.2f}s: killed={res.killed} swept={list(res.swept)} "
         f"remaining={list(res.remaining)}"

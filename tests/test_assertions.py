@@ -582,3 +582,24 @@ def test_sources_cluster_failure_names_the_decode_server() -> None:
         A.assert_prompt_token_sources(c, expect="cold_decode", request={"prompt": LONG})
     assert "\n  decode-0:\n" in str(exc_info.value)
     assert "(prompt_tokens=10, block_size=4)" in str(exc_info.value)
+
+
+SSE_CAPTURE = Path(__file__).parent / "data" / "vllm-cpu" / "decode-sse-stream.txt"
+
+
+@pytest.mark.skipif(not SSE_CAPTURE.is_file(), reason="no real vLLM SSE capture in tests/data/vllm-cpu yet")
+def test_real_vllm_sse_stream_is_collected() -> None:
+    text = SSE_CAPTURE.read_text()
+    transport = httpx.MockTransport(
+        lambda r: httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+    )
+    with httpx.Client(base_url="http://127.0.0.1:1", transport=transport) as client:
+        out = A.complete(client, {"prompt": "x", "stream": True})
+    pieces = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+    ]
+    assert out.text == "".join(pieces) != ""
+    assert out.token_ids is None  # not requested in that capture: text-only comparison
+    assert out.finish_reason is not None

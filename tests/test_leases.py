@@ -182,6 +182,49 @@ def test_lease_dir_is_shared_mode(tmp_path: Path) -> None:
     assert stat.S_IMODE((lease_dir / "gpu-GPU-aaaa.lock").stat().st_mode) == 0o666
     assert f'"pid": {os.getpid()}' in (lease_dir / "gpu-GPU-aaaa.json").read_text()
     lease.release()
+    assert list(lease_dir.iterdir()) == [], "released leases leave no files behind"
+
+
+# Many processes hammer one key; whoever holds the lease creates a marker with O_EXCL. If two ever
+# held it at once, the O_EXCL create fails. This exercises the unlink-on-release / inode re-check.
+HAMMER = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from pytest_pdserve.leases import try_acquire_gpus
+    lease_dir, marker, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    print("waiting", flush=True)
+    for _ in range(100_000):  # start together, so that they really contend
+        if go.exists():
+            break
+    got = 0
+    for _ in range(1500):
+        lease = try_acquire_gpus(lease_dir, ["only"], 1)
+        if lease is None:
+            continue
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # raises if someone else holds it
+        os.close(fd)
+        os.unlink(marker)
+        lease.release()
+        got += 1
+    print(got)
+    """
+)
+
+
+def test_mutual_exclusion_under_contention(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    argv = [sys.executable, "-c", HAMMER, str(tmp_path / "leases"), str(tmp_path / "marker"), str(go)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:
+        assert p.stdout is not None
+        assert p.stdout.readline() == "waiting\n"
+    go.touch()
+    results = [p.communicate(timeout=60) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err
+    got = sum(int(out) for out, _ in results)
+    assert 0 < got < 4 * 1500, f"{got} acquisitions: no contention happened, the test proves nothing"
 
 
 # ---------------------------------------------------------------------------------------------- ports

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -48,15 +47,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fast_failed_sniffio_import() -> None:
-    """Without sniffio installed, httpcore retries ``import sniffio`` several times per request,
-    and every failed import scans sys.path (measured: about 0.25 ms per upstream call). A ``None``
-    entry in sys.modules makes that import fail at once; httpcore then assumes asyncio, which is
-    what we run. Only done in the proxy's own process, and only when sniffio is really absent."""
-    if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
-        sys.modules["sniffio"] = None  # type: ignore[assignment]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse *argv*, then serve until SIGINT/SIGTERM."""
     parser = _parser()
@@ -73,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     # access_log off: the app logs one richer line per request itself.
-    _fast_failed_sniffio_import()
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -1,0 +1,321 @@
+"""Lifecycle guarantees of the cluster fixtures, proven with real pytest sessions and real simulator processes.
+
+Each test runs an inner pytest (``pytester.runpytest_subprocess``) with ``--pd-engine=sim`` and a private
+lease directory. Every process the inner session starts inherits ``PDSERVE_TEST_MARK=<unique>``, so the
+outer test finds them in ``/proc`` (never by name) and checks that none is left afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pytest_pdserve.commands import VLLM_PORT_WINDOW
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+MARK_ENV = "PDSERVE_TEST_MARK"
+
+#: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
+INNER_CONFTEST = r'''
+import json, os, time, uuid
+from pathlib import Path
+
+import pytest
+
+
+def _environ(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+
+
+@pytest.fixture
+def pdinfo(request):
+    def write(cluster, **extra):
+        servers = []
+        for s in cluster.servers:
+            env = _environ(s.process.pid) if s.process else {}
+            servers.append({
+                "name": s.name, "pid": s.process.pid if s.process else None, "port": s.port,
+                "side": s.side_channel_port, "vllm_port": s.ports.vllm_port if s.ports and s.role != "proxy" else None,
+                "cvd": env.get("CUDA_VISIBLE_DEVICES"), "log": str(s.log_path),
+                "started_at": s.process.started_at if s.process else None, "ready_seconds": s.ready_seconds,
+            })
+        info = {"test": request.node.nodeid, "servers": servers, "started_seconds": cluster.started_seconds,
+                "t": time.time(), **extra}
+        out = Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json"
+        out.write_text(json.dumps(info))
+        return info
+    return write
+'''
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def live_procs(mark: str) -> dict[int, int]:
+    """``{pid: pgid}`` of live (non-zombie) processes whose environment carries ``PDSERVE_TEST_MARK=mark``."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    found: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] not in (b"Z", b"X") and needle in environ.split(b"\0"):
+            found[int(entry)] = int(fields[2])
+    return found
+
+
+def live_in_groups(pgids: set[int]) -> list[int]:
+    """Live processes whose process group is one of ``pgids``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] not in (b"Z", b"X") and int(fields[2]) in pgids:
+            alive.append(int(entry))
+    return alive
+
+
+def wait_gone(mark: str, timeout: float) -> float:
+    """Seconds until no marked process is alive; fails after ``timeout`` listing the survivors."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not live_procs(mark):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    survivors = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in live_procs(mark)}
+    raise AssertionError(f"processes still alive {timeout}s later: {survivors}")
+
+
+class Inner:
+    """One inner pytest setup: a test dir with the helper conftest, a mark, a lease dir and a log dir."""
+
+    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pytester = pytester
+        self.mark = uuid.uuid4().hex
+        self.info_dir = pytester.path / "pdinfo"
+        self.info_dir.mkdir()
+        self.log_dir = pytester.path / "logs"
+        self.lease_dir = pytester.path / "leases"
+        monkeypatch.setenv(MARK_ENV, self.mark)
+        monkeypatch.setenv("PDINFO_DIR", str(self.info_dir))
+        pytester.makeconftest(INNER_CONFTEST)
+
+    def args(self, *extra: str) -> list[str]:
+        return [
+            "--pd-engine=sim", f"--pd-lease-dir={self.lease_dir}", f"--pd-log-dir={self.log_dir}",
+            "-p", "no:cacheprovider", *extra,
+        ]  # fmt: skip
+
+    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
+        return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
+
+    def infos(self) -> list[dict[str, object]]:
+        return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
+
+    def assert_nothing_left(self, infos: list[dict[str, object]] | None = None) -> None:
+        wait_gone(self.mark, 5.0)
+        pgids = {s["pid"] for i in (infos or []) for s in i["servers"]}  # type: ignore[attr-defined]
+        assert not live_in_groups(pgids), f"process groups {pgids} still have members"
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
+    return Inner(pytester, monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
+    """P and D each take >= 2 s to load; they are spawned together, so their start windows overlap."""
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_up(pd_cluster_factory, pdinfo):
+            cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "2"}))
+            pdinfo(cluster)
+        """
+    )
+    result = inner.run()
+    result.assert_outcomes(passed=1)
+    [info] = inner.infos()
+    servers = {s["name"]: s for s in info["servers"]}  # type: ignore[attr-defined]
+    p, d = servers["prefill-0"], servers["decode-0"]
+    p_ready_at = p["started_at"] + p["ready_seconds"]
+    d_ready_at = d["started_at"] + d["ready_seconds"]
+    # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa.
+    assert d["started_at"] < p_ready_at and p["started_at"] < d_ready_at, (p, d)
+    assert abs(d["started_at"] - p["started_at"]) < 0.5
+    assert p["ready_seconds"] >= 2 and d["ready_seconds"] >= 2
+    # In series it would take at least both startups; in parallel about one (plus the proxy).
+    assert info["started_seconds"] < p["ready_seconds"] + d["ready_seconds"]
+    inner.assert_nothing_left([info])
+
+
+def test_crash_at_startup_fails_fast_with_log_tail_exit_code_and_hint(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        import time
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_crash(pd_cluster_factory, pdinfo):
+            spec = ClusterSpec(decode_env={
+                "PDSERVE_SIM_CRASH_AT_STARTUP": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB",
+                "PDSERVE_SIM_CRASH_EXIT_CODE": "3",
+            })
+            t0 = time.monotonic()
+            try:
+                pd_cluster_factory(spec)
+            finally:
+                print(f"CRASH-DETECTED-AFTER {time.monotonic() - t0:.3f}")
+        """
+    )
+    result = inner.run("-s")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    seconds = float(out.split("CRASH-DETECTED-AFTER ")[1].split()[0])
+    assert seconds < 2.0, f"crash noticed only after {seconds:.2f}s"
+    assert "decode-0: server process exited with exit code 3 before it became ready" in out
+    assert "CUDA out of memory. Tried to allocate 2 GiB" in out  # the log tail
+    assert "hint: the GPU ran out of memory" in out
+    assert "full log: " in out
+    inner.assert_nothing_left()
+
+
+def test_failed_cluster_fails_every_test_fast_without_restarting(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        import pytest
+        from pytest_pdserve.spec import ClusterSpec
+
+        @pytest.fixture
+        def cluster(pd_cluster_factory):
+            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_CRASH_AT_STARTUP": "boom"}))
+
+        @pytest.mark.parametrize("n", range(4))
+        def test_needs_cluster(cluster, n):
+            pass
+        """
+    )
+    result = inner.run("--durations=0", "-vv")
+    result.assert_outcomes(errors=4)
+    out = result.stdout.str()
+    assert out.count("decode-0: server process exited with exit code 1 before it became ready") >= 4
+    # One start attempt: one decode log file, one "starting" line in it.
+    decode_logs = list(inner.log_dir.glob("*-decode-0.log"))
+    assert len(decode_logs) == 1, decode_logs
+    assert decode_logs[0].read_text().count("pdserve: starting decode-0") == 1
+    # The three later tests fail from the cached error: no setup takes a second.
+    setups = [float(line.split("s setup")[0]) for line in out.splitlines() if "s setup " in line]
+    assert len(setups) == 4 and sorted(setups)[:3] == [pytest.approx(0, abs=0.3)] * 3, setups
+    inner.assert_nothing_left()
+
+
+def test_session_start_is_not_billed_to_the_first_tests_timeout(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_first(pd_cluster_factory):
+            cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "3"}))
+            assert cluster.started_seconds >= 3
+            cluster.complete("hello " * 20, max_tokens=2)
+        """
+    )
+    result = inner.run("--timeout=2")
+    result.assert_outcomes(passed=1)
+    inner.assert_nothing_left()
+
+
+def test_failing_test_carries_server_logs_under_xdist(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        def test_fails(pd_cluster):
+            pd_cluster.complete("the quick brown fox " * 10, max_tokens=3)
+            assert False, "deliberate"
+
+        def test_passes(pd_cluster):
+            pd_cluster.complete("hello " * 5, max_tokens=1)
+        """
+    )
+    result = inner.run("-n", "2", "--dist=loadfile")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    for name in ("prefill-0", "decode-0", "proxy"):
+        assert f"pdserve {name} log (" in out, name
+    # Lines the servers wrote during the failing test (the request), not only the startup banner.
+    sections = out.split("pdserve prefill-0 log (", 1)[1]
+    assert sections.count('"POST /v1/completions HTTP/1.1" 200') == 2  # prefill and decode
+    assert "proxy /v1/completions status=200" in sections
+    assert out.count("pdserve decode-0 log (") == 1  # the passing test carries none
+    inner.assert_nothing_left()
+
+
+def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
+    """-n 4 on 4 simulated GPUs: each worker's cluster takes 2; concurrent clusters never share a GPU or port."""
+    for i in range(4):
+        inner.pytester.makepyfile(
+            **{
+                f"test_mod{i}": """
+                import time
+
+                def test_cluster(pd_cluster, pdinfo):
+                    info = pdinfo(pd_cluster, start=time.time())
+                    pd_cluster.complete("abc " * 20, max_tokens=2)
+                    time.sleep(1.0)  # hold the cluster so that two are up at once
+                    pdinfo(pd_cluster, start=info["start"], end=time.time())
+                """
+            }
+        )
+    result = inner.run("-n", "4", "--pd-simulate-gpus=4")
+    result.assert_outcomes(passed=4)
+    infos = [i for i in inner.infos() if "end" in i]
+    assert len(infos) == 4
+
+    def resources(info: dict[str, object]) -> tuple[set[str], set[int]]:
+        gpus: set[str] = set()
+        ports: set[int] = set()
+        for s in info["servers"]:  # type: ignore[attr-defined]
+            ports.add(s["port"])
+            if s["name"] != "proxy":
+                gpus.update(s["cvd"].split(","))
+                ports.add(s["side"])
+                ports.update(range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW))
+        return gpus, ports
+
+    for info in infos:
+        gpus, _ = resources(info)
+        cvds = [s["cvd"] for s in info["servers"] if s["name"] != "proxy"]  # type: ignore[attr-defined]
+        assert len(gpus) == 2 and len(cvds) == 2, cvds  # P and D each have their own GPU
+    overlapping = 0
+    for a in range(4):
+        for b in range(a + 1, 4):
+            ia, ib = infos[a], infos[b]
+            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
+                overlapping += 1
+                (ga, pa), (gb, pb) = resources(ia), resources(ib)
+                assert not ga & gb, f"GPU shared by {ia['test']} and {ib['test']}: {ga & gb}"
+                assert not pa & pb, f"port shared by {ia['test']} and {ib['test']}: {pa & pb}"
+    assert overlapping >= 1, "no two clusters ran at the same time; the test proved nothing"
+    inner.assert_nothing_left(infos)

@@ -1,0 +1,32 @@
+"""The README's promises that code can check: the options table and the Quickstart commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pytest_pdserve._options_table import BEGIN, END, render
+from pytest_pdserve.settings import SETTINGS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_options_table_is_generated_from_the_settings() -> None:
+    text = README.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    assert text[start:end] == render(), "README options table is stale: run python -m pytest_pdserve._options_table"
+
+
+def test_every_setting_is_in_the_table() -> None:
+    table = render()
+    for s in SETTINGS:
+        assert f"`{s.flag}`" in table and f"`{s.env_var}`" in table and f"`{s.ini_key}`" in table
+
+
+def test_quickstart_commands_exist() -> None:
+    text = README.read_text()
+    quickstart = text[text.index("## Quickstart") :]
+    quickstart = quickstart[: quickstart.index("\n## ", 5)]
+    assert "pytest examples --pd-engine=sim" in quickstart
+    assert "bash .ci/run" in quickstart
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert ".venv/bin/python -m pytest -p no:cacheprovider" in ci
