@@ -73,12 +73,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     logs.record_offsets(item)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Attach what each server and the proxy logged during a failed test as report sections."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
+    report = yield
     logs.attach_sections(item, report)
+    return report
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
