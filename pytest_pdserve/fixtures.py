@@ -28,9 +28,11 @@ if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pa
 
 
 class ClusterFactory(Protocol):
-    """``pd_cluster_factory(spec=None, **spec_fields) -> PDCluster``."""
+    """``pd_cluster_factory(spec=None, **spec_fields) -> PDCluster``; ``.stop(spec)`` frees one early."""
 
     def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster: ...
+
+    def stop(self, spec: ClusterSpec) -> None: ...
 
 
 MANAGER = pytest.StashKey["ClusterManager"]()
@@ -214,23 +216,35 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
         raise
 
 
+class _Factory:
+    """The object ``pd_cluster_factory`` yields: call it for a cluster, ``stop(spec)`` to free one early."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+
+    def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster:
+        if spec is not None and fields:
+            spec = spec.with_(**fields)
+        elif spec is None:
+            spec = ClusterSpec(**fields)
+        return _get_cluster(self._request, spec)
+
+    def stop(self, spec: ClusterSpec) -> None:
+        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory)."""
+        manager = self._request.config.stash.get(MANAGER, None)
+        if manager is not None:
+            manager.stop(spec)
+
+
 @pytest.fixture(scope="session")
 def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactory]:
     """Build or reuse a P/D cluster from a `ClusterSpec` (session-scoped).
 
     ``pd_cluster_factory(ClusterSpec(num_decode=2, decode_tp=2))`` or ``pd_cluster_factory(num_decode=2)``.
     Equal specs share one running cluster; a spec that needs GPUs another of our clusters holds stops
-    that cluster first. Everything stops at the end of the session.
+    that cluster first; ``pd_cluster_factory.stop(spec)`` stops one early. Everything stops at session end.
     """
-
-    def factory(spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster:
-        if spec is not None and fields:
-            spec = spec.with_(**fields)
-        elif spec is None:
-            spec = ClusterSpec(**fields)
-        return _get_cluster(request, spec)
-
-    yield factory
+    yield _Factory(request)
     stop_manager(request.config)
 
 

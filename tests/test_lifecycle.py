@@ -52,7 +52,8 @@ def pdinfo(request):
         info = {"test": request.node.nodeid, "servers": servers, "started_seconds": cluster.started_seconds,
                 "t": time.time(), **extra}
         out = Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json"
-        out.write_text(json.dumps(info))
+        out.with_suffix(".tmp").write_text(json.dumps(info))
+        out.with_suffix(".tmp").rename(out)  # atomic: a watcher never reads half a file
         return info
     return write
 '''

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,31 @@ def test_watchdog_survives_sigint_to_its_group() -> None:
     # The SIGINT is pending before the watchdog can read "exit", so a clean exit code proves it survived.
     wd.close()
     assert wd.returncode == 0
+
+
+def test_hold_and_drop_lease_fds(tmp_path: Path) -> None:
+    wd = Watchdog.start(new_run_token(), grace=0.5)
+    lease = try_acquire_gpus(tmp_path, ["g0", "g1"], 2)
+    assert lease is not None
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{wd.pid}/fd"))
+
+    try:
+        before = open_fds()
+        wd.hold("gpus", lease.fds)
+        assert wait_for(lambda: open_fds() == before + 2), "the watchdog did not take the lease fds"
+        wd.drop("gpus")
+        assert wait_for(lambda: open_fds() == before), "the watchdog did not close the dropped fds"
+    finally:
+        lease.release()
+        wd.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

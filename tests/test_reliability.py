@@ -1,0 +1,490 @@
+"""Reliability: however pytest ends and whatever the servers do, nothing we started survives, and logs stay.
+
+Each test runs a real inner pytest session against real simulator processes (``--pd-engine=sim``, a
+private lease directory). Every process the inner session starts inherits ``PDSERVE_TEST_MARK=<unique>``,
+so survivors are found in ``/proc`` by that mark (never by name), and by the servers' process groups.
+
+``PDSERVE_STRESS_RUNS`` (default 1) sets how many times the xdist stress session is repeated; the issue's
+20 runs take about 20 x 15 s on two busy cores, too long for the default suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_pdserve.commands import VLLM_PORT_WINDOW
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+MARK_ENV = "PDSERVE_TEST_MARK"
+STRESS_RUNS = int(os.environ.get("PDSERVE_STRESS_RUNS", "1"))
+
+#: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
+INNER_CONFTEST = r'''
+import json, os, time, uuid
+from pathlib import Path
+
+import pytest
+
+
+def _environ(pid):
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+
+
+@pytest.fixture
+def pdinfo(request):
+    def write(cluster, **extra):
+        servers = []
+        for s in cluster.servers:
+            env = _environ(s.process.pid) if s.process else {}
+            servers.append({
+                "name": s.name, "pid": s.process.pid if s.process else None, "port": s.port,
+                "side": s.side_channel_port, "vllm_port": s.ports.vllm_port if s.ports and s.role != "proxy" else None,
+                "cvd": env.get("CUDA_VISIBLE_DEVICES"), "log": str(s.log_path),
+            })
+        info = {"test": request.node.nodeid, "servers": servers, "t": time.time(), **extra}
+        out = Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json"
+        out.with_suffix(".tmp").write_text(json.dumps(info))
+        out.with_suffix(".tmp").rename(out)  # atomic: a watcher never reads half a file
+        return info
+    return write
+
+
+def pytest_sessionfinish(session):
+    # After every fixture teardown: when the servers were stopped.
+    (Path(os.environ["PDINFO_DIR"]) / f"sessionfinish-{os.getpid()}").write_text(repr(time.time()))
+'''
+
+#: An inner test that brings a cluster up (with setsid "VLLM::EngineCore" workers), reports it, then waits.
+UP_AND_WAIT = """
+import time
+from pytest_pdserve.spec import ClusterSpec
+
+def test_up(pd_cluster_factory, pdinfo):
+    cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_SPAWN_WORKERS": "2"}))
+    pdinfo(cluster)
+    time.sleep(60)
+"""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _stat(pid: str) -> list[bytes] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return None if fields[0] in (b"Z", b"X") else fields  # zombies count as gone
+
+
+def live_procs(mark: str) -> dict[int, str]:
+    """``{pid: comm}`` of live processes whose environment carries ``PDSERVE_TEST_MARK=mark``."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid() or _stat(entry) is None:
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            comm = Path(f"/proc/{entry}/comm").read_text().strip()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found[int(entry)] = comm
+    return found
+
+
+def live_in_groups(pgids: set[int]) -> list[int]:
+    """Live processes whose process group is one of ``pgids``."""
+    return [
+        int(e) for e in os.listdir("/proc") if e.isdigit() and (f := _stat(e)) is not None and int(f[2]) in pgids
+    ]
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str) -> float:
+    """Seconds until ``cond()`` is truthy; fails naming ``what`` after ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def unheld_locks(lease_dir: Path) -> list[Path]:
+    """Every lock file in ``lease_dir``, after checking that none is held (fails naming a held one)."""
+    locks = sorted(lease_dir.glob("*.lock"))
+    for path in locks:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError when someone holds it
+        except BlockingIOError:
+            raise AssertionError(f"lease {path.name} is still held") from None
+        finally:
+            os.close(fd)
+    return locks
+
+
+class Inner:
+    """One inner pytest setup: a test dir with the helper conftest, a mark, a lease dir and a log dir."""
+
+    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pytester = pytester
+        self.mark = uuid.uuid4().hex
+        self.info_dir = pytester.path / "pdinfo"
+        self.info_dir.mkdir()
+        self.log_dir = pytester.path / "logs"
+        self.lease_dir = pytester.path / "leases"
+        monkeypatch.setenv(MARK_ENV, self.mark)
+        monkeypatch.setenv("PDINFO_DIR", str(self.info_dir))
+        pytester.makeconftest(INNER_CONFTEST)
+
+    def args(self, *extra: str) -> list[str]:
+        return [
+            "--pd-engine=sim", f"--pd-lease-dir={self.lease_dir}", f"--pd-log-dir={self.log_dir}",
+            "-p", "no:cacheprovider", *extra,
+        ]  # fmt: skip
+
+    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
+        return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
+
+    @contextlib.contextmanager
+    def popen(self, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+        """The inner pytest in its own session (like a shell job: Ctrl-C goes to its whole group)."""
+        with open(self.pytester.path / "inner-output.txt", "wb") as out:
+            proc = self.pytester.popen(
+                [sys.executable, "-m", "pytest", *self.args(*extra)], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+    def output(self) -> str:
+        return (self.pytester.path / "inner-output.txt").read_text(errors="replace")
+
+    def infos(self) -> list[dict[str, object]]:
+        return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
+
+    def wait_info(self, timeout: float = 60) -> dict[str, object]:
+        wait_for(lambda: list(self.info_dir.glob("*.json")), timeout, f"cluster up ({self.output()[-3000:]})")
+        return self.infos()[0]
+
+    def session_finished_at(self) -> float:
+        [path] = self.info_dir.glob("sessionfinish-*")
+        return float(path.read_text())
+
+    def gone_within(self, timeout: float) -> float:
+        """Seconds until no marked process is alive (fails listing the survivors)."""
+        try:
+            return wait_for(lambda: not live_procs(self.mark), timeout, "marked processes gone")
+        except AssertionError:
+            raise AssertionError(f"still alive after {timeout}s: {live_procs(self.mark)}") from None
+
+    def assert_clean(self, infos: list[dict[str, object]]) -> None:
+        """No process, no process group, no held lease left; every server log kept and non-empty."""
+        self.gone_within(5.0)
+        servers = [s for i in infos for s in i["servers"]]  # type: ignore[attr-defined]
+        assert not live_in_groups({s["pid"] for s in servers})
+        unheld_locks(self.lease_dir)
+        for s in servers:
+            assert Path(s["log"]).stat().st_size > 0, s["log"]
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
+    return Inner(pytester, monkeypatch)
+
+
+# ------------------------------------------------------------------------------- pytest dies or is stopped
+
+
+def test_sigkill_of_pytest_leaves_no_server_within_5s(inner: Inner) -> None:
+    inner.pytester.makepyfile(UP_AND_WAIT)
+    with inner.popen() as proc:
+        info = inner.wait_info()
+        comms = set(live_procs(inner.mark).values())
+        assert {"VLLM::EngineCore", "VLLM::Worker"} <= comms, comms  # the setsid workers exist
+        os.kill(proc.pid, signal.SIGKILL)
+        seconds = inner.gone_within(5.0)
+    print(f"SIGKILL of pytest -> every server, worker and the watchdog gone in {seconds:.2f}s")
+    inner.assert_clean([info])
+
+
+def test_pytest_timeout_thread_method_leaves_no_server(inner: Inner) -> None:
+    """The thread method ends pytest with os._exit: no finaliser runs, the watchdog must clean up."""
+    inner.pytester.makepyfile(UP_AND_WAIT)
+    result = inner.run("--timeout=2", "--timeout-method=thread")
+    exited = time.monotonic()
+    assert "Timeout" in result.stdout.str() + result.stderr.str()
+    assert result.ret != 0
+    [info] = inner.infos()
+    seconds = inner.gone_within(5.0)
+    print(f"pytest-timeout (thread) -> everything gone {time.monotonic() - exited:.2f}s after pytest exited")
+    assert seconds < 5.0
+    inner.assert_clean([info])
+
+
+def test_ctrl_c_stops_servers_and_keeps_logs(inner: Inner) -> None:
+    inner.pytester.makepyfile(UP_AND_WAIT)
+    with inner.popen() as proc:
+        info = inner.wait_info()
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the foreground group
+        proc.wait(30)
+        seconds = inner.gone_within(5.0) + (time.monotonic() - t0)
+    out = inner.output()
+    assert "KeyboardInterrupt" in out
+    print(f"Ctrl-C -> pytest exited and everything gone in {seconds:.2f}s")
+    inner.assert_clean([info])
+
+
+# ------------------------------------------------------------------------------------ servers misbehave
+
+
+def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        import pytest
+        from pytest_pdserve.spec import ClusterSpec
+
+        @pytest.fixture
+        def cluster(pd_cluster_factory):
+            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_CRASH_AFTER_REQUESTS": "1"}))
+
+        def test_first(cluster, pdinfo):
+            pdinfo(cluster)
+            cluster.complete("hello " * 10, max_tokens=2)
+
+        def test_second(cluster):
+            cluster.complete("hello again " * 10, max_tokens=2)
+        """
+    )
+    t0 = time.monotonic()
+    result = inner.run("--timeout=60")
+    seconds = time.monotonic() - t0
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "/v1/completions -> " in out  # the request error, with the proxy's status
+    section = out.split("pdserve decode-0 log (", 1)[1]
+    assert "EngineDeadError" in section
+    assert seconds < 60
+    inner.assert_clean(inner.infos())
+
+
+def test_hanging_server_times_out_with_clear_message(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        import time
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_hang(pd_cluster_factory):
+            t0 = time.monotonic()
+            try:
+                pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_HANG": "1"}))
+            finally:
+                print(f"GAVE-UP-AFTER {time.monotonic() - t0:.3f}")
+        """
+    )
+    result = inner.run("-s", "--pd-startup-timeout=2")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    seconds = float(out.split("GAVE-UP-AFTER ")[1].split()[0])
+    assert 2.0 <= seconds < 4.0, seconds
+    assert "decode-0: not ready after 2." in out
+    assert "still waiting for GET http://127.0.0.1:" in out
+    assert "the server was killed" in out
+    assert "PDSERVE_SIM_HANG=1: listening on port" in out  # the log tail
+    inner.gone_within(5.0)
+    unheld_locks(inner.lease_dir)
+
+
+def test_server_ignoring_sigterm_is_killed_after_the_shutdown_timeout(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        import time
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_up(pd_cluster_factory, pdinfo):
+            cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_IGNORE_SIGTERM": "1"}))
+            pdinfo(cluster, end=time.time())
+        """
+    )
+    result = inner.run("--pd-shutdown-timeout=1")
+    result.assert_outcomes(passed=1)
+    [info] = inner.infos()
+    teardown = inner.session_finished_at() - info["end"]  # type: ignore[operator]
+    print(f"teardown with SIGTERM ignored and --pd-shutdown-timeout=1: {teardown:.2f}s")
+    assert 1.0 <= teardown < 1.0 + 3.0, teardown
+    inner.assert_clean([info])
+
+
+# ------------------------------------------------------------------------------------------------- ports
+
+
+def _listen(port: int) -> socket.socket | None:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    s.listen(1)
+    return s
+
+
+def test_port_bound_by_a_foreign_process_is_never_handed_out(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 120-port range whose lower 40 ports a foreign listener holds: a lease that ignored bound ports would
+    # pick one of them for nearly every port it hands out (the cluster takes 37 ports).
+    low = random.randrange(10000, 19000)
+    sockets = [s for p in range(low, low + 40) if (s := _listen(p)) is not None]
+    taken = {s.getsockname()[1] for s in sockets}
+    monkeypatch.setenv("PDSERVE_PORT_RANGE", f"{low}-{low + 119}")
+    inner.pytester.makepyfile(
+        """
+        def test_up(pd_cluster, pdinfo):
+            pdinfo(pd_cluster)
+            pd_cluster.complete("hello " * 10, max_tokens=2)
+        """
+    )
+    try:
+        result = inner.run()
+    finally:
+        for s in sockets:
+            s.close()
+    result.assert_outcomes(passed=1)
+    [info] = inner.infos()
+    used: set[int] = set()
+    for s in info["servers"]:  # type: ignore[attr-defined]
+        used.add(s["port"])
+        if s["name"] != "proxy":
+            used |= {s["side"], *range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW)}
+    assert len(used) == 37
+    assert all(low <= p <= low + 119 for p in used), sorted(used)
+    assert not used & taken, sorted(used & taken)
+    inner.assert_clean([info])
+
+
+GRAB_CONFTEST = r'''
+import socket
+import pytest_pdserve.leases as leases
+
+_held = []
+
+def _grab(port):
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen(1)
+    _held.append(s)
+
+def _wrap(fn, which):
+    def wrapper(*args, **kwargs):
+        lease = fn(*args, **kwargs)
+        purpose = kwargs.get("purpose", "")
+        if purpose.startswith(which + "-") and "decode-0" in purpose:
+            _grab(lease.base)  # a foreign listener takes the port between lease and server start
+        return lease
+    return wrapper
+
+leases.acquire_ports = _wrap(leases.acquire_ports, "http")
+leases.acquire_port_span = _wrap(leases.acquire_port_span, "side")
+'''
+
+
+def test_port_taken_between_lease_and_bind_fails_with_a_hint(inner: Inner) -> None:
+    (inner.pytester.path / "conftest.py").write_text(INNER_CONFTEST + GRAB_CONFTEST)
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_http_port_taken(pd_cluster_factory):
+            pd_cluster_factory(ClusterSpec(name="http", env={"WHICH": "http"}))
+
+        def test_side_channel_port_taken(pd_cluster_factory):
+            pd_cluster_factory(ClusterSpec(name="side", env={"WHICH": "side"}))
+        """
+    )
+    result = inner.run()
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    # HTTP port answering before the start: refused before spawning, naming the port.
+    assert "decode-0: port " in out
+    assert "is already answering before the server was started" in out
+    # Side channel taken: the server exits with EADDRINUSE, and the hint names the cause.
+    assert "NIXL side channel could not bind 127.0.0.1:" in out
+    assert "Address already in use" in out
+    assert "hint: a port the server needs is taken" in out
+    inner.gone_within(5.0)
+    unheld_locks(inner.lease_dir)
+
+
+# ------------------------------------------------------------------------------------------------ xdist
+
+
+STRESS_TEST = """
+import os, signal, time
+
+def test_cluster(pd_cluster, pdinfo):
+    info = pdinfo(pd_cluster, start=time.time())
+    pd_cluster.complete("abc " * 20, max_tokens=2)
+    pdinfo(pd_cluster, start=info["start"], end=time.time(), kill={kill})
+    if {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-session, holding its GPUs and ports
+"""
+
+
+@pytest.mark.parametrize("run", range(STRESS_RUNS))
+def test_xdist_on_two_gpus_never_double_books(inner: Inner, run: int) -> None:
+    """-n 4 on 2 simulated GPUs: clusters (2 GPUs each) take turns, including after a worker is SIGKILLed."""
+    for i in range(4):
+        inner.pytester.makepyfile(**{f"test_mod{i}": STRESS_TEST.format(kill=i == 3)})
+    result = inner.run("-n", "4", "--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=90", timeout=180)
+    result.assert_outcomes(passed=3, failed=1)
+    assert "crashed" in result.stdout.str()  # xdist saw the killed worker
+    infos = [i for i in inner.infos() if "end" in i]
+    assert len(infos) == 4
+
+    def resources(info: dict[str, object]) -> tuple[set[str], set[int]]:
+        gpus: set[str] = set()
+        ports: set[int] = set()
+        for s in info["servers"]:  # type: ignore[attr-defined]
+            ports.add(s["port"])
+            if s["name"] != "proxy":
+                gpus.update(s["cvd"].split(","))
+                ports |= {s["side"], *range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW)}
+        return gpus, ports
+
+    for a, ia in enumerate(infos):
+        assert resources(ia)[0] == {"0", "1"}
+        for ib in infos[a + 1 :]:
+            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
+                (ga, pa), (gb, pb) = resources(ia), resources(ib)
+                assert not ga & gb, f"GPUs {ga & gb} double-booked by {ia['test']} and {ib['test']}"
+                assert not pa & pb, f"ports {pa & pb} shared by {ia['test']} and {ib['test']}"
+    inner.assert_clean(infos)
+    assert unheld_locks(inner.lease_dir)  # the leases existed, and are all free again
