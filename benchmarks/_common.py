@@ -40,9 +40,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def probe_env(ready_dir: Path, **extra: str) -> dict[str, str]:
-    """``clean_env`` plus the ready-moment probe (a ``sitecustomize`` on PYTHONPATH, active only with the variable)."""
-    return clean_env(PYTHONPATH=str(PROBE_DIR), **{READY_DIR_ENV: str(ready_dir)}, **extra)
+#: Set for a child python: sockets handed to uvicorn pre-bound get TCP_NODELAY (the sim's Nagle stall, see docs).
+NODELAY_ENV = "PDSERVE_BENCH_SIM_NODELAY"
+
+
+def probe_env(ready_dir: Path | None, *, nodelay: bool = True, **extra: str) -> dict[str, str]:
+    """``clean_env`` plus the probe (a ``sitecustomize`` on PYTHONPATH, inert unless its variables are set).
+
+    :param ready_dir: where servers record the moment they start serving (None: not recorded).
+    :param nodelay: work around the simulator's missing TCP_NODELAY (a ~40 ms stall per keep-alive JSON answer).
+    """
+    probe = {READY_DIR_ENV: str(ready_dir)} if ready_dir is not None else {}
+    if nodelay:
+        probe[NODELAY_ENV] = "1"
+    return clean_env(PYTHONPATH=str(PROBE_DIR), **probe, **extra)
 
 
 def ready_moments(ready_dir: Path) -> dict[int, dict[str, Any]]:

@@ -243,9 +243,7 @@ class ServerProcess:
         if self._popen.poll() is not None:
             self._kill_now()
             tail = self.log_tail()
-            raise ServerExitedEarly(
-                self.name, self._popen.returncode, tail, hint_for(tail), str(self.log_path)
-            )
+            raise ServerExitedEarly(self.name, self._popen.returncode, tail, hint_for(tail), str(self.log_path))
         if self.health_url is not None:
             own = client is None
             client = client or _client()
@@ -333,9 +331,7 @@ class ServerProcess:
             errors.append(f"snapshot of the process tree failed: {exc}")
         result = None
         try:
-            result = terminate(
-                [popen.pid], env=[(SERVER_TOKEN_ENV, self.server_token)], extra=tree, grace=grace
-            )
+            result = terminate([popen.pid], env=[(SERVER_TOKEN_ENV, self.server_token)], extra=tree, grace=grace)
         except Exception as exc:  # best effort: still try to reap below
             errors.append(f"terminate failed: {exc!r}")
             log.exception("%s: terminating the process tree failed", self.name)

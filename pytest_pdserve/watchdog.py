@@ -54,6 +54,7 @@ __all__ = [
     "ProcInfo",
     "TerminateResult",
     "Watchdog",
+    "descendants",
     "pids_with_env",
     "proc_table",
     "terminate",

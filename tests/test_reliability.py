@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -227,7 +228,7 @@ def test_sigkill_of_pytest_leaves_no_server_within_5s(inner: Inner) -> None:
     with inner.popen() as proc:
         info = inner.wait_info()
         comms = set(live_procs(inner.mark).values())
-        assert {"VLLM::EngineCore", "VLLM::Worker"} <= comms, comms  # the setsid workers exist
+        assert {"VLLM::EngineCor", "VLLM::Worker"} <= comms, comms  # the setsid workers (comm is 15 chars)
         os.kill(proc.pid, signal.SIGKILL)
         seconds = inner.gone_within(5.0)
     print(f"SIGKILL of pytest -> every server, worker and the watchdog gone in {seconds:.2f}s")
@@ -288,10 +289,16 @@ def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -
     seconds = time.monotonic() - t0
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert "/v1/completions -> " in out  # the request error, with the proxy's status
-    section = out.split("pdserve decode-0 log (", 1)[1]
-    assert "EngineDeadError" in section
+    # The second request fails at once (no hang) with the engine's error, and the report carries what the
+    # decode server and the proxy logged during that test.
+    assert "/v1/completions -> 500: " in out
+    assert "EngineCore encountered an issue" in out
+    sections = out.split("pdserve decode-0 log (", 1)[1]
+    assert '"POST /v1/completions HTTP/1.1" 500' in sections
+    assert "decode_status=500" in sections
     assert seconds < 60
+    [decode_log] = inner.log_dir.glob("*-decode-0.log")
+    assert "EngineDeadError" in decode_log.read_text()  # the log is kept, with the root cause
     inner.assert_clean(inner.infos())
 
 
@@ -314,7 +321,8 @@ def test_hanging_server_times_out_with_clear_message(inner: Inner) -> None:
     out = result.stdout.str()
     seconds = float(out.split("GAVE-UP-AFTER ")[1].split()[0])
     assert 2.0 <= seconds < 4.0, seconds
-    assert "decode-0: not ready after 2." in out
+    assert re.search(r"decode-0: not ready after [12]\.\d+s", out)  # from its spawn; the 2 s run from the lease
+    assert "raise --pd-startup-timeout" in out
     assert "still waiting for GET http://127.0.0.1:" in out
     assert "the server was killed" in out
     assert "PDSERVE_SIM_HANG=1: listening on port" in out  # the log tail
@@ -437,7 +445,8 @@ def test_port_taken_between_lease_and_bind_fails_with_a_hint(inner: Inner) -> No
     assert "is already answering before the server was started" in out
     # Side channel taken: the server exits with EADDRINUSE, and the hint names the cause.
     assert "NIXL side channel could not bind 127.0.0.1:" in out
-    assert "Address already in use" in out
+    assert "[Errno 98]" in out
+    assert "address already in use" in out.lower()
     assert "hint: a port the server needs is taken" in out
     inner.gone_within(5.0)
     unheld_locks(inner.lease_dir)

@@ -1,6 +1,6 @@
 """Benchmark probe: records the moment a uvicorn server starts answering, in every process that inherits it.
 
-Active only when ``PDSERVE_BENCH_READY_DIR`` is set (the benchmarks put this directory on PYTHONPATH for
+Active only when ``PDSERVE_BENCH_READY_DIR`` (or ``PDSERVE_BENCH_SIM_NODELAY``) is set (the benchmarks put this directory on PYTHONPATH for
 the servers they start). It wraps ``uvicorn.Server.startup`` when ``uvicorn.server`` is first imported;
 right after startup returns the listening socket accepts and the event loop starts answering, which is
 "the moment the server answers /health". The record carries ``time.monotonic()`` (CLOCK_MONOTONIC,
@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 
 _DIR = os.environ.get("PDSERVE_BENCH_READY_DIR")
+#: ``1``: set TCP_NODELAY on sockets handed to uvicorn pre-bound (see docs/benchmarks.md, "sim Nagle").
+_NODELAY = os.environ.get("PDSERVE_BENCH_SIM_NODELAY") == "1"
 
-if _DIR:
+if _DIR or _NODELAY:
     import importlib.abc
     import importlib.machinery
     import json
@@ -26,8 +28,15 @@ if _DIR:
         original = module.Server.startup
 
         async def startup(self: Any, sockets: Any = None) -> None:
+            if _NODELAY:
+                import socket
+
+                for sock in sockets or ():
+                    # A socket made with proto 0 keeps asyncio from setting TCP_NODELAY on accepted
+                    # connections; Linux copies the listener's TCP_NODELAY to them.
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await original(self, sockets=sockets)
-            if getattr(self, "started", False):
+            if _DIR and getattr(self, "started", False):
                 rec = {"pid": os.getpid(), "mono": time.monotonic(), "wall": time.time(), "argv": sys.argv}
                 tmp = os.path.join(str(_DIR), f".{os.getpid()}.tmp")
                 with open(tmp, "w") as fh:

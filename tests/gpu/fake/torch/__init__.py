@@ -12,8 +12,12 @@ float32 = "float32"
 
 
 def _physical():
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,uuid,name", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [tuple(x.strip() for x in line.split(",")) for line in out.splitlines() if line.strip()]
 
 
@@ -25,7 +29,8 @@ def _visible():
     out = []
     for entry in cvd.split(","):
         entry = entry.strip()
-        hit = [p for p in phys if (entry.isdigit() and p[0] == entry) or (entry.startswith("GPU-") and p[1].startswith(entry))]
+        by_uuid = entry.startswith("GPU-")
+        hit = [p for p in phys if (entry.isdigit() and p[0] == entry) or (by_uuid and p[1].startswith(entry))]
         if len(hit) != 1 or hit[0] in out:
             break
         out.append(hit[0])
@@ -34,7 +39,7 @@ def _visible():
 
 class _Props:
     def __init__(self, gpu):
-        self.uuid = gpu[1][len("GPU-"):]  # real torch prints the UUID without the GPU- prefix
+        self.uuid = gpu[1][len("GPU-") :]  # real torch prints the UUID without the GPU- prefix
         self.name = gpu[2]
         self.total_memory = 143771 * 1024 * 1024
 
