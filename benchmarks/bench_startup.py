@@ -118,7 +118,7 @@ def poll_loops_round(work: Path, delay: float, nodelay: bool = True) -> dict[str
 
 def _alone(work: Path, server: dict[str, Any], model: str, delay: float) -> float | None:
     """Start one server alone with the plugin's argv/env; seconds from spawn to detected ready."""
-    env = clean_env(PDSERVE_SIM_STARTUP_DELAY=str(delay))
+    env = probe_env(None, PDSERVE_SIM_STARTUP_DELAY=str(delay))  # same probe/TCP_NODELAY as in the cluster
     for k, v in server["env"].items():
         if v is None:
             env.pop(k, None)

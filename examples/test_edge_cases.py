@@ -6,13 +6,17 @@ Here the plugin leases GPUs and ports, and each comparison is one assertion that
 
 from __future__ import annotations
 
-from _prompts import make_prompt
+import pytest
 
 from pytest_pdserve.assertions import assert_pd_matches_single
+from pytest_pdserve.prompts import prompt_with_tokens
 
 SHORT_PROMPT = "Red Hat is "  # fewer tokens than one KV block
-PROMPT = make_prompt(300, seed=10)
-LONG_PROMPT = PROMPT + " " + make_prompt(200, seed=11)  # extends PROMPT: a partial hit on D
+
+
+@pytest.fixture(scope="module")
+def prompt(pd_cluster):
+    return prompt_with_tokens(pd_cluster, 300, seed=10)
 
 
 def test_short_prompt_below_block_size(pd_cluster):
@@ -20,18 +24,19 @@ def test_short_prompt_below_block_size(pd_cluster):
     assert_pd_matches_single(pd_cluster, {"prompt": SHORT_PROMPT, "max_tokens": 16})
 
 
-def test_full_prefix_hit_on_decode(pd_cluster):
-    # (2) Prime D directly with PROMPT, then the proxy (P/D) must equal decode-direct.
+def test_full_prefix_hit_on_decode(pd_cluster, prompt):
+    # (2) Prime D directly with the prompt, then the proxy (P/D) must equal decode-direct.
     decode = pd_cluster.decode[0]
     decode.client.post(
-        "/v1/completions", json={"model": pd_cluster.model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+        "/v1/completions", json={"model": pd_cluster.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
     ).raise_for_status()
-    assert_pd_matches_single(pd_cluster, {"prompt": PROMPT, "max_tokens": 16}, single=decode)
+    assert_pd_matches_single(pd_cluster, {"prompt": prompt, "max_tokens": 16}, single=decode)
 
 
-def test_partial_prefix_hit_on_decode(pd_cluster):
-    # (3) LONG_PROMPT extends PROMPT (cached on D by the previous test or primed here): proxy == prefill-direct.
+def test_partial_prefix_hit_on_decode(pd_cluster, prompt):
+    # (3) A longer prompt that extends the cached one (a partial hit on D): proxy == prefill-direct.
     pd_cluster.decode[0].client.post(
-        "/v1/completions", json={"model": pd_cluster.model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        "/v1/completions", json={"model": pd_cluster.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     ).raise_for_status()
-    assert_pd_matches_single(pd_cluster, {"prompt": LONG_PROMPT, "max_tokens": 16})
+    long_prompt = prompt_with_tokens(pd_cluster, 500, seed=11, prefix=prompt)
+    assert_pd_matches_single(pd_cluster, {"prompt": long_prompt, "max_tokens": 16})

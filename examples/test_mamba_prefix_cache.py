@@ -11,9 +11,9 @@ On GPUs run it as CI does:  pytest examples/test_mamba_prefix_cache.py --pd-engi
 from __future__ import annotations
 
 import pytest
-from _prompts import make_prompt
 
 from pytest_pdserve.assertions import assert_deterministic, assert_kv_transferred, assert_transfer_shrinks
+from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
 
 pytestmark = pytest.mark.gpus(2)
@@ -35,13 +35,13 @@ def hybrid_cluster(pd_cluster_factory):
 def test_long_prompt_prefix_cache(hybrid_cluster):
     if hybrid_cluster.engine == "vllm" and hybrid_cluster.platform == "cpu":
         pytest.skip(CPU_MAMBA_LIMIT)
-    request = {"prompt": make_prompt(1200, seed=30), "max_tokens": 10, "seed": 42}
+    request = {"prompt": prompt_with_tokens(hybrid_cluster, 1200, seed=30), "max_tokens": 10, "seed": 42}
     assert_transfer_shrinks(hybrid_cluster, request)  # request 1 > 0 bytes, request 2 fewer
     assert_deterministic(hybrid_cluster, request)
 
 
 def test_short_prompt_transfers_and_repeats(hybrid_cluster):
-    # Short enough for one Mamba chunk, so it also runs on vLLM's CPU backend.
-    request = {"prompt": make_prompt(20, seed=31), "max_tokens": 10, "seed": 42}
+    # Shorter than one Mamba chunk (64 tokens in the tiny NemotronH), so it also runs on vLLM's CPU backend.
+    request = {"prompt": prompt_with_tokens(hybrid_cluster, 40, seed=31), "max_tokens": 10, "seed": 42}
     assert_kv_transferred(hybrid_cluster, request)
     assert_deterministic(hybrid_cluster, request)

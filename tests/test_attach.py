@@ -205,6 +205,9 @@ def _check_passed(inner: Inner, deployment: Deployment) -> None:
     assert inner.data["decode"] == [deployment.decode[0].url]
     assert inner.data["nixl"] > 0
     assert inner.leases("gpu") == [], "attach mode leased a GPU"
+    for server in (deployment.prefill, deployment.decode[0], deployment.proxy):
+        # The session is over: what we attached to must still be up (the plugin never stops it).
+        assert httpx.get(f"{server.url}/health", timeout=5.0, trust_env=False).status_code == 200, server.name
     inner.result.stdout.fnmatch_lines(["*cluster*needs 2P x 2D*attach mode*1P x 1D*"])
 
 
@@ -245,6 +248,8 @@ def test_attach_starts_builtin_proxy(
     assert "proxy /v1/completions status=200" in Path(str(inner.data["proxy_log"])).read_text()
     assert inner.leases("port") == [f"port-{httpx.URL(inner.data['proxy']).port}.lock"], "more than the proxy's port"
     inner.result.stdout.fnmatch_lines(["pdserve: attached (no servers started*proxy built-in (started here)"])
+    with pytest.raises(httpx.ConnectError):  # the built-in proxy stopped with its session
+        httpx.get(f"{inner.data['proxy']}/health", timeout=5.0, trust_env=False)
 
 
 def test_attach_from_env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, deployment: Deployment) -> None:

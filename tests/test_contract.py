@@ -20,6 +20,7 @@ from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.errors import ServerExitedEarly
 from pytest_pdserve.fixtures import MANAGER
 from pytest_pdserve.metrics import wait_settled
+from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
 
 ENGINES = ["sim", "vllm"]
@@ -50,12 +51,6 @@ DECODE_SAMPLES = [
 ]
 PROMPT_SOURCES = {"local_compute", "local_cache_hit", "external_kv_transfer"}
 
-WORDS = "open source prefill decode cache block token transfer engine server request model".split()
-
-
-def prompt(n_words: int, seed: int) -> str:
-    return " ".join(WORDS[(i * 5 + seed) % len(WORDS)] for i in range(n_words))
-
 
 @pytest.fixture(scope="module", params=ENGINES)
 def cluster(request: pytest.FixtureRequest, pd_cluster_factory: Any) -> Iterator[PDCluster]:
@@ -75,30 +70,37 @@ def test_routes(cluster: PDCluster) -> None:
     for server in (*cluster.prefill, *cluster.decode):
         assert server.client.get("/health").status_code == 200
         models = server.client.get("/v1/models").json()
-        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [cluster.model]
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == [cluster.model]
         assert isinstance(server.client.get("/version").json()["version"], str)
         assert "vllm:prefix_cache_queries_total" in server.client.get("/metrics").text
         assert server.client.get("/no/such/route").status_code == 404
         out = post(server, "/v1/completions", {"model": cluster.model, "prompt": "Red Hat is", "max_tokens": 3})
-        assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 3
+        assert out["object"] == "text_completion"
+        assert out["usage"]["completion_tokens"] == 3
         chat = post(
             server, "/v1/chat/completions",
             {"model": cluster.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )  # fmt: skip
-        assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["object"] == "chat.completion"
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        tokens = post(server, "/tokenize", {"model": cluster.model, "prompt": "Red Hat is"})
+        assert tokens["count"] == len(tokens["tokens"]) > 0
+        assert tokens["max_model_len"] > 0
         reset = server.client.post("/reset_prefix_cache")  # servers run with VLLM_SERVER_DEV_MODE=1
         assert reset.status_code == 200
 
 
 def test_prefill_returns_nixl_kv_transfer_params(cluster: PDCluster) -> None:
     body = {
-        "model": cluster.model, "prompt": prompt(200, 1), "max_tokens": 1,
+        "model": cluster.model, "prompt": prompt_with_tokens(cluster, 200, seed=1), "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                "remote_block_ids": None, "remote_host": None, "remote_port": None},
     }  # fmt: skip
     params = post(cluster.prefill[0], "/v1/completions", body)["kv_transfer_params"]
-    assert PREFILL_KV_FIELDS <= set(params), f"missing: {PREFILL_KV_FIELDS - set(params)}"
-    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert set(params) >= PREFILL_KV_FIELDS, f"missing: {PREFILL_KV_FIELDS - set(params)}"
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
     assert params["transfer_mode"] == "pull"
     assert params["remote_host"] == commands.SIDE_CHANNEL_HOST
     assert params["remote_port"] == cluster.prefill[0].side_channel_port
@@ -108,7 +110,7 @@ def test_prefill_returns_nixl_kv_transfer_params(cluster: PDCluster) -> None:
 
 
 def test_metric_names_and_labels(cluster: PDCluster) -> None:
-    assert_kv_transferred(cluster, {"prompt": prompt(150, 2), "max_tokens": 2})
+    assert_kv_transferred(cluster, {"prompt": prompt_with_tokens(cluster, 150, seed=2), "max_tokens": 2})
     snapshot = cluster.decode[0].metrics()
     missing = [name for name in DECODE_SAMPLES if not snapshot.has(name)]
     assert not missing, f"{cluster.engine} decode lacks {missing}"
@@ -119,14 +121,20 @@ def test_metric_names_and_labels(cluster: PDCluster) -> None:
 
 
 def test_first_pd_request_transfers_bytes(cluster: PDCluster) -> None:
-    result = assert_kv_transferred(cluster, {"prompt": prompt(300, 3), "max_tokens": 4})
+    result = assert_kv_transferred(cluster, {"prompt": prompt_with_tokens(cluster, 300, seed=3), "max_tokens": 4})
     delta = result.deltas[0][cluster.decode[0].name]
-    assert delta.nixl_bytes_transferred() > 0 and delta.nixl_transfers() >= 1
+    assert delta.nixl_bytes_transferred() > 0
+    assert delta.nixl_transfers() >= 1
 
 
 def test_decode_side_prefix_hit_is_whole_blocks(cluster: PDCluster) -> None:
     decode = cluster.decode[0]
-    request = {"model": cluster.model, "prompt": prompt(400, 4), "max_tokens": 2, "temperature": 0}
+    request = {
+        "model": cluster.model,
+        "prompt": prompt_with_tokens(cluster, 400, seed=4),
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     first = cluster.client.post("/v1/completions", json=request).json()
     p = first["usage"]["prompt_tokens"]
     assert p > 2 * cluster.block_size, "the prompt must span several blocks"
@@ -140,13 +148,13 @@ def test_decode_side_prefix_hit_is_whole_blocks(cluster: PDCluster) -> None:
 
 
 def test_decode_output_equals_single_server(cluster: PDCluster) -> None:
-    assert_pd_matches_single(cluster, {"prompt": prompt(250, 5), "max_tokens": 16})
-    assert_pd_matches_single(cluster, {"prompt": prompt(40, 6), "max_tokens": 16}, single=cluster.decode[0])
+    assert_pd_matches_single(cluster, {"prompt": prompt_with_tokens(cluster, 250, seed=5), "max_tokens": 16})
+    assert_pd_matches_single(
+        cluster, {"prompt": prompt_with_tokens(cluster, 40, seed=6), "max_tokens": 16}, single=cluster.decode[0]
+    )
 
 
-def test_unknown_attention_backend_fails_like_vllm(
-    cluster: PDCluster, pd_cluster_factory: Any
-) -> None:
+def test_unknown_attention_backend_fails_like_vllm(cluster: PDCluster, pd_cluster_factory: Any) -> None:
     spec = ClusterSpec(engine=cluster.engine, attention_backend="NO_SUCH_BACKEND", name="bad-backend")
     with pytest.raises(ServerExitedEarly) as info:
         pd_cluster_factory(spec)
@@ -204,7 +212,7 @@ def test_vllm_accepts_every_argv_the_builder_produces(cluster: PDCluster, reques
     if cluster.engine == "sim":
         from pytest_pdserve.sim.cli import parse_serve_args
 
-        for name, argv in argvs.items():
+        for _name, argv in argvs.items():
             parse_serve_args(argv[1:])  # after "serve"; raises SystemExit on a flag the simulator (like vLLM) rejects
         return
     python = engine.python

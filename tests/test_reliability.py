@@ -497,3 +497,67 @@ def test_xdist_on_two_gpus_never_double_books(inner: Inner, run: int) -> None:
                 assert not pa & pb, f"ports {pa & pb} shared by {ia['test']} and {ib['test']}"
     inner.assert_clean(infos)
     assert unheld_locks(inner.lease_dir)  # the leases existed, and are all free again
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+#: (id, CLI args, env, ini lines, test body, fragments the message must contain). An empty test body
+#: means a test that needs no cluster (the error must come at configuration time, a usage error).
+BAD_INPUTS = [
+    ("engine", ["--pd-engine=bogus"], {}, "", "", ["'bogus'", "vllm, sim, auto"]),
+    ("startup-timeout-env", [], {"PDSERVE_STARTUP_TIMEOUT": "-1"}, "", "", ["environment variable PDSERVE_STARTUP_TIMEOUT", "'-1'"]),
+    ("block-size", ["--pd-block-size=0"], {}, "", "", ["--pd-block-size", "'0'", "> 0"]),
+    ("utilization-env", [], {"GPU_MEMORY_UTILIZATION": "1.5"}, "", "", ["environment variable GPU_MEMORY_UTILIZATION", "(0, 1]"]),
+    ("gpu-ids-env", [], {"PREFILL_GPU_ID": "a,b"}, "", "", ["environment variable PREFILL_GPU_ID", "'a,b'"]),
+    ("simulate-gpus", ["--pd-simulate-gpus=banana"], {}, "", "", ["--pd-simulate-gpus", "banana"]),
+    ("extra-args-quotes", [], {"VLLM_SERVE_EXTRA_ARGS": '--foo "a b'}, "", "", ["environment variable VLLM_SERVE_EXTRA_ARGS", "quot"]),
+    ("ini-seed", [], {}, "pdserve_seed = -3", "", ["pdserve_seed", "'-3'", ">= 0"]),
+    ("prefill-url", ["--pd-prefill-url=ftp://x"], {}, "", "", ["--pd-prefill-url", "ftp://x", "http://"]),
+    ("backend", ["--attention-backend=FLASH ATTN"], {}, "", "", ["--attention-backend", "FLASH ATTN"]),
+    ("proxy-command", ["--pd-proxy-command=python 'x"], {}, "", "", ["--pd-proxy-command", "quotes"]),
+    ("marker", [], {}, "", "@pytest.mark.gpus('two')\ndef test_x():\n    pass",
+     ["bad marker", "'two'", "whole number"]),
+    ("spec-num-prefill", [], {}, "", "ClusterSpec(num_prefill=0)",
+     ["ClusterSpec.num_prefill must be a positive integer, got 0"]),
+    ("spec-extra-args-string", [], {}, "", 'ClusterSpec(extra_args="--x")', ["extra_args", "not the string '--x'"]),
+    ("spec-owned-flag", [], {}, "", 'ClusterSpec(extra_args=["--port", "1"])', ["--port", "pdserve sets it itself"]),
+    ("spec-env-value", [], {}, "", 'ClusterSpec(env={"A": 1})', ["env value for A must be a string"]),
+    ("port-range-env", [], {"PDSERVE_PORT_RANGE": "9-1"}, "", "ClusterSpec()", ["$PDSERVE_PORT_RANGE='9-1'", "LOW-HIGH"]),
+    ("sim-knob-env", [], {}, "", 'ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "soon"})',
+     ["PDSERVE_SIM_STARTUP_DELAY='soon'", "exited with exit code 2"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "env", "ini", "body", "fragments"), [b[1:] for b in BAD_INPUTS],
+                         ids=[b[0] for b in BAD_INPUTS])  # fmt: skip
+def test_bad_input_gives_a_clear_error_and_leaves_nothing(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    env: dict[str, str],
+    ini: str,
+    body: str,
+    fragments: list[str],
+) -> None:
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK_ENV, mark)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    if body.startswith("ClusterSpec("):
+        body = f"def test_x(pd_cluster_factory):\n    pd_cluster_factory({body})"
+    pytester.makepyfile(f"import pytest\nfrom pytest_pdserve.spec import ClusterSpec\n\n{body or 'def test_x(): pass'}\n")
+    lease_dir = pytester.path / "leases"
+    # In-process: these fail before any server runs (or, for the simulator knob, within a second).
+    result = pytester.runpytest_inprocess("--pd-engine=sim", f"--pd-lease-dir={lease_dir}", "-p", "no:cacheprovider", *args)
+    out = result.stdout.str() + result.stderr.str()
+    if body and "def test_x():" not in body:
+        result.assert_outcomes(failed=1)
+    else:
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-2000:]
+    for fragment in fragments:
+        assert fragment in out, f"{fragment!r} missing from:\n{out[-3000:]}"
+    assert not live_procs(mark)
+    if lease_dir.exists():
+        unheld_locks(lease_dir)

@@ -335,6 +335,18 @@ def build_app(state: AppState) -> Starlette:
             }
         )
 
+    async def tokenize(request: Request) -> Response:
+        # vLLM's POST /tokenize: count a prompt without running the engine (no metric or cache changes).
+        body = await body_of(request)
+        _check_model(body, engine)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise _ApiError("prompt must be a string (pdserve-sim's /tokenize takes completion prompts only)")
+        ids = tokenizer.encode(prompt, add_bos=bool(body.get("add_special_tokens", True)))
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": args.effective_max_model_len, "tokens": ids, "token_strs": None}
+        )
+
     async def chat(request: Request) -> Response:
         body = await body_of(request)
         _check_model(body, engine)
@@ -403,6 +415,7 @@ def build_app(state: AppState) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
     ]
     if engine.env.dev_mode:
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))

@@ -1,0 +1,112 @@
+"""Collection overhead: ``pytest --collect-only -q`` over 2,000 generated tests, with the plugin vs ``-p no:pdserve``.
+
+20 modules x 100 tests; half the tests ask for ``pd_cluster`` (collection resolves fixture closures), the rest
+are plain. Runs alternate (with, without, with, ...) so drifting load hits both; ratio = median(with) /
+median(without), plus the median of per-pair ratios. A ``pytest_collection_finish`` hook in the generated
+conftest writes which heavy modules are in ``sys.modules`` once collection is done (must be none of torch/vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from _common import InnerProject, clean_env, fmt, load_average, print_table, summary, write_result
+
+MODULES = 20
+PER_MODULE = 100
+HEAVY = ("torch", "vllm", "httpx", "starlette", "uvicorn", "prometheus_client", "numpy", "transformers")
+
+CONFTEST = f'''
+import json, os, sys
+
+
+def pytest_collection_finish(session):
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
+    roots = sorted({{m.split(".")[0] for m in heavy}})
+    out = os.path.join(os.environ["BENCH_RECORDS"], "modules-%s.json" % os.getpid())
+    with open(out, "w") as fh:
+        json.dump({{"collected": len(session.items), "heavy_roots": roots,
+                   "pdserve_loaded": session.config.pluginmanager.has_plugin("pdserve")}}, fh)
+'''
+
+
+def _module(i: int) -> str:
+    lines = ["import pytest", ""]
+    for j in range(PER_MODULE):
+        if j % 2:
+            lines += [f"def test_plain_{i}_{j}():", "    assert True", ""]
+        else:
+            lines += [f"def test_cluster_{i}_{j}(pd_cluster):", "    assert pd_cluster", ""]
+    return "\n".join(lines)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    pairs = 3 if quick else 7
+    project = InnerProject("collect")
+    project.write("conftest.py", CONFTEST)
+    for i in range(MODULES):
+        project.write(f"test_gen_{i:02d}.py", _module(i))
+    env = clean_env(BENCH_RECORDS=str(project.records))
+    load_before = load_average()
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    records: dict[str, dict[str, Any]] = {}
+    try:
+        project.run("--collect-only", env=env)  # warm the bytecode caches of both variants
+        project.run("--collect-only", "-p", "no:pdserve", env=env, plugin=False)
+        for _ in range(pairs):
+            for variant in ("with", "without"):
+                project.clear_records()
+                if variant == "with":
+                    times[variant].append(project.run("--collect-only", env=env))
+                else:
+                    times[variant].append(project.run("--collect-only", "-p", "no:pdserve", env=env, plugin=False))
+                rec = json.loads(next(project.records.glob("modules-*.json")).read_text())
+                records[variant] = rec
+    finally:
+        project.cleanup()
+    s_with, s_without = summary(times["with"]), summary(times["without"])
+    ratio = s_with["median"] / s_without["median"]
+    paired = summary([a / b for a, b in zip(times["with"], times["without"], strict=True)])
+    heavy = records["with"]["heavy_roots"]
+    forbidden = [m for m in heavy if m in ("torch", "vllm")]
+    print_table(
+        f"Collection: pytest --collect-only -q, {MODULES * PER_MODULE} tests ({pairs} alternating pairs; "
+        "TARGET ratio <= 1.05, no torch/vllm import)",
+        ["measure", "value"],
+        [
+            ["with plugin", fmt(s_with, "s", 1, 3)],
+            ["-p no:pdserve", fmt(s_without, "s", 1, 3)],
+            ["ratio of medians", f"{ratio:.3f}"],
+            ["paired ratio median [p10-p90]", fmt(paired, "", 1, 3)],
+            ["plugin loaded (with / without)", f"{records['with']['pdserve_loaded']} / "
+             f"{records['without']['pdserve_loaded']}"],
+            ["collected (with / without)", f"{records['with']['collected']} / {records['without']['collected']}"],
+            ["heavy modules after collection (with plugin)", ", ".join(heavy) or "none"],
+            ["torch/vllm imported", ", ".join(forbidden) or "no"],
+        ],
+    )
+    data = {
+        "tests": MODULES * PER_MODULE,
+        "load_before": load_before,
+        "load_after": load_average(),
+        "seconds": times,
+        "stats": {"with": s_with, "without": s_without, "ratio_of_medians": ratio, "paired_ratio": paired},
+        "heavy_modules_with_plugin": heavy,
+        "heavy_modules_without_plugin": records["without"]["heavy_roots"],
+        "forbidden_imported": forbidden,
+        "records": records,
+    }
+    print(f"-> {write_result('collection', data)}")
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 pairs instead of 7")
+    run(parser.parse_args().quick)
+
+
+if __name__ == "__main__":
+    main()
