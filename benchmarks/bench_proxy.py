@@ -32,7 +32,7 @@ from _common import BENCH_DIR, fmt, load_average, print_table, probe_env, summar
 
 from pytest_pdserve import commands
 from pytest_pdserve.cluster import SIM_VERSION
-from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults
+from pytest_pdserve.commands import EngineInfo, Role, ServerPorts, SessionDefaults
 from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
 from pytest_pdserve.proxy.app import prefill_body
 from pytest_pdserve.spec import ClusterSpec
@@ -64,7 +64,8 @@ class Stack:
         ports = _free_ports(8)
         self.procs: list[ServerProcess] = []
         self.urls: dict[str, str] = {}
-        for i, role in enumerate(("prefill", "decode")):
+        roles: tuple[Role, Role] = ("prefill", "decode")
+        for i, role in enumerate(roles):
             cmd = commands.build_server_command(
                 spec=ClusterSpec(), role=role, index=0, model=MODEL,
                 ports=ServerPorts(ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]), engine=engine,

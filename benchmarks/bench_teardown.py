@@ -68,8 +68,9 @@ def test_cluster(pd_cluster):
 
 def one_round(project: InnerProject, ignore_sigterm: bool) -> dict[str, float]:
     project.clear_records()
-    extra = {"PDSERVE_SIM_IGNORE_SIGTERM": "1"} if ignore_sigterm else {}
-    env = probe_env(None, BENCH_RECORDS=str(project.records), **extra)
+    env = probe_env(None, BENCH_RECORDS=str(project.records))
+    if ignore_sigterm:
+        env["PDSERVE_SIM_IGNORE_SIGTERM"] = "1"
     argv = project.argv(f"--pd-shutdown-timeout={GRACE:g}")
     proc = subprocess.Popen(argv, cwd=project.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     end_file = project.records / "end.json"
@@ -88,10 +89,10 @@ def one_round(project: InnerProject, ignore_sigterm: bool) -> dict[str, float]:
             gone_at[pid] = now
             pending.discard(pid)
         time.sleep(0.002)
-    out, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=120)
     exited = time.monotonic()
     if proc.returncode != 0 or pending:
-        raise RuntimeError(f"rc={proc.returncode}, still alive: {sorted(pending)}\n{out.decode()[-3000:]}")
+        raise RuntimeError(f"rc={proc.returncode}, still alive: {sorted(pending)}\n{output.decode()[-3000:]}")
     end = json.loads(end_file.read_text())["mono"]
     by_pid = {pid: name for name, pid in pids["servers"].items()}
     res = {"all_gone": max(gone_at.values()) - end, "pytest_exit": exited - end, "processes": float(len(gone_at))}

@@ -14,7 +14,7 @@ import argparse
 import os
 from typing import Any
 
-from _common import InnerProject, clean_env, load_average, print_table, probe_env, summary, write_result
+from _common import InnerProject, load_average, print_table, probe_env, summary, write_result
 
 MODULES = 8
 HOLD = 2.0

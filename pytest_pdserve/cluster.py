@@ -118,7 +118,8 @@ class ServerHandle:
     @property
     def port(self) -> int:
         """The HTTP port."""
-        return httpx.URL(self.url).port or 80
+        url = httpx.URL(self.url)
+        return url.port or (443 if url.scheme == "https" else 80)
 
     @property
     def side_channel_port(self) -> int | None:
@@ -135,9 +136,7 @@ class ServerHandle:
         """A reusable httpx client with ``base_url`` set and the API key sent."""
         if self._client is None or self._client.is_closed:
             # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
-            self._client = httpx.Client(
-                base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False
-            )
+            self._client = httpx.Client(base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False)
         return self._client
 
     def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
@@ -245,14 +244,20 @@ class PDCluster:
         for s in (*self.prefill, *self.decode):
             gpu = f" gpu={','.join(s.gpus)}" if s.gpus else ""
             side = f" nixl={s.side_channel_port}" if s.side_channel_port else ""
-            parts.append(f"{s.name}=:{s.port}{gpu}{side}")
-        parts.append(f"proxy=:{self.proxy.port}")
+            parts.append(f"{s.name}={_where(s)}{gpu}{side}")
+        parts.append(f"proxy={_where(self.proxy)}")
         backend = self.attention_backend or "auto"
         how = "attached" if self.attached else f"ready in {self.started_seconds:.1f}s"
         return (
             f"pdserve: cluster {self.spec.name} ({self.engine}, {len(self.prefill)}P x {len(self.decode)}D) {how}: "
             f"{' '.join(parts)} backend={backend} model={self.model}"
         )
+
+
+def _where(server: ServerHandle) -> str:
+    """``:PORT`` for our own loopback servers, ``host:port`` for attached remote ones."""
+    host = httpx.URL(server.url).host
+    return f":{server.port}" if host == "127.0.0.1" else f"{host}:{server.port}"
 
 
 @dataclass
@@ -326,7 +331,8 @@ class ClusterManager:
                 running.last_used = time.monotonic()
                 return running.cluster
             if spec in self._failed:
-                raise self._failed[spec]
+                # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
+                raise self._failed[spec].with_traceback(None)
             try:
                 running = self._start(spec)
             except ClusterUnavailable:
@@ -594,7 +600,8 @@ class ClusterManager:
                 spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
                 block_size=spec.block_size or self.defaults.block_size or DEFAULT_BLOCK_SIZE,
                 attention_backend=backend, prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
-                proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version), started_seconds=time.monotonic() - t0,
+                proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
+                started_seconds=time.monotonic() - t0,
             )  # fmt: skip
             self.report(cluster.describe())
             return _Running(cluster, processes, gpu_lease, port_leases, label)
@@ -789,9 +796,9 @@ def proxy_argv(
             argv += ["--api-key", api_key]
         return argv, "/health"
     lists = {
-        "{prefill_hosts}": ["127.0.0.1"] * len(prefill),
+        "{prefill_hosts}": [httpx.URL(h.url).host for h in prefill],
         "{prefill_ports}": [str(h.port) for h in prefill],
-        "{decode_hosts}": ["127.0.0.1"] * len(decode),
+        "{decode_hosts}": [httpx.URL(h.url).host for h in decode],
         "{decode_ports}": [str(h.port) for h in decode],
     }
     out: list[str] = []

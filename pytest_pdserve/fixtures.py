@@ -198,7 +198,7 @@ def timeout_paused(config: pytest.Config) -> Iterator[None]:
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
     from pytest_pdserve.cluster import ClusterUnavailable
-    from pytest_pdserve.errors import LeaseTimeout
+    from pytest_pdserve.errors import AttachError, LeaseTimeout
 
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
@@ -210,6 +210,9 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
             return manager.get(spec)
     except ClusterUnavailable as exc:
         pytest.skip(str(exc))
+    except AttachError as exc:
+        # The message names every URL that did not answer; pytest's traceback would only add noise.
+        pytest.fail(str(exc), pytrace=False)
     except LeaseTimeout as exc:
         if cfg.gpu_wait == "skip":
             pytest.skip(str(exc))

@@ -212,7 +212,9 @@ class ServerProcess:
             if _answers(host, port):
                 raise PortInUse(port, self.name)
         with open(self.log_path, "ab") as log_fh:
-            log_fh.write(f"pdserve: starting {self.name}: {' '.join(self.argv)}\n".encode())
+            # The API key stays out of the log: its tail ends up in error messages and progress lines.
+            shown = " ".join("***" if i and self.argv[i - 1] == "--api-key" else a for i, a in enumerate(self.argv))
+            log_fh.write(f"pdserve: starting {self.name}: {shown}\n".encode())
             log_fh.flush()
             self._popen = subprocess.Popen(
                 list(self.argv),

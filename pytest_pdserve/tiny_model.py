@@ -73,9 +73,10 @@ def _training_text() -> list[str]:
     import random
 
     rng = random.Random(0)
-    words = sorted(
-        {"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)}
-    ) + _COMMON.split()
+    words = (
+        sorted({"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)})
+        + _COMMON.split()
+    )
     lines = []
     for _ in range(20000):
         sentence = " ".join(rng.choice(words) for _ in range(rng.randint(5, 25)))
@@ -102,7 +103,11 @@ def _build_tokenizer(out: Path) -> Any:
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
         model_max_length=2048,
     )
     hf_tok.chat_template = _CHAT_TEMPLATE
@@ -117,10 +122,18 @@ def _build_llama(out: Path) -> int:
     tok = _build_tokenizer(out)
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -135,12 +148,26 @@ def _build_nemotronh(out: Path) -> int:
     tok = _build_tokenizer(out)
     torch.manual_seed(0)
     cfg = NemotronHConfig(
-        vocab_size=len(tok), hidden_size=128, hybrid_override_pattern="M-*-",
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-        mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=2,
-        chunk_size=64, conv_kernel=4, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=128,
+        hybrid_override_pattern="M-*-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        n_groups=1,
+        expand=2,
+        chunk_size=64,
+        conv_kernel=4,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     model = NemotronHForCausalLM(cfg)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -106,9 +106,7 @@ def mamba_cache_mode_args(requested: str | None, version: Version | None) -> lis
     if requested is None:
         return []
     if requested not in MAMBA_CACHE_MODES:
-        raise ValueError(
-            f"mamba cache mode {requested!r} is not valid; accepted: {', '.join(MAMBA_CACHE_MODES)}"
-        )
+        raise ValueError(f"mamba cache mode {requested!r} is not valid; accepted: {', '.join(MAMBA_CACHE_MODES)}")
     release = _release(version) if version is not None else LATEST_KNOWN
     if release >= MAMBA_FLAG_NOOP_SINCE:
         return []

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 MARK_ENV = "PDSERVE_TEST_MARK"
 
 #: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
-INNER_CONFTEST = r'''
+INNER_CONFTEST = r"""
 import json, os, time, uuid
 from pathlib import Path
 
@@ -56,7 +56,7 @@ def pdinfo(request):
         out.with_suffix(".tmp").rename(out)  # atomic: a watcher never reads half a file
         return info
     return write
-'''
+"""
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -166,9 +166,11 @@ def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
     p_ready_at = p["started_at"] + p["ready_seconds"]
     d_ready_at = d["started_at"] + d["ready_seconds"]
     # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa.
-    assert d["started_at"] < p_ready_at and p["started_at"] < d_ready_at, (p, d)
+    assert d["started_at"] < p_ready_at, (p, d)
+    assert p["started_at"] < d_ready_at, (p, d)
     assert abs(d["started_at"] - p["started_at"]) < 0.5
-    assert p["ready_seconds"] >= 2 and d["ready_seconds"] >= 2
+    assert p["ready_seconds"] >= 2
+    assert d["ready_seconds"] >= 2
     # In series it would take at least both startups; in parallel about one (plus the proxy).
     assert info["started_seconds"] < p["ready_seconds"] + d["ready_seconds"]
     inner.assert_nothing_left([info])
@@ -229,7 +231,8 @@ def test_failed_cluster_fails_every_test_fast_without_restarting(inner: Inner) -
     assert decode_logs[0].read_text().count("pdserve: starting decode-0") == 1
     # The three later tests fail from the cached error: no setup takes a second.
     setups = [float(line.split("s setup")[0]) for line in out.splitlines() if "s setup " in line]
-    assert len(setups) == 4 and sorted(setups)[:3] == [pytest.approx(0, abs=0.3)] * 3, setups
+    assert len(setups) == 4, setups
+    assert sorted(setups)[:3] == [pytest.approx(0, abs=0.3)] * 3, setups
     inner.assert_nothing_left()
 
 
@@ -308,7 +311,8 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
     for info in infos:
         gpus, _ = resources(info)
         cvds = [s["cvd"] for s in info["servers"] if s["name"] != "proxy"]  # type: ignore[attr-defined]
-        assert len(gpus) == 2 and len(cvds) == 2, cvds  # P and D each have their own GPU
+        assert len(cvds) == 2, cvds
+        assert len(gpus) == 2, cvds  # P and D each have their own GPU
     overlapping = 0
     for a in range(4):
         for b in range(a + 1, 4):

@@ -19,7 +19,9 @@ def test_options_table_is_generated_from_the_settings() -> None:
 def test_every_setting_is_in_the_table() -> None:
     table = render()
     for s in SETTINGS:
-        assert f"`{s.flag}`" in table and f"`{s.env_var}`" in table and f"`{s.ini_key}`" in table
+        assert f"`{s.flag}`" in table
+        assert f"`{s.env_var}`" in table
+        assert f"`{s.ini_key}`" in table
 
 
 def test_quickstart_commands_exist() -> None:

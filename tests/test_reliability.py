@@ -35,7 +35,7 @@ MARK_ENV = "PDSERVE_TEST_MARK"
 STRESS_RUNS = int(os.environ.get("PDSERVE_STRESS_RUNS", "1"))
 
 #: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
-INNER_CONFTEST = r'''
+INNER_CONFTEST = r"""
 import json, os, time, uuid
 from pathlib import Path
 
@@ -72,15 +72,18 @@ def pdinfo(request):
 def pytest_sessionfinish(session):
     # After every fixture teardown: when the servers were stopped.
     (Path(os.environ["PDINFO_DIR"]) / f"sessionfinish-{os.getpid()}").write_text(repr(time.time()))
-'''
+"""
 
-#: An inner test that brings a cluster up (with setsid "VLLM::EngineCore" workers), reports it, then waits.
+#: An inner test that brings a cluster up, reports it, then waits. The servers start setsid
+#: "VLLM::EngineCore" workers and ignore SIGTERM, so they end only by SIGKILL and never get to stop their
+#: workers themselves: only the sweep by env token finds those. Run with --pd-shutdown-timeout=1.
 UP_AND_WAIT = """
 import time
 from pytest_pdserve.spec import ClusterSpec
 
 def test_up(pd_cluster_factory, pdinfo):
-    cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_SPAWN_WORKERS": "2"}))
+    env = {"PDSERVE_SIM_SPAWN_WORKERS": "2", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}
+    cluster = pd_cluster_factory(ClusterSpec(env=env))
     pdinfo(cluster)
     time.sleep(60)
 """
@@ -117,9 +120,7 @@ def live_procs(mark: str) -> dict[int, str]:
 
 def live_in_groups(pgids: set[int]) -> list[int]:
     """Live processes whose process group is one of ``pgids``."""
-    return [
-        int(e) for e in os.listdir("/proc") if e.isdigit() and (f := _stat(e)) is not None and int(f[2]) in pgids
-    ]
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (f := _stat(e)) is not None and int(f[2]) in pgids]
 
 
 def wait_for(cond: Callable[[], object], timeout: float, what: str) -> float:
@@ -225,7 +226,7 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
 
 def test_sigkill_of_pytest_leaves_no_server_within_5s(inner: Inner) -> None:
     inner.pytester.makepyfile(UP_AND_WAIT)
-    with inner.popen() as proc:
+    with inner.popen("--pd-shutdown-timeout=1") as proc:
         info = inner.wait_info()
         comms = set(live_procs(inner.mark).values())
         assert {"VLLM::EngineCor", "VLLM::Worker"} <= comms, comms  # the setsid workers (comm is 15 chars)
@@ -238,7 +239,7 @@ def test_sigkill_of_pytest_leaves_no_server_within_5s(inner: Inner) -> None:
 def test_pytest_timeout_thread_method_leaves_no_server(inner: Inner) -> None:
     """The thread method ends pytest with os._exit: no finaliser runs, the watchdog must clean up."""
     inner.pytester.makepyfile(UP_AND_WAIT)
-    result = inner.run("--timeout=2", "--timeout-method=thread")
+    result = inner.run("--timeout=2", "--timeout-method=thread", "--pd-shutdown-timeout=1")
     exited = time.monotonic()
     assert "Timeout" in result.stdout.str() + result.stderr.str()
     assert result.ret != 0
@@ -251,7 +252,7 @@ def test_pytest_timeout_thread_method_leaves_no_server(inner: Inner) -> None:
 
 def test_ctrl_c_stops_servers_and_keeps_logs(inner: Inner) -> None:
     inner.pytester.makepyfile(UP_AND_WAIT)
-    with inner.popen() as proc:
+    with inner.popen("--pd-shutdown-timeout=1") as proc:
         info = inner.wait_info()
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the foreground group
@@ -364,9 +365,7 @@ def _listen(port: int) -> socket.socket | None:
     return s
 
 
-def test_port_bound_by_a_foreign_process_is_never_handed_out(
-    inner: Inner, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_port_bound_by_a_foreign_process_is_never_handed_out(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
     # A 120-port range whose lower 40 ports a foreign listener holds: a lease that ignored bound ports would
     # pick one of them for nearly every port it hands out (the cluster takes 37 ports).
     low = random.randrange(10000, 19000)
@@ -398,7 +397,7 @@ def test_port_bound_by_a_foreign_process_is_never_handed_out(
     inner.assert_clean([info])
 
 
-GRAB_CONFTEST = r'''
+GRAB_CONFTEST = r"""
 import socket
 import pytest_pdserve.leases as leases
 
@@ -421,7 +420,7 @@ def _wrap(fn, which):
 
 leases.acquire_ports = _wrap(leases.acquire_ports, "http")
 leases.acquire_port_span = _wrap(leases.acquire_port_span, "side")
-'''
+"""
 
 
 def test_port_taken_between_lease_and_bind_fails_with_a_hint(inner: Inner) -> None:
@@ -505,12 +504,15 @@ def test_xdist_on_two_gpus_never_double_books(inner: Inner, run: int) -> None:
 #: means a test that needs no cluster (the error must come at configuration time, a usage error).
 BAD_INPUTS = [
     ("engine", ["--pd-engine=bogus"], {}, "", "", ["'bogus'", "vllm, sim, auto"]),
-    ("startup-timeout-env", [], {"PDSERVE_STARTUP_TIMEOUT": "-1"}, "", "", ["environment variable PDSERVE_STARTUP_TIMEOUT", "'-1'"]),
+    ("startup-timeout-env", [], {"PDSERVE_STARTUP_TIMEOUT": "-1"}, "", "",
+     ["environment variable PDSERVE_STARTUP_TIMEOUT", "'-1'"]),
     ("block-size", ["--pd-block-size=0"], {}, "", "", ["--pd-block-size", "'0'", "> 0"]),
-    ("utilization-env", [], {"GPU_MEMORY_UTILIZATION": "1.5"}, "", "", ["environment variable GPU_MEMORY_UTILIZATION", "(0, 1]"]),
+    ("utilization-env", [], {"GPU_MEMORY_UTILIZATION": "1.5"}, "", "",
+     ["environment variable GPU_MEMORY_UTILIZATION", "(0, 1]"]),
     ("gpu-ids-env", [], {"PREFILL_GPU_ID": "a,b"}, "", "", ["environment variable PREFILL_GPU_ID", "'a,b'"]),
     ("simulate-gpus", ["--pd-simulate-gpus=banana"], {}, "", "", ["--pd-simulate-gpus", "banana"]),
-    ("extra-args-quotes", [], {"VLLM_SERVE_EXTRA_ARGS": '--foo "a b'}, "", "", ["environment variable VLLM_SERVE_EXTRA_ARGS", "quot"]),
+    ("extra-args-quotes", [], {"VLLM_SERVE_EXTRA_ARGS": '--foo "a b'}, "", "",
+     ["environment variable VLLM_SERVE_EXTRA_ARGS", "quot"]),
     ("ini-seed", [], {}, "pdserve_seed = -3", "", ["pdserve_seed", "'-3'", ">= 0"]),
     ("prefill-url", ["--pd-prefill-url=ftp://x"], {}, "", "", ["--pd-prefill-url", "ftp://x", "http://"]),
     ("backend", ["--attention-backend=FLASH ATTN"], {}, "", "", ["--attention-backend", "FLASH ATTN"]),
@@ -522,7 +524,8 @@ BAD_INPUTS = [
     ("spec-extra-args-string", [], {}, "", 'ClusterSpec(extra_args="--x")', ["extra_args", "not the string '--x'"]),
     ("spec-owned-flag", [], {}, "", 'ClusterSpec(extra_args=["--port", "1"])', ["--port", "pdserve sets it itself"]),
     ("spec-env-value", [], {}, "", 'ClusterSpec(env={"A": 1})', ["env value for A must be a string"]),
-    ("port-range-env", [], {"PDSERVE_PORT_RANGE": "9-1"}, "", "ClusterSpec()", ["$PDSERVE_PORT_RANGE='9-1'", "LOW-HIGH"]),
+    ("port-range-env", [], {"PDSERVE_PORT_RANGE": "9-1"}, "", "ClusterSpec()",
+     ["$PDSERVE_PORT_RANGE='9-1'", "LOW-HIGH"]),
     ("sim-knob-env", [], {}, "", 'ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "soon"})',
      ["PDSERVE_SIM_STARTUP_DELAY='soon'", "exited with exit code 2"]),
 ]  # fmt: skip
@@ -547,10 +550,14 @@ def test_bad_input_gives_a_clear_error_and_leaves_nothing(
         pytester.makeini(f"[pytest]\n{ini}\n")
     if body.startswith("ClusterSpec("):
         body = f"def test_x(pd_cluster_factory):\n    pd_cluster_factory({body})"
-    pytester.makepyfile(f"import pytest\nfrom pytest_pdserve.spec import ClusterSpec\n\n{body or 'def test_x(): pass'}\n")
+    pytester.makepyfile(
+        f"import pytest\nfrom pytest_pdserve.spec import ClusterSpec\n\n{body or 'def test_x(): pass'}\n"
+    )
     lease_dir = pytester.path / "leases"
     # In-process: these fail before any server runs (or, for the simulator knob, within a second).
-    result = pytester.runpytest_inprocess("--pd-engine=sim", f"--pd-lease-dir={lease_dir}", "-p", "no:cacheprovider", *args)
+    result = pytester.runpytest_inprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={lease_dir}", "-p", "no:cacheprovider", *args
+    )
     out = result.stdout.str() + result.stderr.str()
     if body and "def test_x():" not in body:
         result.assert_outcomes(failed=1)

@@ -1,10 +1,10 @@
 """Benchmark probe: records the moment a uvicorn server starts answering, in every process that inherits it.
 
-Active only when ``PDSERVE_BENCH_READY_DIR`` (or ``PDSERVE_BENCH_SIM_NODELAY``) is set (the benchmarks put this directory on PYTHONPATH for
-the servers they start). It wraps ``uvicorn.Server.startup`` when ``uvicorn.server`` is first imported;
-right after startup returns the listening socket accepts and the event loop starts answering, which is
-"the moment the server answers /health". The record carries ``time.monotonic()`` (CLOCK_MONOTONIC,
-one clock for all processes on Linux) and ``time.time()``.
+Inert unless ``PDSERVE_BENCH_READY_DIR`` or ``PDSERVE_BENCH_SIM_NODELAY`` is set (the benchmarks put this
+directory on PYTHONPATH for the servers they start). It wraps ``uvicorn.Server.startup`` when
+``uvicorn.server`` is first imported; right after startup returns the listening socket accepts and the
+event loop starts answering, which is "the moment the server answers /health". The record carries
+``time.monotonic()`` (CLOCK_MONOTONIC, one clock for all processes on Linux) and ``time.time()``.
 """
 
 from __future__ import annotations
