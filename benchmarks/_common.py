@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -173,6 +174,7 @@ class InnerProject:
         self.lease_dir = self.path / "leases"
         self.records = self.path / "records"
         self.records.mkdir()
+        self.last_cpu = 0.0
 
     def write(self, name: str, text: str) -> Path:
         p = self.path / name
@@ -188,11 +190,15 @@ class InnerProject:
     def run(self, *args: str, env: Mapping[str, str] | None = None, plugin: bool = True, timeout: float = 300) -> float:
         """Run pytest here; return its wall time. Raises with the output tail if it fails."""
         t0 = time.monotonic()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(
             self.argv(*args, plugin=plugin), cwd=self.path, env=dict(env or clean_env()), capture_output=True,
             text=True, timeout=timeout, check=False,
         )  # fmt: skip
         wall = time.monotonic() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        #: CPU seconds (user + sys) of the run and its reaped children: far less sensitive to load than wall time.
+        self.last_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         if proc.returncode != 0:
             raise RuntimeError(
                 f"inner pytest {' '.join(args)} in {self.path} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"

@@ -43,7 +43,7 @@ def _module(i: int) -> str:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    pairs = 3 if quick else 7
+    pairs = 3 if quick else 9
     project = InnerProject("collect")
     project.write("conftest.py", CONFTEST)
     for i in range(MODULES):
@@ -51,6 +51,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     env = clean_env(BENCH_RECORDS=str(project.records))
     load_before = load_average()
     times: dict[str, list[float]] = {"with": [], "without": []}
+    cpu: dict[str, list[float]] = {"with": [], "without": []}
     records: dict[str, dict[str, Any]] = {}
     try:
         project.run("--collect-only", env=env)  # warm the bytecode caches of both variants
@@ -62,6 +63,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     times[variant].append(project.run("--collect-only", env=env))
                 else:
                     times[variant].append(project.run("--collect-only", "-p", "no:pdserve", env=env, plugin=False))
+                cpu[variant].append(project.last_cpu)
                 rec = json.loads(next(project.records.glob("modules-*.json")).read_text())
                 records[variant] = rec
     finally:
@@ -69,6 +71,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     s_with, s_without = summary(times["with"]), summary(times["without"])
     ratio = s_with["median"] / s_without["median"]
     paired = summary([a / b for a, b in zip(times["with"], times["without"], strict=True)])
+    c_with, c_without = summary(cpu["with"]), summary(cpu["without"])
+    cpu_ratio = c_with["median"] / c_without["median"]
     heavy = records["with"]["heavy_roots"]
     forbidden = [m for m in heavy if m in ("torch", "vllm")]
     print_table(
@@ -80,6 +84,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             ["-p no:pdserve", fmt(s_without, "s", 1, 3)],
             ["ratio of medians", f"{ratio:.3f}"],
             ["paired ratio median [p10-p90]", fmt(paired, "", 1, 3)],
+            ["CPU time (user+sys) with / without", f"{fmt(c_with, 's', 1, 3)} / {fmt(c_without, 's', 1, 3)}"],
+            ["CPU time ratio of medians", f"{cpu_ratio:.3f}"],
             ["plugin loaded (with / without)", f"{records['with']['pdserve_loaded']} / "
              f"{records['without']['pdserve_loaded']}"],
             ["collected (with / without)", f"{records['with']['collected']} / {records['without']['collected']}"],
@@ -92,7 +98,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": load_average(),
         "seconds": times,
-        "stats": {"with": s_with, "without": s_without, "ratio_of_medians": ratio, "paired_ratio": paired},
+        "cpu_seconds": cpu,
+        "stats": {"with": s_with, "without": s_without, "ratio_of_medians": ratio, "paired_ratio": paired,
+                  "cpu_with": c_with, "cpu_without": c_without, "cpu_ratio": cpu_ratio},
         "heavy_modules_with_plugin": heavy,
         "heavy_modules_without_plugin": records["without"]["heavy_roots"],
         "forbidden_imported": forbidden,

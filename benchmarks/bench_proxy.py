@@ -162,6 +162,7 @@ def measure(
     """
     samples: dict[str, list[float]] = {f"{p}/{'stream' if s else 'json'}": [] for p in PATHS for s in modes}
     rng = random.Random(0)
+    work.mkdir(parents=True, exist_ok=True)
     with Stack(work, nodelay) as stack:
         before: dict[str, float] = {}
         clients = {p: httpx.Client(trust_env=False, timeout=30) for p in PATHS}

@@ -29,7 +29,7 @@ if (( fake )); then
   export FAKE_GPU_DIR=$work/fake-gpu FAKE_GPU_COUNT=${FAKE_GPU_COUNT:-2}
 fi
 
-t0=$(date +%s.%N)
+t0=$(date +%s%N)
 venv=$work/venv
 base_python=${PDSERVE_PROOF_PYTHON:-python3}
 {
@@ -42,13 +42,13 @@ base_python=${PDSERVE_PROOF_PYTHON:-python3}
   "$venv/bin/python" -m pip install -q --no-index --find-links .gpu-wheels --no-build-isolation -e .
 } >"$out/install.log" 2>&1 || { echo "gpu-proof: offline install failed:"; tail -30 "$out/install.log"; exit 3; }
 py=$venv/bin/python
-t_install=$(date +%s.%N)
+t_install=$(date +%s%N)
 
 {
   echo "date_utc: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host: $(hostname) kernel $(uname -r) cpus $(nproc)"
   echo "mode: $([[ $fake == 1 ]] && echo 'FAKE (tests/gpu/fake stand-ins)' || echo 'real GPUs')"
-  echo "install_seconds: $(echo "$t_install - $t0" | bc)"
+  echo "install_seconds: $(( (t_install - t0) / 1000000 ))e-3"
   echo "--- nvidia-smi -L"; nvidia-smi -L
   echo "--- nvidia-smi --query-gpu=index,uuid --format=csv,noheader"; nvidia-smi --query-gpu=index,uuid --format=csv,noheader
   echo "--- nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,memory.total,memory.used --format=csv,noheader,nounits"
@@ -65,14 +65,14 @@ timeout "${PDSERVE_PROOF_TIMEOUT:-420}" "$py" -m pytest tests/gpu -v -rA -p no:c
   2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
-t_end=$(date +%s.%N)
+t_end=$(date +%s%N)
 
 nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits >"$work/apps-after.txt" 2>&1
 proof=$PDSERVE_GPU_PROOF_DIR
 cp "$proof/evidence.jsonl" "$out/" 2>/dev/null || true
 cp "$proof/inner-runs.log" "$out/" 2>/dev/null || true
 tar czf "$out/logs.tar.gz" -C "$proof" logs 2>/dev/null || true
-"$py" - "$out" "$rc" "$(echo "$t_end - $t_install" | bc)" "$work/apps-after.txt" <<'EOF' | tee "$out/summary.txt"
+"$py" - "$out" "$rc" "$(( (t_end - t_install) / 1000000 ))e-3" "$work/apps-after.txt" <<'EOF' | tee "$out/summary.txt"
 import json, sys, time
 from pathlib import Path
 
