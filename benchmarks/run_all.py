@@ -75,7 +75,7 @@ def targets(results: dict[str, dict[str, Any]]) -> list[list[str]]:
             bi, re_ = stats[f"builtin/{mode}"]["median"] * 1e3, stats[f"reference/{mode}"]["median"] * 1e3
             rows.append([
                 f"4   builtin vs reference p50, {mode}", f"{bi:.2f} vs {re_:.2f} ms (ref overhead "
-                f"{ref['p50_overhead_ms']:+.2f})", "builtin <= ref", verdict(bi <= re_ * 1.02),
+                f"{ref['p50_overhead_ms']:+.2f})", "builtin <= ref (+5% noise)", verdict(bi <= re_ * 1.05),
             ])  # fmt: skip
         cpu = results["proxy"]["cpu_ms_per_request"]
         both = f"{cpu['builtin']:.2f} / {cpu['reference']:.2f} ms"

@@ -203,20 +203,25 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
     manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
+    skip_reason = fail_reason = None
     try:
         with timeout_paused(config):
             if cfg.attach_mode:
                 return manager.attached(spec, cfg)
             return manager.get(spec)
     except ClusterUnavailable as exc:
-        pytest.skip(str(exc))
+        skip_reason = str(exc)
     except AttachError as exc:
         # The message names every URL that did not answer; pytest's traceback would only add noise.
-        pytest.fail(str(exc), pytrace=False)
+        fail_reason = str(exc)
     except LeaseTimeout as exc:
-        if cfg.gpu_wait == "skip":
-            pytest.skip(str(exc))
-        raise
+        if cfg.gpu_wait != "skip":
+            raise
+        skip_reason = str(exc)
+    # Outside the except blocks, so the outcome is not chained to the error ("During handling of ...").
+    if skip_reason is not None:
+        pytest.skip(skip_reason)
+    pytest.fail(fail_reason or "unreachable", pytrace=False)
 
 
 class _Factory:

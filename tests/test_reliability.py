@@ -5,7 +5,7 @@ private lease directory). Every process the inner session starts inherits ``PDSE
 so survivors are found in ``/proc`` by that mark (never by name), and by the servers' process groups.
 
 ``PDSERVE_STRESS_RUNS`` (default 1) sets how many times the xdist stress session is repeated; the issue's
-20 runs take about 20 x 15 s on two busy cores, too long for the default suite.
+20 runs take about 20 x 8 s (150 s) on two busy cores, too long for the default suite.
 """
 
 from __future__ import annotations
@@ -321,8 +321,8 @@ def test_hanging_server_times_out_with_clear_message(inner: Inner) -> None:
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     seconds = float(out.split("GAVE-UP-AFTER ")[1].split()[0])
-    assert 2.0 <= seconds < 4.0, seconds
-    assert re.search(r"decode-0: not ready after [12]\.\d+s", out)  # from its spawn; the 2 s run from the lease
+    assert 2.0 <= seconds < 5.0, seconds
+    assert re.search(r"decode-0: not ready after \d+\.\ds", out)  # counted from its spawn; the 2 s from the lease
     assert "raise --pd-startup-timeout" in out
     assert "still waiting for GET http://127.0.0.1:" in out
     assert "the server was killed" in out
