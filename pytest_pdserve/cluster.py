@@ -592,8 +592,10 @@ class ClusterManager:
                 processes.append(proc)
             for lease in port_leases:
                 watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
-            self._start_servers(spec, handles, plan, t0, watchdog)
-            proxy = self._start_proxy(label, handles, watchdog, processes, port_leases, t0)
+            # The proxy starts together with the servers (it needs only their URLs), so its own start-up
+            # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
+            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
+            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog)
             n_p = spec.num_prefill
             backend = spec.attention_backend if spec.attention_backend is not None else self.defaults.attention_backend
             cluster = PDCluster(
@@ -624,12 +626,19 @@ class ClusterManager:
         progress = _Progress(self.report)
         if shared:
             # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
+            # (The proxy, last in `handles`, uses no GPU: it starts with the first server.)
             self.report(f"pdserve: {spec.name}: servers share a GPU; starting them one after another")
-            for h in handles:
-                assert h.process is not None
-                h.process.start()
-                watchdog.watch(h.process.pid or 0, h.process.pgid or 0)
-                h.ready_seconds = wait_all_ready([h.process], deadline, progress)[h.name]
+            proxy = handles[-1] if handles[-1].role == "proxy" else None
+            servers = handles[:-1] if proxy is not None else handles
+            for i, h in enumerate(servers):
+                batch = [h, proxy] if (i == 0 and proxy is not None) else [h]
+                for b in batch:
+                    assert b.process is not None
+                    b.process.start()
+                    watchdog.watch(b.process.pid or 0, b.process.pgid or 0)
+                ready = wait_all_ready([b.process for b in batch if b.process is not None], deadline, progress)
+                for b in batch:
+                    b.ready_seconds = ready[b.name]
             return
         for h in handles:
             assert h.process is not None
@@ -639,15 +648,15 @@ class ClusterManager:
         for h in handles:
             h.ready_seconds = ready.get(h.name)
 
-    def _start_proxy(
+    def _prepare_proxy(
         self,
         label: str,
         handles: list[ServerHandle],
         watchdog: Watchdog,
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
-        t0: float,
     ) -> ServerHandle:
+        """Lease the proxy's port and build its process (not started): its argv needs only the servers' URLs."""
         low, high = self.port_range
         lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
         port_leases.append(lease)
@@ -663,13 +672,26 @@ class ClusterManager:
             api_key=self.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
-        proc.start()
-        watchdog.watch(proc.pid or 0, proc.pgid or 0)
-        ready = wait_all_ready([proc], t0 + self.startup_timeout, _Progress(self.report))
-        return ServerHandle(
-            "proxy", 0, url, self.defaults.api_key, log_path, proc, None,
-            ServerPorts(port, 0, 0), (), ready["proxy"],
-        )  # fmt: skip
+        return ServerHandle("proxy", 0, url, self.defaults.api_key, log_path, proc, None, ServerPorts(port, 0, 0))
+
+    def _start_proxy(
+        self,
+        label: str,
+        handles: list[ServerHandle],
+        watchdog: Watchdog,
+        processes: list[ServerProcess],
+        port_leases: list[leases.PortLease],
+        t0: float,
+    ) -> ServerHandle:
+        """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
+        proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
+        assert proxy.process is not None
+        proxy.process.start()
+        watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
+        proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report))[
+            "proxy"
+        ]
+        return proxy
 
     # ------------------------------------------------------------------ stop
 

@@ -51,6 +51,9 @@ def register_markers(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
 
 
+_OUR_MARKERS = frozenset({*PLATFORM_MARKERS, "gpus", "distributed"})
+
+
 def _count(value: object, marker: str, how: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MarkerError(f"{marker}: {how} must be a whole number >= 1, got {value!r}")
@@ -59,6 +62,8 @@ def _count(value: object, marker: str, how: str) -> int:
 
 def requirement_for(item: pytest.Item) -> Requirement:
     """The combined requirement of *item*'s markers; raises :class:`MarkerError` for a bad one."""
+    if not any(m.name in _OUR_MARKERS for m in item.iter_markers()):
+        return Requirement()  # the common case, kept cheap: it runs for every collected item
     platforms = {name for name in PLATFORM_MARKERS if item.get_closest_marker(name) is not None}
     need = 0
     for mark in item.iter_markers("gpus"):

@@ -58,7 +58,9 @@ def _startup_error(exc: BaseException) -> int:
 def _bind(host: str | None, port: int) -> socket.socket:
     bind_host = "0.0.0.0" if host is None or host == "" else host
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening socket says
+    # it is TCP; without it a keep-alive JSON response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((bind_host, port))
