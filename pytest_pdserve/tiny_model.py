@@ -294,8 +294,16 @@ def ensure_tiny_model(
         return _ensured[key]
     argv = [os.fspath(python_executable), str(Path(__file__).resolve()), "build", kind,
             "--cache-dir", str(Path(root).parent), "--print-path"]  # fmt: skip
+    # filelock (imported here: this file must also run as a stdlib-only script in the vLLM venv) serialises the
+    # first build across xdist workers and concurrent runs, so only one of them pays for importing torch.
+    import filelock
+
+    Path(root).mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        with filelock.FileLock(str(Path(root) / f".{kind}.build.lock"), timeout=timeout):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except filelock.Timeout:
+        raise TinyModelError(f"waited {timeout:g} s for another process building tiny model {kind!r}") from None
     except FileNotFoundError:
         raise TinyModelError(f"python executable {os.fspath(python_executable)!r} does not exist") from None
     except subprocess.TimeoutExpired as exc:
