@@ -45,4 +45,8 @@ def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             if len(lines) > MAX_LINES:
                 lines = [f"[... {len(lines) - MAX_LINES} earlier lines in {server.log_path}]"] + lines[-MAX_LINES:]
             body = "\n".join(lines) if lines else "(no output during this test)"
+            proc = server.process
+            if proc is not None and proc.pid is not None and not proc.alive:
+                # A server that died during an earlier test explains this one's errors: say so, with its last words.
+                body = f"{server.name} is not running: exit code {proc.returncode}\n{proc.log_tail(30)}\n" + body
             report.sections.append((f"pdserve {server.name} log ({server.log_path})", body))
