@@ -7,136 +7,10 @@ outer test finds them in ``/proc`` (never by name) and checks that none is left 
 
 from __future__ import annotations
 
-import json
-import os
-import time
-import uuid
-from pathlib import Path
-
 import pytest
-
-from pytest_pdserve.commands import VLLM_PORT_WINDOW
+from _pdsession import Inner, cluster_resources
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
-
-MARK_ENV = "PDSERVE_TEST_MARK"
-
-#: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
-INNER_CONFTEST = r"""
-import json, os, time, uuid
-from pathlib import Path
-
-import pytest
-
-
-def _environ(pid):
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
-
-
-@pytest.fixture
-def pdinfo(request):
-    def write(cluster, **extra):
-        servers = []
-        for s in cluster.servers:
-            env = _environ(s.process.pid) if s.process else {}
-            servers.append({
-                "name": s.name, "pid": s.process.pid if s.process else None, "port": s.port,
-                "side": s.side_channel_port, "vllm_port": s.ports.vllm_port if s.ports and s.role != "proxy" else None,
-                "cvd": env.get("CUDA_VISIBLE_DEVICES"), "log": str(s.log_path),
-                "started_at": s.process.started_at if s.process else None, "ready_seconds": s.ready_seconds,
-            })
-        info = {"test": request.node.nodeid, "servers": servers, "started_seconds": cluster.started_seconds,
-                "t": time.time(), **extra}
-        out = Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json"
-        out.with_suffix(".tmp").write_text(json.dumps(info))
-        out.with_suffix(".tmp").rename(out)  # atomic: a watcher never reads half a file
-        return info
-    return write
-"""
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def live_procs(mark: str) -> dict[int, int]:
-    """``{pid: pgid}`` of live (non-zombie) processes whose environment carries ``PDSERVE_TEST_MARK=mark``."""
-    needle = f"{MARK_ENV}={mark}".encode()
-    found: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X") and needle in environ.split(b"\0"):
-            found[int(entry)] = int(fields[2])
-    return found
-
-
-def live_in_groups(pgids: set[int]) -> list[int]:
-    """Live processes whose process group is one of ``pgids``."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X") and int(fields[2]) in pgids:
-            alive.append(int(entry))
-    return alive
-
-
-def wait_gone(mark: str, timeout: float) -> float:
-    """Seconds until no marked process is alive; fails after ``timeout`` listing the survivors."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if not live_procs(mark):
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    survivors = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in live_procs(mark)}
-    raise AssertionError(f"processes still alive {timeout}s later: {survivors}")
-
-
-class Inner:
-    """One inner pytest setup: a test dir with the helper conftest, a mark, a lease dir and a log dir."""
-
-    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.pytester = pytester
-        self.mark = uuid.uuid4().hex
-        self.info_dir = pytester.path / "pdinfo"
-        self.info_dir.mkdir()
-        self.log_dir = pytester.path / "logs"
-        self.lease_dir = pytester.path / "leases"
-        monkeypatch.setenv(MARK_ENV, self.mark)
-        monkeypatch.setenv("PDINFO_DIR", str(self.info_dir))
-        pytester.makeconftest(INNER_CONFTEST)
-
-    def args(self, *extra: str) -> list[str]:
-        return [
-            "--pd-engine=sim", f"--pd-lease-dir={self.lease_dir}", f"--pd-log-dir={self.log_dir}",
-            "-p", "no:cacheprovider", *extra,
-        ]  # fmt: skip
-
-    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
-        return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
-
-    def infos(self) -> list[dict[str, object]]:
-        return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
-
-    def assert_nothing_left(self, infos: list[dict[str, object]] | None = None) -> None:
-        wait_gone(self.mark, 5.0)
-        pgids = {s["pid"] for i in (infos or []) for s in i["servers"]}  # type: ignore[attr-defined]
-        assert not live_in_groups(pgids), f"process groups {pgids} still have members"
 
 
 @pytest.fixture
@@ -297,19 +171,8 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
     infos = [i for i in inner.infos() if "end" in i]
     assert len(infos) == 4
 
-    def resources(info: dict[str, object]) -> tuple[set[str], set[int]]:
-        gpus: set[str] = set()
-        ports: set[int] = set()
-        for s in info["servers"]:  # type: ignore[attr-defined]
-            ports.add(s["port"])
-            if s["name"] != "proxy":
-                gpus.update(s["cvd"].split(","))
-                ports.add(s["side"])
-                ports.update(range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW))
-        return gpus, ports
-
     for info in infos:
-        gpus, _ = resources(info)
+        gpus, _ = cluster_resources(info)
         cvds = [s["cvd"] for s in info["servers"] if s["name"] != "proxy"]  # type: ignore[attr-defined]
         assert len(cvds) == 2, cvds
         assert len(gpus) == 2, cvds  # P and D each have their own GPU
@@ -319,7 +182,7 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
             ia, ib = infos[a], infos[b]
             if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
                 overlapping += 1
-                (ga, pa), (gb, pb) = resources(ia), resources(ib)
+                (ga, pa), (gb, pb) = cluster_resources(ia), cluster_resources(ib)
                 assert not ga & gb, f"GPU shared by {ia['test']} and {ib['test']}: {ga & gb}"
                 assert not pa & pb, f"port shared by {ia['test']} and {ib['test']}: {pa & pb}"
     assert overlapping >= 1, "no two clusters ran at the same time; the test proved nothing"

@@ -10,69 +10,20 @@ so survivors are found in ``/proc`` by that mark (never by name), and by the ser
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-
-from pytest_pdserve.commands import VLLM_PORT_WINDOW
+from _pdsession import INNER_CONFTEST, MARK_ENV, Inner, cluster_resources, live_procs, unheld_locks
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-MARK_ENV = "PDSERVE_TEST_MARK"
 STRESS_RUNS = int(os.environ.get("PDSERVE_STRESS_RUNS", "1"))
-
-#: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR.
-INNER_CONFTEST = r"""
-import json, os, time, uuid
-from pathlib import Path
-
-import pytest
-
-
-def _environ(pid):
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
-
-
-@pytest.fixture
-def pdinfo(request):
-    def write(cluster, **extra):
-        servers = []
-        for s in cluster.servers:
-            env = _environ(s.process.pid) if s.process else {}
-            servers.append({
-                "name": s.name, "pid": s.process.pid if s.process else None, "port": s.port,
-                "side": s.side_channel_port, "vllm_port": s.ports.vllm_port if s.ports and s.role != "proxy" else None,
-                "cvd": env.get("CUDA_VISIBLE_DEVICES"), "log": str(s.log_path),
-            })
-        info = {"test": request.node.nodeid, "servers": servers, "t": time.time(), **extra}
-        out = Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json"
-        out.with_suffix(".tmp").write_text(json.dumps(info))
-        out.with_suffix(".tmp").rename(out)  # atomic: a watcher never reads half a file
-        return info
-    return write
-
-
-def pytest_sessionfinish(session):
-    # After every fixture teardown: when the servers were stopped.
-    (Path(os.environ["PDINFO_DIR"]) / f"sessionfinish-{os.getpid()}").write_text(repr(time.time()))
-"""
 
 #: An inner test that brings a cluster up, reports it, then waits. The servers start setsid
 #: "VLLM::EngineCore" workers and ignore SIGTERM, so they end only by SIGKILL and never get to stop their
@@ -87,133 +38,6 @@ def test_up(pd_cluster_factory, pdinfo):
     pdinfo(cluster)
     time.sleep(60)
 """
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def _stat(pid: str) -> list[bytes] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else fields  # zombies count as gone
-
-
-def live_procs(mark: str) -> dict[int, str]:
-    """``{pid: comm}`` of live processes whose environment carries ``PDSERVE_TEST_MARK=mark``."""
-    needle = f"{MARK_ENV}={mark}".encode()
-    found: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid() or _stat(entry) is None:
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes()
-            comm = Path(f"/proc/{entry}/comm").read_text().strip()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found[int(entry)] = comm
-    return found
-
-
-def live_in_groups(pgids: set[int]) -> list[int]:
-    """Live processes whose process group is one of ``pgids``."""
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (f := _stat(e)) is not None and int(f[2]) in pgids]
-
-
-def wait_for(cond: Callable[[], object], timeout: float, what: str) -> float:
-    """Seconds until ``cond()`` is truthy; fails naming ``what`` after ``timeout``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout}s")
-
-
-def unheld_locks(lease_dir: Path) -> list[Path]:
-    """Every lock file in ``lease_dir``, after checking that none is held (fails naming a held one)."""
-    locks = sorted(lease_dir.glob("*.lock"))
-    for path in locks:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError when someone holds it
-        except BlockingIOError:
-            raise AssertionError(f"lease {path.name} is still held") from None
-        finally:
-            os.close(fd)
-    return locks
-
-
-class Inner:
-    """One inner pytest setup: a test dir with the helper conftest, a mark, a lease dir and a log dir."""
-
-    def __init__(self, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.pytester = pytester
-        self.mark = uuid.uuid4().hex
-        self.info_dir = pytester.path / "pdinfo"
-        self.info_dir.mkdir()
-        self.log_dir = pytester.path / "logs"
-        self.lease_dir = pytester.path / "leases"
-        monkeypatch.setenv(MARK_ENV, self.mark)
-        monkeypatch.setenv("PDINFO_DIR", str(self.info_dir))
-        pytester.makeconftest(INNER_CONFTEST)
-
-    def args(self, *extra: str) -> list[str]:
-        return [
-            "--pd-engine=sim", f"--pd-lease-dir={self.lease_dir}", f"--pd-log-dir={self.log_dir}",
-            "-p", "no:cacheprovider", *extra,
-        ]  # fmt: skip
-
-    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
-        return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
-
-    @contextlib.contextmanager
-    def popen(self, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
-        """The inner pytest in its own session (like a shell job: Ctrl-C goes to its whole group)."""
-        with open(self.pytester.path / "inner-output.txt", "wb") as out:
-            proc = self.pytester.popen(
-                [sys.executable, "-m", "pytest", *self.args(*extra)], stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-    def output(self) -> str:
-        return (self.pytester.path / "inner-output.txt").read_text(errors="replace")
-
-    def infos(self) -> list[dict[str, object]]:
-        return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
-
-    def wait_info(self, timeout: float = 60) -> dict[str, object]:
-        wait_for(lambda: list(self.info_dir.glob("*.json")), timeout, f"cluster up ({self.output()[-3000:]})")
-        return self.infos()[0]
-
-    def session_finished_at(self) -> float:
-        [path] = self.info_dir.glob("sessionfinish-*")
-        return float(path.read_text())
-
-    def gone_within(self, timeout: float) -> float:
-        """Seconds until no marked process is alive (fails listing the survivors)."""
-        try:
-            return wait_for(lambda: not live_procs(self.mark), timeout, "marked processes gone")
-        except AssertionError:
-            raise AssertionError(f"still alive after {timeout}s: {live_procs(self.mark)}") from None
-
-    def assert_clean(self, infos: list[dict[str, object]]) -> None:
-        """No process, no process group, no held lease left; every server log kept and non-empty."""
-        self.gone_within(5.0)
-        servers = [s for i in infos for s in i["servers"]]  # type: ignore[attr-defined]
-        assert not live_in_groups({s["pid"] for s in servers})
-        unheld_locks(self.lease_dir)
-        for s in servers:
-            assert Path(s["log"]).stat().st_size > 0, s["log"]
 
 
 @pytest.fixture
@@ -386,11 +210,7 @@ def test_port_bound_by_a_foreign_process_is_never_handed_out(inner: Inner, monke
             s.close()
     result.assert_outcomes(passed=1)
     [info] = inner.infos()
-    used: set[int] = set()
-    for s in info["servers"]:  # type: ignore[attr-defined]
-        used.add(s["port"])
-        if s["name"] != "proxy":
-            used |= {s["side"], *range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW)}
+    _, used = cluster_resources(info)
     assert len(used) == 37
     assert all(low <= p <= low + 119 for p in used), sorted(used)
     assert not used & taken, sorted(used & taken)
@@ -477,21 +297,11 @@ def test_xdist_on_two_gpus_never_double_books(inner: Inner, run: int) -> None:
     infos = [i for i in inner.infos() if "end" in i]
     assert len(infos) == 4
 
-    def resources(info: dict[str, object]) -> tuple[set[str], set[int]]:
-        gpus: set[str] = set()
-        ports: set[int] = set()
-        for s in info["servers"]:  # type: ignore[attr-defined]
-            ports.add(s["port"])
-            if s["name"] != "proxy":
-                gpus.update(s["cvd"].split(","))
-                ports |= {s["side"], *range(s["vllm_port"], s["vllm_port"] + VLLM_PORT_WINDOW)}
-        return gpus, ports
-
     for a, ia in enumerate(infos):
-        assert resources(ia)[0] == {"0", "1"}
+        assert cluster_resources(ia)[0] == {"0", "1"}
         for ib in infos[a + 1 :]:
             if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
-                (ga, pa), (gb, pb) = resources(ia), resources(ib)
+                (ga, pa), (gb, pb) = cluster_resources(ia), cluster_resources(ib)
                 assert not ga & gb, f"GPUs {ga & gb} double-booked by {ia['test']} and {ib['test']}"
                 assert not pa & pb, f"ports {pa & pb} shared by {ia['test']} and {ib['test']}"
     inner.assert_clean(infos)
