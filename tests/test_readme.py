@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pytest_pdserve._options_table import BEGIN, END, render
 from pytest_pdserve.settings import SETTINGS
 
@@ -32,3 +34,15 @@ def test_quickstart_commands_exist() -> None:
     assert "bash .ci/run" in quickstart
     ci = (README.parent / ".ci" / "run").read_text()
     assert ".venv/bin/python -m pytest -p no:cacheprovider" in ci
+
+
+def test_readme_example_test_passes_on_the_simulator(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    text = README.read_text()
+    section = text[text.index("## A test, as a vLLM author writes it") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("\n```", start)]
+    pytester.makepyfile(test_pd=code)
+    result = pytester.runpytest_subprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={tmp_path / 'leases'}", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=2)
