@@ -37,6 +37,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without pdserve/pytest/vLLM settings, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB_PREFIXES)}
     env.pop("PYTHONPATH", None)
+    # Users' Pythons cache bytecode; a session that sets PYTHONDONTWRITEBYTECODE would bill every run for
+    # compiling the plugin (and the simulator) from source, which no user pays.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(extra)
     return env
 
