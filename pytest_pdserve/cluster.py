@@ -446,8 +446,12 @@ class ClusterManager:
 
     def _watch(self) -> Watchdog:
         if self._watchdog is None or not self._watchdog.alive:
+            # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
-                self.run_token, grace=min(self.shutdown_timeout, 10.0), log_path=self.log_dir / "watchdog.log"
+                self.run_token,
+                grace=min(self.shutdown_timeout, 10.0),
+                log_path=self.log_dir / "watchdog.log",
+                wait=False,
             )
         return self._watchdog
 
@@ -563,8 +567,11 @@ class ClusterManager:
         watchdog = self._watch()
         try:
             gpu_lease, plan = self._gpu_plan(spec, label)
+            # Lease fds go to the watchdog once the servers are spawned: its hello (~50 ms) then overlaps
+            # their start-up instead of delaying it.
+            holds: list[tuple[str, tuple[int, ...]]] = []
             if gpu_lease is not None:
-                watchdog.hold(f"{label}-gpus", gpu_lease.fds)
+                holds.append((f"{label}-gpus", gpu_lease.fds))
             roles: list[tuple[Role, int]] = [("prefill", i) for i in range(spec.num_prefill)]
             roles += [("decode", j) for j in range(spec.num_decode)]
             handles: list[ServerHandle] = []
@@ -590,12 +597,16 @@ class ClusterManager:
                     ServerHandle(role, index, url, self.defaults.api_key, log_path, proc, cmd, ports, tokens)
                 )
                 processes.append(proc)
-            for lease in port_leases:
-                watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
             # The proxy starts together with the servers (it needs only their URLs), so its own start-up
             # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
-            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
-            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog)
+            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases, hold=False)
+            holds += [(f"{label}-ports-{lease.base}", lease.fds) for lease in port_leases]
+
+            def hold_leases() -> None:
+                for name, fds in holds:
+                    watchdog.hold(name, fds)
+
+            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog, hold_leases)
             n_p = spec.num_prefill
             backend = spec.attention_backend if spec.attention_backend is not None else self.defaults.attention_backend
             cluster = PDCluster(
@@ -619,7 +630,13 @@ class ClusterManager:
             fh.write(f"# pdserve: env: {json.dumps(dict(cmd.env), sort_keys=True)}\n")
 
     def _start_servers(
-        self, spec: ClusterSpec, handles: list[ServerHandle], plan: list[list[int]], t0: float, watchdog: Watchdog
+        self,
+        spec: ClusterSpec,
+        handles: list[ServerHandle],
+        plan: list[list[int]],
+        t0: float,
+        watchdog: Watchdog,
+        after_spawn: Callable[[], None] = lambda: None,
     ) -> None:
         deadline = t0 + self.startup_timeout
         shared = _shares_gpu(plan)
@@ -636,14 +653,19 @@ class ClusterManager:
                     assert b.process is not None
                     b.process.start()
                     watchdog.watch(b.process.pid or 0, b.process.pgid or 0)
+                if i == 0:
+                    after_spawn()
                 ready = wait_all_ready([b.process for b in batch if b.process is not None], deadline, progress)
                 for b in batch:
                     b.ready_seconds = ready[b.name]
             return
-        for h in handles:
+        for h in handles:  # spawn all first: every server's start-up begins at once
             assert h.process is not None
             h.process.start()
+        for h in handles:
+            assert h.process is not None
             watchdog.watch(h.process.pid or 0, h.process.pgid or 0)
+        after_spawn()
         ready = wait_all_ready([h.process for h in handles if h.process is not None], deadline, progress)
         for h in handles:
             h.ready_seconds = ready.get(h.name)
@@ -655,12 +677,14 @@ class ClusterManager:
         watchdog: Watchdog,
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
+        hold: bool = True,
     ) -> ServerHandle:
         """Lease the proxy's port and build its process (not started): its argv needs only the servers' URLs."""
         low, high = self.port_range
         lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
         port_leases.append(lease)
-        watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
+        if hold:
+            watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
         port = lease.base
         prefill = [h for h in handles if h.role == "prefill"]
         decode = [h for h in handles if h.role == "decode"]

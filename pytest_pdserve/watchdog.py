@@ -300,14 +300,16 @@ class Watchdog:
     (the watchdog is a safety net; its loss must not fail a test).
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, log_path: Path | None = None) -> None:
         """Private: use :meth:`Watchdog.start`."""
         self._proc = proc
         self._sock = sock
         self._closed = False
+        self._log_path = log_path
+        self._hello_pending = True
 
     @classmethod
-    def start(cls, run_token: str, grace: float = 5.0, *, log_path: Path | None = None) -> Watchdog:
+    def start(cls, run_token: str, grace: float = 5.0, *, log_path: Path | None = None, wait: bool = True) -> Watchdog:
         """Start a watchdog that sweeps ``PDSERVE_RUN_TOKEN=<run_token>`` when this process dies.
 
         :param run_token: the token put in every server's env (see ``ServerProcess``).
@@ -347,16 +349,28 @@ class Watchdog:
             child_sock.close()
             if not isinstance(out, int):
                 out.close()
-        wd = cls(proc, parent_sock)
-        ready, _, _ = select.select([parent_sock], [], [], _READY_TIMEOUT)
-        hello = parent_sock.recv(64) if ready else b""
+        wd = cls(proc, parent_sock, log_path)
+        if wait:
+            wd._await_hello()
+        # With wait=False the hello is checked before the first command. The process is already running
+        # and knows the token, so servers started meanwhile are swept even if this process dies first.
+        return wd
+
+    def _await_hello(self) -> None:
+        if not self._hello_pending:
+            return
+        ready, _, _ = select.select([self._sock], [], [], _READY_TIMEOUT)
+        hello = self._sock.recv(64) if ready else b""
         if hello != b"ready":
             with contextlib.suppress(OSError):
-                proc.kill()
-            proc.wait(5)
-            parent_sock.close()
-            raise OSError(f"pdserve watchdog (pid {proc.pid}) did not start: got {hello!r}; log: {log_path}")
-        return wd
+                self._proc.kill()
+            self._proc.wait(5)
+            self._sock.close()
+            self._closed = True
+            raise OSError(
+                f"pdserve watchdog (pid {self._proc.pid}) did not start: got {hello!r}; log: {self._log_path}"
+            )
+        self._hello_pending = False
 
     @property
     def pid(self) -> int:
@@ -377,6 +391,7 @@ class Watchdog:
         if self._closed:
             return
         try:
+            self._await_hello()
             if fds:
                 socket.send_fds(self._sock, [line.encode()], list(fds))
             else:
@@ -453,7 +468,11 @@ def _serve(sock: socket.socket, ppid: int, tokens: set[str]) -> tuple[str, dict[
 
     signal.signal(signal.SIGUSR1, on_usr1)
     _set_pdeathsig(signal.SIGUSR1)
-    sock.send(b"ready")
+    try:
+        sock.send(b"ready")
+    except OSError:
+        # The parent died before reading our hello (it does not wait for it): clean up for it anyway.
+        return "parent gone before hello", groups
     while True:
         if os.getppid() != ppid:
             return ("parent changed" + (" (PDEATHSIG)" if woken[0] else "")), groups

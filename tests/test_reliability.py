@@ -364,8 +364,9 @@ def test_bad_input_gives_a_clear_error_and_leaves_nothing(
         f"import pytest\nfrom pytest_pdserve.spec import ClusterSpec\n\n{body or 'def test_x(): pass'}\n"
     )
     lease_dir = pytester.path / "leases"
-    # In-process: these fail before any server runs (or, for the simulator knob, within a second).
-    result = pytester.runpytest_inprocess(
+    # A subprocess, not in-process: an inline run that imports httpcore's lazy submodules would leave the outer
+    # session with a second copy after pytester restores sys.modules (raw httpcore errors escaping httpx).
+    result = pytester.runpytest_subprocess(
         "--pd-engine=sim", f"--pd-lease-dir={lease_dir}", "-p", "no:cacheprovider", *args
     )
     out = result.stdout.str() + result.stderr.str()
