@@ -35,7 +35,7 @@ def pd_cluster(pd_cluster_factory):
 """
 HEAVY = ("torch", "vllm", "httpx", "starlette", "uvicorn", "prometheus_client", "numpy", "transformers")
 
-CONFTEST = f'''
+CONFTEST = f"""
 import json, os, sys
 
 
@@ -46,7 +46,7 @@ def pytest_collection_finish(session):
     with open(out, "w") as fh:
         json.dump({{"collected": len(session.items), "heavy_roots": roots,
                    "pdserve_loaded": session.config.pluginmanager.has_plugin("pdserve")}}, fh)
-'''
+"""
 
 
 def _module(i: int) -> str:
@@ -113,8 +113,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             ["CPU time ratio of medians", f"{cpu_ratio:.3f}"],
             ["-p no:pdserve + stub pd_cluster fixtures", fmt(s_stub, "s", 1, 3)],
             ["ratio with / stub (the plugin's own cost)", f"{stub_ratio:.3f} (paired {fmt(stub_paired, '', 1, 3)})"],
-            ["plugin loaded (with / without)", f"{records['with']['pdserve_loaded']} / "
-             f"{records['without']['pdserve_loaded']}"],
+            [
+                "plugin loaded (with / without)",
+                f"{records['with']['pdserve_loaded']} / {records['without']['pdserve_loaded']}",
+            ],
             ["collected (with / without)", f"{records['with']['collected']} / {records['without']['collected']}"],
             ["heavy modules after collection (with plugin)", ", ".join(heavy) or "none"],
             ["torch/vllm imported", ", ".join(forbidden) or "no"],
@@ -126,9 +128,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         "load_after": load_average(),
         "seconds": times,
         "cpu_seconds": cpu,
-        "stats": {"with": s_with, "without": s_without, "ratio_of_medians": ratio, "paired_ratio": paired,
-                  "cpu_with": c_with, "cpu_without": c_without, "cpu_ratio": cpu_ratio,
-                  "stub": s_stub, "stub_ratio": stub_ratio, "stub_paired_ratio": stub_paired},
+        "stats": {
+            "with": s_with,
+            "without": s_without,
+            "ratio_of_medians": ratio,
+            "paired_ratio": paired,
+            "cpu_with": c_with,
+            "cpu_without": c_without,
+            "cpu_ratio": cpu_ratio,
+            "stub": s_stub,
+            "stub_ratio": stub_ratio,
+            "stub_paired_ratio": stub_paired,
+        },
         "heavy_modules_with_plugin": heavy,
         "heavy_modules_without_plugin": records["without"]["heavy_roots"],
         "forbidden_imported": forbidden,

@@ -77,8 +77,14 @@ class Stack:
             self.urls[role] = url
             self.procs.append(
                 ServerProcess(
-                    role, cmd.argv, env, work / f"{role}.log", health_url=f"{url}/health",
-                    models_url=f"{url}/v1/models", model_id=MODEL, run_token=token,
+                    role,
+                    cmd.argv,
+                    env,
+                    work / f"{role}.log",
+                    health_url=f"{url}/health",
+                    models_url=f"{url}/v1/models",
+                    model_id=MODEL,
+                    run_token=token,
                 )  # fmt: skip
             )
         up = ["--prefill", self.urls["prefill"], "--decode", self.urls["decode"]]
@@ -90,8 +96,12 @@ class Stack:
             self.urls[name] = url
             self.procs.append(
                 ServerProcess(
-                    name, [*argv, "--port", str(port), *up], probe_env(None, nodelay=nodelay),
-                    work / f"{name}.log", health_url=f"{url}/health", run_token=token,
+                    name,
+                    [*argv, "--port", str(port), *up],
+                    probe_env(None, nodelay=nodelay),
+                    work / f"{name}.log",
+                    health_url=f"{url}/health",
+                    run_token=token,
                 )  # fmt: skip
             )
 

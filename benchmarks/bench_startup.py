@@ -46,7 +46,7 @@ from pytest_pdserve.process import ServerProcess, new_run_token
 
 STARTUP_DELAY = 2.0
 
-INNER_TEST = r'''
+INNER_TEST = r"""
 import json, os, time
 from pathlib import Path
 
@@ -64,7 +64,7 @@ def test_cluster(pd_cluster):
     rec = {"t_yield": t_yield, "started_seconds": pd_cluster.started_seconds, "model": pd_cluster.model,
            "servers": servers}
     Path(os.environ["BENCH_RECORDS"], "cluster.json").write_text(json.dumps(rec))
-'''
+"""
 
 
 def _sim_argv(port: int) -> list[str]:

@@ -22,7 +22,7 @@ from _common import InnerProject, fmt, load_average, print_table, probe_env, pro
 
 GRACE = 2.0
 
-CONFTEST = r'''
+CONFTEST = r"""
 import json, os, time
 from pathlib import Path
 
@@ -37,9 +37,9 @@ def pytest_runtest_call(item):
         out = Path(os.environ["BENCH_RECORDS"], "end.json")
         out.with_suffix(".tmp").write_text(json.dumps({"mono": time.monotonic(), "wall": time.time()}))
         out.with_suffix(".tmp").replace(out)
-'''
+"""
 
-TEST = r'''
+TEST = r"""
 import json, os
 from pathlib import Path
 
@@ -63,7 +63,7 @@ def test_cluster(pd_cluster):
     token = pd_cluster.prefill[0].process.run_token
     Path(os.environ["BENCH_RECORDS"], "pids.json").write_text(
         json.dumps({"servers": servers, "all": sorted(set(_carriers(token)) | set(servers.values()))}))
-'''
+"""
 
 
 def one_round(project: InnerProject, ignore_sigterm: bool) -> dict[str, float]:

@@ -19,7 +19,7 @@ from _common import InnerProject, load_average, print_table, probe_env, summary,
 MODULES = 8
 HOLD = 2.0
 
-CONFTEST = r'''
+CONFTEST = r"""
 import json, os, time, uuid
 from pathlib import Path
 
@@ -63,16 +63,16 @@ def hold(module_cluster, request):
         "handle_gpus": {s.name: list(s.gpus) for s in (*module_cluster.prefill, *module_cluster.decode)},
     }
     Path(os.environ["BENCH_RECORDS"], f"{uuid.uuid4().hex}.json").write_text(json.dumps(rec))
-'''
+"""
 
-MODULE = '''
+MODULE = """
 def test_a(hold):
     pass
 
 
 def test_b(hold):
     pass
-'''
+"""
 
 
 def check_no_sharing(records: list[dict[str, Any]]) -> tuple[int, list[str]]:
@@ -136,8 +136,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         ["run", "wall s", "sum of test time s", "cluster start median s", "tests", "overlapping pairs", "GPU sharing"],
         rows,
     )
-    print(f"speedup -n {workers} vs -n 1: {speedup:.2f}x  (nproc={os.cpu_count()}; "
-          f"hold-only lower bound at -n {workers}: {ideal_hold:.1f}s)")
+    print(
+        f"speedup -n {workers} vs -n 1: {speedup:.2f}x  (nproc={os.cpu_count()}; "
+        f"hold-only lower bound at -n {workers}: {ideal_hold:.1f}s)"
+    )
     data = {
         "modules": modules, "hold_per_test_s": hold, "workers": workers, "speedup": speedup,
         "load_before": load_before, "load_after": load_average(), "runs": runs,

@@ -59,8 +59,14 @@ def targets(results: dict[str, dict[str, Any]]) -> list[list[str]]:
         rows.append(["3 collection wall: with plugin / -p no:pdserve", f"{r:.3f} (paired {pr:.3f})", "<= 1.05",
                      verdict(r <= 1.05)])  # fmt: skip
         sr, spr = c["stats"]["stub_ratio"], c["stats"]["stub_paired_ratio"]["median"]
-        rows.append(["3   plugin / a conftest with the same fixtures", f"{sr:.3f} (paired {spr:.3f})", "<= 1.05",
-                     verdict(sr <= 1.05)])
+        rows.append(
+            [
+                "3   plugin / a conftest with the same fixtures",
+                f"{sr:.3f} (paired {spr:.3f})",
+                "<= 1.05",
+                verdict(sr <= 1.05),
+            ]
+        )
         r = c["stats"]["cpu_ratio"]
         rows.append(["3   same, CPU time (user+sys)", f"{r:.3f}", "<= 1.05", verdict(r <= 1.05)])
         bad = c["forbidden_imported"]

