@@ -24,7 +24,8 @@ from pytest_pdserve.spec import ClusterSpec
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
-    from pytest_pdserve.cluster import ClusterManager, EngineSetup, PDCluster
+    from pytest_pdserve.cluster import EngineSetup, PDCluster
+    from pytest_pdserve.manager import ClusterManager
 
 
 class ClusterFactory(Protocol):
@@ -92,8 +93,8 @@ def _vllm_python(argv: tuple[str, ...]) -> str:
 
 def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The session's cluster manager, built from the resolved settings (once per process)."""
-    from pytest_pdserve.cluster import ClusterManager
     from pytest_pdserve.commands import SessionDefaults
+    from pytest_pdserve.manager import ClusterManager
 
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     inventory = get_inventory(config)

@@ -1,6 +1,6 @@
 """`ClusterSpec`: what a test asks for, as a frozen, hashable value.
 
-Equal specs share one running cluster (see `cluster.ClusterManager`), so every field is immutable and
+Equal specs share one running cluster (see `manager.ClusterManager`), so every field is immutable and
 mappings are stored as sorted tuples. Build specs with keyword arguments; `env` and
 `kv_connector_extra_config` accept plain dicts and are frozen on construction.
 """

@@ -338,7 +338,7 @@ def test_attach_url_down_fails_fast(
     )
     text = inner.result.stdout.str()
     # No noise: none of our helper frames, no chained httpx/httpcore traceback, one attach check per session.
-    for noise in ("cluster.py", "httpcore", "During handling"):
+    for noise in ("cluster.py", "manager.py", "attach.py", "httpcore", "During handling"):
         assert noise not in text, text
     assert text.count("did not answer:") == 2, text  # once per erroring test, not accumulating
     assert elapsed < 30, f"failing took {elapsed:.1f}s"

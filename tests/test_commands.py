@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve import commands
-from pytest_pdserve.cluster import ClusterManager, served_model_name
+from pytest_pdserve.cluster import served_model_name
 from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
 from pytest_pdserve.extra_args import parse_extra_args
 from pytest_pdserve.inventory import simulated_inventory
+from pytest_pdserve.manager import ClusterManager
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.vllm_compat import Version
 

@@ -26,7 +26,7 @@ GATE_TEST = f"""
 import os, subprocess, sys, time
 from pathlib import Path
 
-import pytest_pdserve.cluster as cl
+import pytest_pdserve.manager as cl
 from gpuinner import GPU_ENV, compute_apps, describe, record
 from pytest_pdserve import leases
 from pytest_pdserve.fixtures import MANAGER
