@@ -10,7 +10,7 @@ mode (servers someone else started) in `attach.py`. Both build on this module, w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,9 +227,3 @@ def served_model_name(argv: Sequence[str], model: str) -> str:
         elif arg.startswith("--served-model-name="):
             name = arg.split("=", 1)[1]
     return name
-
-
-def iter_handles(clusters: Sequence[PDCluster]) -> Iterator[ServerHandle]:
-    """Every server handle of every cluster."""
-    for c in clusters:
-        yield from c.servers

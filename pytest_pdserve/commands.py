@@ -118,7 +118,7 @@ def build_server_command(
 
     argv: list[str] = [*engine.argv_prefix, "serve", model, "--host", host, "--port", str(ports.http)]
     argv += ["--kv-transfer-config", kv_transfer_config(spec, role, engine, defaults.platform)]
-    if backend is not None:
+    if backend is not None and vllm_compat.supports_attention_backend_flag(engine.version):
         # The same backend on P and D: the NIXL handshake's compatibility hash includes it.
         argv += ["--attention-backend", backend]
     argv += ["--block-size", str(block_size)]
@@ -147,6 +147,9 @@ def build_server_command(
     env: dict[str, str | None] = {}
     env.update(platform_env or {})
     env.update(gpu_env)
+    if backend is not None:
+        # vLLM < 0.13 has no --attention-backend (argparse would reject it) and reads VLLM_ATTENTION_BACKEND.
+        env.update(vllm_compat.attention_backend_env(backend, engine.version))
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = SIDE_CHANNEL_HOST
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)
     env["VLLM_PORT"] = str(ports.vllm_port)

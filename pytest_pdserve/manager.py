@@ -161,10 +161,10 @@ class ClusterManager:
                 running = self._start(spec)
             except ClusterUnavailable:
                 raise
-            except BaseException as exc:
-                # BaseException: pytest-timeout's signal method raises a non-Exception; clean up for it too.
-                if isinstance(exc, (Exception,)):
-                    self._failed[spec] = exc
+            except Exception as exc:
+                # Remembered so every later test that needs this spec fails at once instead of restarting it.
+                # (_start already cleaned up, for BaseExceptions such as pytest-timeout's too.)
+                self._failed[spec] = exc
                 raise
             self._running[spec] = running
             return running.cluster

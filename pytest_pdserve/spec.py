@@ -141,11 +141,6 @@ class ClusterSpec:
         """GPUs the whole topology needs when every server has its own."""
         return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
-    @property
-    def is_hybrid(self) -> bool:
-        """A hybrid SSM (Mamba) model: its prefill stops one token short, so P/D output is not bit-exact."""
-        return self.model_kind == "nemotronh" or dict(self.env).get("VLLM_SSM_CONV_STATE_LAYOUT") is not None
-
     def extra_config(self) -> dict[str, Any] | None:
         """`kv_connector_extra_config` as a dict."""
         return None if self.kv_connector_extra_config is None else dict(json.loads(self.kv_connector_extra_config))

@@ -90,6 +90,17 @@ def test_hybrid_ssm_on_vllm_032_keeps_mamba_align() -> None:
     assert p_all.argv[p_all.argv.index("--mamba-cache-mode") + 1] == "align"
 
 
+def test_old_vllm_without_the_backend_flag_gets_the_env_var_and_kv_both() -> None:
+    # vLLM 0.12 has no --attention-backend (argparse would reject it) and reads VLLM_ATTENTION_BACKEND;
+    # its NixlConnector ran with kv_both.
+    old = EngineInfo("vllm", ("vllm",), Version("0.12.0"))
+    p = build(ClusterSpec(), "prefill", old)
+    assert "--attention-backend" not in p.argv
+    assert p.env["VLLM_ATTENTION_BACKEND"] == "TRITON_ATTN"
+    assert '"kv_role":"kv_both"' in p.argv[p.argv.index("--kv-transfer-config") + 1]
+    assert "VLLM_ATTENTION_BACKEND" not in build(ClusterSpec(), "prefill").env
+
+
 def test_extra_args_order_session_then_spec_then_role_and_stay_one_element() -> None:
     spec = ClusterSpec(extra_args=("--max-num-seqs", "4"), decode_extra_args=("--max-model-len", "4096"))
     session = defaults(vllm_serve_extra_args=parse_extra_args("--served-model-name,x; rm -rf /"), api_key="k")
