@@ -18,7 +18,7 @@ import httpx
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.errors import AttachError
 from pytest_pdserve.metrics import scrape
-from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
+from pytest_pdserve.spec import ClusterSpec
 
 #: The roles of an attached deployment, each with its own URL setting.
 ROLES = ("prefill", "decode", "proxy")
@@ -40,7 +40,7 @@ def attach(
     model: str | None,
     api_key: str | None,
     attention_backend: str | None,
-    block_size: int | None,
+    block_size: int,
     timeout: float = 10.0,
     check_only: bool = False,
     origin: Mapping[str, str] | None = None,
@@ -52,7 +52,8 @@ def attach(
     checked in parallel and one `AttachError` names every URL that did not. ``proxy_url`` must answer
     ``/health`` or ``/healthcheck`` (vLLM's toy proxy). With ``check_only`` the proxy is left as a
     placeholder for the caller to fill in. The block size is read from the servers'
-    ``vllm:cache_config_info`` metric when they export it, else ``block_size``, else the default.
+    ``vllm:cache_config_info`` metric when they export it, else ``block_size`` (the session's, merged by
+    `effective.effective`). URL passwords never reach an error message (`AttachError` is redacted).
 
     :param origin: where each role's URLs came from (``{"decode": "--pd-decode-url"}``), for the error.
     """
@@ -95,7 +96,7 @@ def attach(
     discovered = _attached_block_size(handles, timeout)
     return PDCluster(
         spec=ClusterSpec(name="attached"), engine="attached", model=wanted,
-        block_size=discovered or block_size or DEFAULT_BLOCK_SIZE, attention_backend=attention_backend,
+        block_size=discovered or block_size, attention_backend=attention_backend,
         prefill=tuple(h for h in handles if h.role == "prefill"),
         decode=tuple(h for h in handles if h.role == "decode"), proxy=proxy, attached=True,
     )  # fmt: skip

@@ -55,7 +55,7 @@ class ServerHandle:
     role: str
     index: int
     url: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a repr lands in assertion messages and -l output
     log_path: Path | None = None
     process: ServerProcess | None = None
     command: ServerCommand | None = None

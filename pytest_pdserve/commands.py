@@ -1,21 +1,41 @@
-"""The command builder: a `ClusterSpec` plus session settings -> the argv and env of each `vllm serve`.
+"""The command builder: a `ClusterSpec` plus session settings -> the argv and env of each `vllm serve`,
+and of the proxy.
 
 argv is always a list (never a shell string), so a hostile value in the extra args stays one element.
 Order follows vLLM's own P/D scripts: fixed flags first, then the session's ``VLLM_SERVE_EXTRA_ARGS``, then
-the spec's extra args, then the role's, so a later (more specific) flag wins in vLLM's argparse.
+the spec's extra args, then the role's. The flags pdserve sets itself cannot be overridden there
+(`owned_flags`); the spec/session merge is `effective.effective`. The API key never goes on argv (``ps``
+shows argv to every local user): servers read ``VLLM_API_KEY``, as vLLM does
+(``entrypoints/serve/middleware/register.py``: ``args.api_key or [envs.VLLM_API_KEY]``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pytest_pdserve import vllm_compat
-from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
+from pytest_pdserve.effective import Role, SessionDefaults, effective
+from pytest_pdserve.spec import ClusterSpec
 
-Role = Literal["prefill", "decode"]
+__all__ = [
+    "PROXY_LIST_PLACEHOLDERS",
+    "PROXY_PLACEHOLDERS",
+    "EngineInfo",
+    "ProxyCommand",
+    "Role",
+    "ServerCommand",
+    "ServerPorts",
+    "SessionDefaults",
+    "build_proxy_command",
+    "build_server_command",
+    "kv_transfer_config",
+    "proxy_placeholder_problems",
+]
 
 #: vLLM's default for VLLM_NIXL_SIDE_CHANNEL_HOST is "localhost", which may resolve to ::1 while the
 #: listener binds IPv4 (toy_proxy_server.py's comment: "localhost binds to IPv6 which is blocked on CI").
@@ -60,21 +80,6 @@ class ServerCommand:
         return f"{self.role}-{self.index}"
 
 
-@dataclass(frozen=True)
-class SessionDefaults:
-    """The session settings the builder needs (a narrow view of PDServeConfig, so this module stays pytest-free)."""
-
-    attention_backend: str | None = None
-    vllm_serve_extra_args: tuple[str, ...] = ()
-    gpu_memory_utilization: float | None = None
-    block_size: int | None = None
-    max_model_len: int | None = None
-    enforce_eager: bool = True
-    seed: int = 0
-    api_key: str | None = None
-    platform: str = "cpu"
-
-
 def kv_transfer_config(spec: ClusterSpec, role: Role, engine: EngineInfo, platform: str) -> str:
     """The ``--kv-transfer-config`` JSON for one role, compact, with keys in vLLM's documented order."""
     producer, consumer = vllm_compat.kv_roles(engine.version)
@@ -111,10 +116,9 @@ def build_server_command(
 ) -> ServerCommand:
     """Build one server's argv and env. Pure: same inputs, same output (tested against vLLM's argparse)."""
     tp = spec.prefill_tp if role == "prefill" else spec.decode_tp
-    backend = spec.attention_backend if spec.attention_backend is not None else defaults.attention_backend
-    block_size = spec.block_size or defaults.block_size or DEFAULT_BLOCK_SIZE
-    util = spec.gpu_memory_utilization if spec.gpu_memory_utilization is not None else defaults.gpu_memory_utilization
-    max_len = spec.max_model_len if spec.max_model_len is not None else defaults.max_model_len
+    eff = effective(spec, defaults)
+    backend, block_size = eff.attention_backend, eff.block_size
+    util, max_len = eff.gpu_memory_utilization, eff.max_model_len
 
     argv: list[str] = [*engine.argv_prefix, "serve", model, "--host", host, "--port", str(ports.http)]
     argv += ["--kv-transfer-config", kv_transfer_config(spec, role, engine, defaults.platform)]
@@ -126,9 +130,9 @@ def build_server_command(
         argv += ["--gpu-memory-utilization", f"{util:g}"]
     if max_len is not None:
         argv += ["--max-model-len", str(max_len)]
-    if defaults.enforce_eager:
+    if eff.enforce_eager:
         argv.append("--enforce-eager")
-    argv += ["--seed", str(defaults.seed)]
+    argv += ["--seed", str(eff.seed)]
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
     if spec.trust_remote_code:
@@ -138,11 +142,7 @@ def build_server_command(
     elif spec.enable_prefix_caching is False:
         argv.append("--no-enable-prefix-caching")
     argv += vllm_compat.mamba_cache_mode_args(spec.mamba_cache_mode, engine.version)
-    if defaults.api_key is not None:
-        argv += ["--api-key", defaults.api_key]
-    argv += defaults.vllm_serve_extra_args
-    argv += spec.extra_args
-    argv += spec.prefill_extra_args if role == "prefill" else spec.decode_extra_args
+    argv += eff.extra_args(role)
 
     env: dict[str, str | None] = {}
     env.update(platform_env or {})
@@ -156,15 +156,78 @@ def build_server_command(
     env["VLLM_HOST_IP"] = host
     # Dev mode exposes POST /reset_prefix_cache, which the cold-vs-warm determinism check needs.
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.update(spec.env)
+    env.update(spec.env)  # ClusterSpec refuses the variables set above that it may not replace (owned_flags)
     env.update(spec.prefill_env if role == "prefill" else spec.decode_env)
+    # None removes an inherited key: a server must require a key exactly when the clients know it.
+    env["VLLM_API_KEY"] = eff.api_key
     return ServerCommand(role=role, index=index, argv=tuple(argv), env=env)
 
 
-def redact(argv: tuple[str, ...] | list[str]) -> list[str]:
-    """argv with the value after ``--api-key`` hidden, for logs and error messages."""
-    out = list(argv)
-    for i, a in enumerate(out[:-1]):
-        if a == "--api-key":
-            out[i + 1] = "***"
-    return out
+#: ``--pd-proxy-command`` placeholders substituted inside an element.
+PROXY_PLACEHOLDERS = ("{port}", "{python}")
+#: ``--pd-proxy-command`` placeholders that must be a whole element; each expands to one element per server.
+PROXY_LIST_PLACEHOLDERS = ("{prefill_hosts}", "{prefill_ports}", "{decode_hosts}", "{decode_ports}")
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+
+@dataclass(frozen=True)
+class ProxyCommand:
+    """What to run for the proxy: argv, the env it adds, and the path its readiness is checked on."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str | None]
+    health_path: str
+
+
+def proxy_placeholder_problems(template: Sequence[str]) -> list[str]:
+    """What is wrong with the placeholders of a ``--pd-proxy-command`` template (empty: nothing)."""
+    problems = []
+    for element in template:
+        for name in _PLACEHOLDER.findall(element):
+            if name in PROXY_LIST_PLACEHOLDERS and element != name:
+                problems.append(f"{name} must be a whole argument (it expands to one per server), not {element!r}")
+            elif name not in PROXY_PLACEHOLDERS and name not in PROXY_LIST_PLACEHOLDERS:
+                known = ", ".join((*PROXY_PLACEHOLDERS, *PROXY_LIST_PLACEHOLDERS))
+                problems.append(f"unknown placeholder {name} in {element!r} (known: {known})")
+    return problems
+
+
+def build_proxy_command(
+    template: tuple[str, ...] | None,
+    port: int,
+    prefill: Sequence[tuple[str, int, str]],
+    decode: Sequence[tuple[str, int, str]],
+    api_key: str | None,
+) -> ProxyCommand:
+    """argv and env of the proxy; *prefill* / *decode* are ``(host, port, url)`` per server.
+
+    The built-in proxy gets ``--host 127.0.0.1``, the servers' URLs and, in its environment, the API key
+    (``VLLM_API_KEY``). A user command (``--pd-proxy-command``) is an argv template: ``{port}`` and
+    ``{python}`` are substituted inside elements, and an element that is exactly ``{prefill_hosts}``,
+    ``{prefill_ports}``, ``{decode_hosts}`` or ``{decode_ports}`` expands to one element per server,
+    matching vLLM's ``toy_proxy_server.py`` flags; it gets the key as ``VLLM_API_KEY`` and
+    ``OPENAI_API_KEY`` (what ``toy_proxy_server.py`` sends upstream). Its readiness is checked on
+    ``/healthcheck``.
+    """
+    env: dict[str, str | None] = {"VLLM_API_KEY": api_key}
+    if template is None:
+        argv = [sys.executable, "-m", "pytest_pdserve.proxy", "--host", "127.0.0.1", "--port", str(port)]
+        for _host, _port, url in prefill:
+            argv += ["--prefill", url]
+        for _host, _port, url in decode:
+            argv += ["--decode", url]
+        return ProxyCommand(tuple(argv), env, "/health")
+    env["OPENAI_API_KEY"] = api_key
+    lists = {
+        "{prefill_hosts}": [h for h, _p, _u in prefill],
+        "{prefill_ports}": [str(p) for _h, p, _u in prefill],
+        "{decode_hosts}": [h for h, _p, _u in decode],
+        "{decode_ports}": [str(p) for _h, p, _u in decode],
+    }
+    out: list[str] = []
+    for element in template:
+        if element in lists:
+            out += lists[element]
+        else:
+            out.append(element.replace("{port}", str(port)).replace("{python}", sys.executable))
+    return ProxyCommand(tuple(out), env, "/healthcheck")

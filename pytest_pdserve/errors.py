@@ -6,15 +6,19 @@ when a known failure signature was found in that log, a hint that says what to d
 (:mod:`pytest_pdserve.hints`).
 
 All exceptions keep their constructor arguments in ``args`` so they pickle (xdist ships reprs
-between processes, and ``concurrent.futures`` re-raises pickled exceptions).
+between processes, and ``concurrent.futures`` re-raises pickled exceptions). Their text goes through
+:func:`pytest_pdserve.redaction.redact` (``__str__``), so no message shows the API key or a URL password.
 """
 
 from __future__ import annotations
+
+from pytest_pdserve.redaction import redact
 
 __all__ = [
     "AttachError",
     "ClusterSpecError",
     "LeaseTimeout",
+    "OwnedFlagError",
     "PDServeError",
     "PortInUse",
     "ServerExitedEarly",
@@ -24,7 +28,14 @@ __all__ = [
 
 
 class PDServeError(Exception):
-    """Base class of every error pytest_pdserve raises on purpose."""
+    """Base class of every error pytest_pdserve raises on purpose; its text is redacted."""
+
+    def __str__(self) -> str:
+        return redact(self.describe())
+
+    def describe(self) -> str:
+        """The message before redaction (subclasses override this, not ``__str__``)."""
+        return super().__str__()
 
 
 class ServerStartupError(PDServeError):
@@ -52,7 +63,7 @@ class ServerStartupError(PDServeError):
         self.hint = hint
         self.log_path = log_path
 
-    def __str__(self) -> str:
+    def describe(self) -> str:
         parts = [f"{self.name}: {self.message}"]
         if self.hint:
             parts.append(f"hint: {self.hint}")
@@ -122,7 +133,7 @@ class PortInUse(PDServeError):
         self.port = port
         self.name = name
 
-    def __str__(self) -> str:
+    def describe(self) -> str:
         return (
             f"{self.name}: port {self.port} is already answering before the server was started: "
             f"a previous server may still be running, or another service holds port {self.port}"
@@ -135,6 +146,10 @@ class LeaseTimeout(PDServeError):
 
 class ClusterSpecError(PDServeError, ValueError):
     """A cluster/factory specification is invalid (a ValueError, so generic handlers still work)."""
+
+
+class OwnedFlagError(ClusterSpecError):
+    """A flag pdserve sets itself was given in extra args (or twice); the message names the remedy."""
 
 
 class AttachError(PDServeError):

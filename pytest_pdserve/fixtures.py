@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
+from pytest_pdserve.redaction import redact
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory, short_source
 from pytest_pdserve.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], N
     capture = config.pluginmanager.get_plugin("capturemanager")
 
     def report(message: str) -> None:
+        message = redact(message)  # e.g. an attached URL's password in the ready line
         log.info("%s", message)
         with contextlib.suppress(OSError), session_log.open("a", encoding="utf-8") as fh:
             fh.write(message + "\n")
@@ -109,6 +111,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         seed=cfg.seed,
         api_key=cfg.api_key,
         platform=inventory.platform,
+        extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
     )
     return ClusterManager(
         engine_setup=lambda name: engine_setup(name, cfg, inventory.platform, tmp_path_factory.getbasetemp()),

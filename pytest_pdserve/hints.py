@@ -13,7 +13,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["HINTS", "Hint", "hint_for"]
+__all__ = ["AUTH_HINT", "HINTS", "Hint", "hint_for"]
+
+#: For a 401/403 during readiness (process.py); names the setting as the settings table derives it
+#: (tests/test_hints.py checks it against `settings.remedy("api_key")`).
+AUTH_HINT = (
+    "the server wants an API key that pdserve did not send, or a different one: set it with "
+    "--pd-api-key / PDSERVE_API_KEY / pdserve_api_key (servers get it as VLLM_API_KEY); not with --api-key in "
+    "the extra args, nor VLLM_API_KEY in ClusterSpec.env"
+)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_pdserve.fixtures import MANAGER
+from pytest_pdserve.redaction import redact
 
 OFFSETS = pytest.StashKey[dict[str, int]]()
 #: Lines per server kept in a failure report; the full logs stay on disk (path in the section title).
@@ -49,4 +50,5 @@ def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             if proc is not None and proc.pid is not None and not proc.alive:
                 # A server that died during an earlier test explains this one's errors: say so, with its last words.
                 body = f"{server.name} is not running: exit code {proc.returncode}\n{proc.log_tail(30)}\n" + body
-            report.sections.append((f"pdserve {server.name} log ({server.log_path})", body))
+            # Redacted: vLLM logs its non-default args, and server code may print anything it was given.
+            report.sections.append((f"pdserve {server.name} log ({server.log_path})", redact(body)))

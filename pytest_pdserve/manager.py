@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +44,12 @@ from pytest_pdserve.cluster import (
     served_model_name,
 )
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
+from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import ClusterSpecError, PDServeError
 from pytest_pdserve.inventory import Inventory, gpu_processes
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
-from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
+from pytest_pdserve.redaction import redact_env
+from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -208,10 +209,11 @@ class ClusterManager:
         __tracebackhide__ = True
         t0 = time.monotonic()
         origin = {role: cfg.source_of(f"{role}_urls" if role != "proxy" else "proxy_url") for role in ROLES}
+        eff = effective(ClusterSpec(name="attached"), self.defaults)
         cluster = attach(
             prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url, model=cfg.model,
-            api_key=self.defaults.api_key, attention_backend=self.defaults.attention_backend,
-            block_size=self.defaults.block_size, check_only=cfg.proxy_url is None, origin=origin,
+            api_key=eff.api_key, attention_backend=eff.attention_backend,
+            block_size=eff.block_size, check_only=cfg.proxy_url is None, origin=origin,
         )  # fmt: skip
         processes: list[ServerProcess] = []
         port_leases: list[leases.PortLease] = []
@@ -432,11 +434,11 @@ class ClusterManager:
 
             self._start_servers(spec, [*handles, proxy], plan, t0, watchdog, hold_leases)
             n_p = spec.num_prefill
-            backend = spec.attention_backend if spec.attention_backend is not None else self.defaults.attention_backend
+            eff = effective(spec, self.defaults)
             cluster = PDCluster(
                 spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
-                block_size=spec.block_size or self.defaults.block_size or DEFAULT_BLOCK_SIZE,
-                attention_backend=backend, prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
+                block_size=eff.block_size, attention_backend=eff.attention_backend,
+                prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
                 started_seconds=time.monotonic() - t0,
             )  # fmt: skip
@@ -447,11 +449,10 @@ class ClusterManager:
             raise
 
     def _write_header(self, log_path: Path, cmd: ServerCommand) -> None:
-        # The command line and env delta head each log, so a CI artifact says what ran.
+        # The env delta heads each log (ServerProcess.start adds the argv line), so a CI artifact says what ran.
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("a", encoding="utf-8") as fh:
-            fh.write(f"# pdserve: {cmd.name}: {json.dumps(commands.redact(cmd.argv))}\n")
-            fh.write(f"# pdserve: env: {json.dumps(dict(cmd.env), sort_keys=True)}\n")
+            fh.write(f"# pdserve: {cmd.name}: env: {json.dumps(redact_env(cmd.env), sort_keys=True)}\n")
 
     def _start_servers(
         self,
@@ -512,11 +513,14 @@ class ClusterManager:
         port = lease.base
         prefill = [h for h in handles if h.role == "prefill"]
         decode = [h for h in handles if h.role == "decode"]
-        argv, health = proxy_argv(self.proxy_command, port, prefill, decode, self.defaults.api_key)
+        cmd = commands.build_proxy_command(
+            self.proxy_command, port, [(httpx.URL(h.url).host, h.port, h.url) for h in prefill],
+            [(httpx.URL(h.url).host, h.port, h.url) for h in decode], self.defaults.api_key,
+        )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         log_path = self.log_dir / f"{label}-proxy.log"
         proc = ServerProcess(
-            "proxy", argv, self._child_env({}), log_path, health_url=f"{url}{health}",
+            "proxy", cmd.argv, self._child_env(cmd.env), log_path, health_url=f"{url}{cmd.health_path}",
             api_key=self.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
@@ -625,44 +629,6 @@ def _shares_gpu(plan: list[list[int]]) -> bool:
             return True
         seen |= set(positions)
     return False
-
-
-def proxy_argv(
-    template: tuple[str, ...] | None,
-    port: int,
-    prefill: Sequence[ServerHandle],
-    decode: Sequence[ServerHandle],
-    api_key: str | None,
-) -> tuple[list[str], str]:
-    """argv of the proxy and the path its readiness is checked on.
-
-    A user command (``--pd-proxy-command``) is an argv template: ``{port}`` and ``{python}`` are
-    substituted inside elements, and an element that is exactly ``{prefill_hosts}``,
-    ``{prefill_ports}``, ``{decode_hosts}`` or ``{decode_ports}`` expands to one element per server,
-    matching vLLM's ``toy_proxy_server.py`` flags. Its readiness is checked on ``/healthcheck``.
-    """
-    if template is None:
-        argv = [sys.executable, "-m", "pytest_pdserve.proxy", "--host", "127.0.0.1", "--port", str(port)]
-        for h in prefill:
-            argv += ["--prefill", h.url]
-        for h in decode:
-            argv += ["--decode", h.url]
-        if api_key:
-            argv += ["--api-key", api_key]
-        return argv, "/health"
-    lists = {
-        "{prefill_hosts}": [httpx.URL(h.url).host for h in prefill],
-        "{prefill_ports}": [str(h.port) for h in prefill],
-        "{decode_hosts}": [httpx.URL(h.url).host for h in decode],
-        "{decode_ports}": [str(h.port) for h in decode],
-    }
-    out: list[str] = []
-    for element in template:
-        if element in lists:
-            out += lists[element]
-        else:
-            out.append(element.replace("{port}", str(port)).replace("{python}", sys.executable))
-    return out, "/healthcheck"
 
 
 class _Progress:

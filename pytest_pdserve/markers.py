@@ -2,7 +2,13 @@
 
 A test runs only when the session's inventory (see :func:`pytest_pdserve.settings.get_inventory`)
 satisfies every such marker on it. Skip reasons say what is missing and what to change.
-A malformed marker stops the run with a usage error listing each bad test and marker.
+A malformed marker (a bad value, a missing or unknown argument, keyword names included) stops the run
+at collection with a usage error listing each bad test and marker.
+
+On a CPU-only machine a GPU count applies only to tests that use no pd fixture (they do their own GPU
+work, like vLLM's ``test_accuracy_rocm.py``, and are skipped); tests that use ``pd_cluster`` /
+``pd_cluster_factory`` run on the CPU engine, and their report carries a ``pdserve`` section saying so
+(shown by ``-rA``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,16 @@ import pytest
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.settings import get_inventory
 
-__all__ = ["MARKERS", "Requirement", "apply_skips", "register_markers", "requirement_for", "skip_reason"]
+__all__ = [
+    "MARKERS",
+    "PD_FIXTURES",
+    "Requirement",
+    "apply_skips",
+    "cpu_note",
+    "register_markers",
+    "requirement_for",
+    "skip_reason",
+]
 
 MARKERS = (
     "cuda: run only on the CUDA platform (pytest-pdserve; see --pd-platform)",
@@ -38,6 +53,10 @@ class Requirement:
 
     platforms: frozenset[str] = frozenset()
     gpus: int = 0
+    #: The item uses a pd fixture, so on a CPU-only machine its cluster runs on the CPU engine instead.
+    uses_cluster: bool = True
+    #: The markers as written, for the -rA note (``gpus(2)``).
+    shown: tuple[str, ...] = ()
 
     @property
     def trivial(self) -> bool:
@@ -52,12 +71,24 @@ def register_markers(config: pytest.Config) -> None:
 
 
 _OUR_MARKERS = frozenset({*PLATFORM_MARKERS, "gpus", "distributed"})
+#: The fixtures that give a test a cluster the plugin starts (directly or through another fixture).
+PD_FIXTURES = frozenset({"pd_cluster", "pd_cluster_factory"})
+_MAX_GPUS = 4096
 
 
 def _count(value: object, marker: str, how: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MarkerError(f"{marker}: {how} must be a whole number >= 1, got {value!r}")
+    if value > _MAX_GPUS:
+        raise MarkerError(f"{marker}: {how} must be at most {_MAX_GPUS}, got {value!r}")
     return value
+
+
+def _unknown(kwargs: Mapping[str, object], known: Iterable[str], shown: str, usage: str) -> None:
+    extra = sorted(set(kwargs) - set(known))
+    if extra:
+        names = ", ".join(extra)
+        raise MarkerError(f"{shown}: unknown keyword argument{'s' if len(extra) > 1 else ''} {names}; {usage}")
 
 
 def requirement_for(item: pytest.Item) -> Requirement:
@@ -65,12 +96,20 @@ def requirement_for(item: pytest.Item) -> Requirement:
     if not any(m.name in _OUR_MARKERS for m in item.iter_markers()):
         return Requirement()  # the common case, kept cheap: it runs for every collected item
     platforms = {name for name in PLATFORM_MARKERS if item.get_closest_marker(name) is not None}
+    for name in PLATFORM_MARKERS:
+        for mark in item.iter_markers(name):
+            if mark.args or mark.kwargs:
+                raise MarkerError(f"@pytest.mark.{name}{_call(mark.args, mark.kwargs)}: takes no arguments; "
+                                  f"use @pytest.mark.{name}")  # fmt: skip
     need = 0
+    written: list[str] = []
     for mark in item.iter_markers("gpus"):
         shown = f"@pytest.mark.gpus{_call(mark.args, mark.kwargs)}"
         usage = "use @pytest.mark.gpus(2)"
-        if len(mark.args) + len(mark.kwargs) != 1 or (mark.kwargs and "n" not in mark.kwargs):
+        _unknown(mark.kwargs, ("n",), shown, f"gpus takes one GPU count, n; {usage}")
+        if len(mark.args) + len(mark.kwargs) != 1:
             raise MarkerError(f"{shown}: takes exactly one GPU count; {usage}")
+        written.append(shown.removeprefix("@pytest.mark."))
         value = mark.args[0] if mark.args else mark.kwargs["n"]
         try:
             need = max(need, _count(value, shown, "the GPU count"))
@@ -78,14 +117,20 @@ def requirement_for(item: pytest.Item) -> Requirement:
             raise MarkerError(f"{exc}; {usage}") from None
     for mark in item.iter_markers("distributed"):
         # vLLM writes distributed(num_gpus=N); a bare @distributed only labels the test.
+        shown = f"@pytest.mark.distributed{_call(mark.args, mark.kwargs)}"
+        usage = "use @pytest.mark.distributed(num_gpus=2)"
+        _unknown(mark.kwargs, ("num_gpus",), shown, f"distributed takes num_gpus; {usage}")
+        if len(mark.args) + len(mark.kwargs) > 1:
+            raise MarkerError(f"{shown}: takes one GPU count, num_gpus; {usage}")
         if "num_gpus" in mark.kwargs or mark.args:
-            shown = f"@pytest.mark.distributed{_call(mark.args, mark.kwargs)}"
+            written.append(shown.removeprefix("@pytest.mark."))
             value = mark.kwargs.get("num_gpus", mark.args[0] if mark.args else None)
             try:
                 need = max(need, _count(value, shown, "num_gpus"))
             except MarkerError as exc:
                 raise MarkerError(f"{exc}; use @pytest.mark.distributed(num_gpus=2)") from None
-    return Requirement(frozenset(platforms), need)
+    uses_cluster = not PD_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    return Requirement(frozenset(platforms), need, uses_cluster, tuple(written))
 
 
 def _call(args: Iterable[object], kwargs: Mapping[str, object]) -> str:
@@ -102,11 +147,15 @@ def skip_reason(req: Requirement, inv: Inventory) -> str | None:
     if req.platforms and inv.platform not in req.platforms:
         wanted = " or ".join(sorted(req.platforms))
         return f"needs platform {wanted}, this machine is {inv.platform} ({_how(inv)})"
-    if inv.count >= req.gpus or inv.platform == "cpu":
+    if inv.count >= req.gpus or (inv.platform == "cpu" and req.uses_cluster):
         # On a CPU-only machine pdserve's servers run on the CPU (the simulator, or vLLM's CPU backend), so a
-        # GPU count does not apply; --pd-platform=cuda|rocm makes it apply (and skip) anyway.
+        # GPU count does not apply to a test that only uses them (cpu_note says so in its report);
+        # --pd-platform=cuda|rocm makes it apply (and skip) anyway.
         return None
     plural = "GPU" if req.gpus == 1 else "GPUs"
+    if inv.platform == "cpu":
+        return (f"needs {req.gpus} {plural}, this machine has none ({_how(inv)}); it uses no pd fixture, so "
+                "the CPU engine cannot stand in for them")  # fmt: skip
     reason = f"needs {req.gpus} {plural}, "
     reason += f"{inv.count} visible" if inv.count else "none visible"
     if inv.visibility:
@@ -116,6 +165,14 @@ def skip_reason(req: Requirement, inv: Inventory) -> str | None:
     if inv.note:
         reason += f" ({inv.note})"
     return reason
+
+
+def cpu_note(req: Requirement, inv: Inventory) -> str | None:
+    """Why a GPU-count marker was not enforced (a CPU-only machine, a test that uses a pd fixture), or None."""
+    if inv.platform != "cpu" or req.gpus == 0 or not req.uses_cluster or inv.count >= req.gpus:
+        return None
+    return (f"{', '.join(req.shown)} not enforced: this machine is CPU-only ({_how(inv)}), so the pd cluster runs "
+            "on the CPU engine; --pd-platform=cuda or rocm makes GPU counts apply")  # fmt: skip
 
 
 def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -142,3 +199,6 @@ def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
         reason = skip_reason(req, inv)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+        elif (note := cpu_note(req, inv)) is not None:
+            # A report section reaches every phase's report, so -rA (and JUnit XML) show it.
+            item.add_report_section("setup", "pdserve", note)

@@ -14,6 +14,7 @@ import pytest
 from pytest_pdserve import logs
 from pytest_pdserve.fixtures import CURRENT_ITEM, pd_cluster, pd_cluster_factory, stop_manager
 from pytest_pdserve.markers import apply_skips, register_markers
+from pytest_pdserve.redaction import redact
 from pytest_pdserve.settings import (
     PDSERVE_CONFIG,
     add_options,
@@ -58,7 +59,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
             f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
         )
-    return lines
+    return [redact(line) for line in lines]  # URL passwords, the API key
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

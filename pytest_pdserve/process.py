@@ -37,8 +37,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
-from pytest_pdserve.hints import hint_for
+from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
+from pytest_pdserve.hints import AUTH_HINT, hint_for
+from pytest_pdserve.redaction import redact_argv
 from pytest_pdserve.watchdog import (
     RUN_TOKEN_ENV,
     SERVER_TOKEN_ENV,
@@ -212,9 +213,9 @@ class ServerProcess:
             if _answers(host, port):
                 raise PortInUse(port, self.name)
         with open(self.log_path, "ab") as log_fh:
-            # The API key stays out of the log: its tail ends up in error messages and progress lines.
-            shown = " ".join("***" if i and self.argv[i - 1] == "--api-key" else a for i, a in enumerate(self.argv))
-            log_fh.write(f"pdserve: starting {self.name}: {shown}\n".encode())
+            # Secrets stay out of the log: its tail ends up in error messages and progress lines.
+            shown = " ".join(redact_argv(self.argv))
+            log_fh.write(f"pdserve: starting {self.name}: {shown}\n".encode(errors="backslashreplace"))
             log_fh.flush()
             self._popen = subprocess.Popen(
                 list(self.argv),
@@ -267,6 +268,7 @@ class ServerProcess:
             return False
         if r.status_code != 200:
             self._waiting_for = f"GET {self.health_url}: HTTP {r.status_code}"
+            self._fail_on_auth(r.status_code)
             return False
         if self.models_url is None:
             return True
@@ -277,6 +279,7 @@ class ServerProcess:
             return False
         if r.status_code != 200:
             self._waiting_for = f"GET {self.models_url}: HTTP {r.status_code}"
+            self._fail_on_auth(r.status_code)
             return False
         if self.model_id is None:
             return True
@@ -289,6 +292,15 @@ class ServerProcess:
             self._waiting_for = f"model {self.model_id!r} in GET {self.models_url} (it lists {ids})"
             return False
         return True
+
+    def _fail_on_auth(self, status: int) -> None:
+        """401/403 will not go away by waiting: kill the server and fail the start now, with a hint."""
+        if status not in (401, 403):
+            return
+        self._kill_now()
+        tail = self.log_tail()
+        raise ServerStartupError(self.name, f"readiness check refused ({self._waiting_for})", tail, AUTH_HINT,
+                                 str(self.log_path))  # fmt: skip
 
     def wait_ready(self, deadline: float, on_progress: ProgressCallback | None = None) -> float:
         """Block until ready; return seconds from start() to ready.

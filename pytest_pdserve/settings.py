@@ -30,7 +30,10 @@ from typing import Any, Literal
 
 import pytest
 
-from pytest_pdserve.extra_args import ExtraArgsError, find_flag, parse_extra_args
+from pytest_pdserve import owned_flags, redaction
+from pytest_pdserve.commands import proxy_placeholder_problems
+from pytest_pdserve.errors import OwnedFlagError
+from pytest_pdserve.extra_args import ExtraArgsError, parse_extra_args
 from pytest_pdserve.inventory import (
     Inventory,
     InventoryError,
@@ -39,6 +42,7 @@ from pytest_pdserve.inventory import (
     parse_simulate_gpus,
     simulated_inventory,
 )
+from pytest_pdserve.spec import ATTENTION_BACKEND_RE, MAX_BLOCK_SIZE, MAX_MODEL_LEN
 
 __all__ = [
     "PDSERVE_CONFIG",
@@ -47,14 +51,21 @@ __all__ = [
     "Setting",
     "add_options",
     "get_inventory",
+    "remedy",
     "resolve",
     "resolve_engine",
+    "short_source",
     "start_inventory_detection",
 ]
 
 DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
 VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
 """``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
+#: Bounds where a larger value only costs memory or time (the others live with ClusterSpec, in spec.py).
+MAX_SIMULATED_GPUS = 1024
+MAX_GPU_INDEX = 1023
+#: Raw setting values longer than this (bytes) are refused before parsing (argv elements must stay < 128 KiB).
+MAX_VALUE_BYTES = 64 * 1024
 
 
 class SettingError(ValueError):
@@ -74,10 +85,6 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _str(text: str) -> str:
-    return text.strip()
-
-
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -87,50 +94,70 @@ def _bool(text: str) -> bool:
     raise SettingError("accepted values: 1/0, true/false, yes/no, on/off")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise SettingError("expected a whole number > 0") from None
-    if value <= 0:
-        raise SettingError("expected a whole number > 0")
-    return value
+_INT = re.compile(r"[0-9]+")
+_FLOAT = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise SettingError("expected a whole number >= 0") from None
-    if value < 0:
-        raise SettingError("expected a whole number >= 0")
-    return value
+def _number(
+    kind: type[int] | type[float], low: float, high: float, *, open_low: bool = False, what: str = ""
+) -> Callable[[str], Any]:
+    """One number parser: ASCII digits only (``int()`` also takes ``'1_000'`` and ``'١٢'``), then a range.
+
+    Upper bounds exist where a larger value only costs memory or time.
+    """  # fmt: skip
+    low_text = f"> {low:g}" if open_low else f">= {low:g}"
+    if kind is int:
+        expected = f"expected a whole number from {low:g} to {high:g}{what} (digits 0-9 only)"
+    else:
+        expected = f"expected a number{what} {low_text} and <= {high:g}"
+
+    def parse(text: str) -> Any:
+        value_text = text.strip()
+        if not (_INT if kind is int else _FLOAT).fullmatch(value_text):
+            raise SettingError(expected)
+        value = kind(value_text)
+        if value < low or (open_low and value == low) or value > high:
+            raise SettingError(expected)
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise SettingError("expected a number of seconds > 0") from None
-    if not value > 0 or value == float("inf"):
-        raise SettingError("expected a number of seconds > 0")
-    return value
+_seconds = _number(float, 0, 86400, open_low=True, what=" of seconds")
+_utilization = _number(float, 0, 1, open_low=True, what=" (a fraction in (0, 1], e.g. 0.2)")
 
 
-def _utilization(text: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise SettingError("expected a fraction in (0, 1], e.g. 0.2") from None
-    if not 0 < value <= 1:
-        raise SettingError("expected a fraction in (0, 1], e.g. 0.2")
+def _text(what: str, max_len: int = 4096) -> Callable[[str], str]:
+    """A non-empty, single-line text value (a model name, a path...)."""
+
+    def parse(text: str) -> str:
+        value = text.strip()
+        if not value:
+            raise SettingError(f"expected {what}, got an empty value")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise SettingError(f"expected {what}; it contains a control character (newline, tab...)")
+        if len(value) > max_len:
+            raise SettingError(f"expected {what} of at most {max_len} characters, got {len(value)}")
+        return value
+
+    return parse
+
+
+_API_KEY = re.compile(r"[\x21-\x7e]{1,1024}")
+
+
+def _api_key(text: str) -> str:
+    # It goes into an HTTP header (Authorization: Bearer KEY): printable ASCII, no spaces.
+    value = text.strip()
+    if not _API_KEY.fullmatch(value):
+        raise SettingError("expected 1-1024 printable ASCII characters without spaces (it is sent as an HTTP header)")
     return value
 
 
 def _gpu_ids(text: str) -> tuple[int, ...]:
     pieces = [p.strip() for p in text.split(",")]
-    accepted = "expected GPU indices >= 0 separated by commas, e.g. 0 or 0,1"
-    if not pieces or any(not p.isdigit() for p in pieces):
+    accepted = f"expected GPU indices >= 0 (at most {MAX_GPU_INDEX}) separated by commas, e.g. 0 or 0,1"
+    if not pieces or any(not _INT.fullmatch(p) or int(p) > MAX_GPU_INDEX for p in pieces):
         raise SettingError(accepted)
     ids = tuple(int(p) for p in pieces)
     if len(set(ids)) != len(ids):
@@ -138,12 +165,9 @@ def _gpu_ids(text: str) -> tuple[int, ...]:
     return ids
 
 
-_BACKEND_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-
-
 def _attention_backend(text: str) -> str:
     value = text.strip()
-    if not _BACKEND_RE.match(value):
+    if not ATTENTION_BACKEND_RE.fullmatch(value):
         raise SettingError("expected a vLLM attention backend name such as FLASH_ATTN, TRITON_ATTN or auto")
     return value
 
@@ -162,6 +186,12 @@ def _command(text: str) -> tuple[str, ...]:
         raise SettingError(f"cannot split it as a shell command ({exc}); balance the quotes") from None
     if not argv:
         raise SettingError("expected a command line, e.g. 'python my_proxy.py --port {port}'")
+    problems = proxy_placeholder_problems(argv)
+    if problems:
+        raise SettingError("; ".join(problems))
+    program = argv[0]
+    if program != "{python}" and shutil.which(program) is None:
+        raise SettingError(f"the program {program!r} is not an executable file, nor on PATH")
     return argv
 
 
@@ -182,7 +212,12 @@ def _urls(text: str) -> tuple[str, ...]:
 
 
 def _simulate(text: str) -> str:
-    # Cross-checked against the platform in resolve(); here only the shape.
+    # Cross-checked against the platform in resolve(); here only the shape, digits and the bound.
+    count = text.strip().rpartition(":")[2].strip()
+    if not _INT.fullmatch(count):
+        raise SettingError("use N, cuda:N or rocm:N with N a whole number >= 0 (digits 0-9 only)")
+    if int(count) > MAX_SIMULATED_GPUS:
+        raise SettingError(f"at most {MAX_SIMULATED_GPUS} GPUs can be simulated")
     try:
         parse_simulate_gpus(text)
     except InventoryError as exc:
@@ -208,6 +243,8 @@ class Setting:
     env: str | None = None
     ini: str | None = None
     metavar: str | None = None
+    #: Never shown in an error, the header or a log (the API key).
+    secret: bool = False
 
     @property
     def flag(self) -> str:
@@ -229,12 +266,18 @@ class Setting:
         """argparse destination (unique across pytest's namespace)."""
         return f"pdserve_{self.name}"
 
+    @property
+    def remedy(self) -> str:
+        """Every way to set it, for error messages: ``--pd-x / PDSERVE_X / pdserve_x``."""
+        flags = f"{self.flag} / --no-{self.flag[2:]}" if self.kind == "bool" else self.flag
+        return f"{flags} / {self.env_var} / {self.ini_key}"
+
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("engine", "Server engine: vllm, sim (built-in simulator) or auto (vllm when installed)",
             _choice("vllm", "sim", "auto"), "auto", metavar="ENGINE"),
-    Setting("model", "Model served by prefill and decode (default: the engine's test model)", _str, None,
-            metavar="MODEL"),
+    Setting("model", "Model served by prefill and decode (default: the engine's test model)",
+            _text("a model name or path"), None, metavar="MODEL"),
     Setting("attention_backend", "vLLM --attention-backend for both servers (P and D must match)",
             _attention_backend, None, cli="--attention-backend", env="ATTENTION_BACKEND",
             metavar="BACKEND"),
@@ -248,16 +291,16 @@ SETTINGS: tuple[Setting, ...] = (
             _gpu_ids, None, env="DECODE_GPU_ID", metavar="IDS"),
     Setting("gpu_memory_utilization", "vLLM --gpu-memory-utilization, a fraction in (0, 1]",
             _utilization, None, env="GPU_MEMORY_UTILIZATION", metavar="FRACTION"),
-    Setting("block_size", "vLLM --block-size", _positive_int, None, metavar="N"),
-    Setting("max_model_len", "vLLM --max-model-len", _positive_int, None, metavar="N"),
+    Setting("block_size", "vLLM --block-size", _number(int, 1, MAX_BLOCK_SIZE), None, metavar="N"),
+    Setting("max_model_len", "vLLM --max-model-len", _number(int, 1, MAX_MODEL_LEN), None, metavar="N"),
     Setting("enforce_eager", "Pass --enforce-eager to vLLM (default: on)", _bool, True, kind="bool"),
-    Setting("seed", "vLLM --seed", _seed, 0, metavar="N"),
+    Setting("seed", "vLLM --seed", _number(int, 0, 2**32 - 1), 0, metavar="N"),
     Setting("startup_timeout", "Seconds a server may take to become ready", _seconds, 1200.0,
             metavar="SECONDS"),
-    Setting("shutdown_timeout", "Seconds between SIGTERM and SIGKILL when stopping a server", _seconds,
-            30.0, metavar="SECONDS"),
-    Setting("log_dir", "Directory for server logs (default: under pytest's basetemp)", _str, None,
-            metavar="DIR"),
+    Setting("shutdown_timeout", "Seconds between SIGTERM and SIGKILL when stopping a server",
+            _number(float, 0, 3600, open_low=True, what=" of seconds"), 30.0, metavar="SECONDS"),
+    Setting("log_dir", "Directory for server logs (default: under pytest's basetemp)", _text("a directory"),
+            None, metavar="DIR"),
     Setting("platform", "GPU platform: auto (detect), cuda, rocm or cpu",
             _choice("auto", "cuda", "rocm", "cpu"), "auto", metavar="PLATFORM"),
     Setting("simulate_gpus", "Simulate N GPUs (N, cuda:N or rocm:N) for marker skips and leasing on CPU CI",
@@ -266,12 +309,13 @@ SETTINGS: tuple[Setting, ...] = (
             "wait", metavar="MODE"),
     Setting("gpu_wait_timeout", "Seconds to wait for a free GPU", _seconds, 1800.0, metavar="SECONDS"),
     Setting("vllm_executable", "vllm executable: a path, or a name looked up next to python and on PATH",
-            _str, "vllm", metavar="PATH"),
+            _text("an executable name or path"), "vllm", metavar="PATH"),
     Setting("proxy_command", "P/D proxy command (shell-quoted argv template; default: built-in proxy)",
             _command, None, metavar="COMMAND"),
-    Setting("api_key", "API key the servers require (vLLM --api-key)", _str, None, metavar="KEY"),
-    Setting("lease_dir", "Machine-wide directory for GPU and port lease files", _str, DEFAULT_LEASE_DIR,
-            metavar="DIR"),
+    Setting("api_key", "API key the servers require (given to them as VLLM_API_KEY, never on argv)", _api_key,
+            None, metavar="KEY", secret=True),
+    Setting("lease_dir", "Machine-wide directory for GPU and port lease files", _text("a directory"),
+            DEFAULT_LEASE_DIR, metavar="DIR"),
     Setting("prefill_urls", "Attach to a running prefill server instead of starting one (repeatable)",
             _urls, (), kind="append", cli="--pd-prefill-url", metavar="URL"),
     Setting("decode_urls", "Attach to a running decode server instead of starting one (repeatable)",
@@ -399,8 +443,10 @@ def _raw(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> tuple
 
 
 def _usage(setting: Setting, raw: Any, source: str, why: str) -> pytest.UsageError:
-    return pytest.UsageError(f"pdserve: {raw!r} from {_describe_source(source)} is not a valid "
-                             f"{setting.name}: {why}")  # fmt: skip
+    text = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
+    shown = "the value" if setting.secret else redaction.redact(repr(text))
+    return pytest.UsageError(f"pdserve: {shown} from {_describe_source(source)} is not a valid "
+                             f"{setting.name}: {why} (set {setting.remedy})")  # fmt: skip
 
 
 def _base_dir(config: pytest.Config, source: str) -> Path:
@@ -466,14 +512,17 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             values[s.name] = raw
             continue
         try:
+            _check_raw(s, raw)
             values[s.name] = s.parse(raw)
         except SettingError as exc:
             raise _usage(s, raw, source, str(exc)) from None
+    # Secrets are registered before anything can print them (the header, errors, log headers).
+    redaction.register(values["api_key"], *(redaction.url_password(u) for u in _all_urls(values)))
+    _check_extra_args(values, sources)
     for name in _PATH_SETTINGS:
         if sources[name] != "default" and values[name] is not None:
             path = Path(values[name]).expanduser()
             values[name] = path if path.is_absolute() else _base_dir(config, sources[name]) / path
-    _check_attention_backend(values, sources)
     if values["simulate_gpus"] is not None:
         try:
             values["simulate_gpus"] = parse_simulate_gpus(values["simulate_gpus"], values["platform"])
@@ -503,20 +552,53 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
     )
 
 
-def _check_attention_backend(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
-    backend = values["attention_backend"]
-    if backend is None:
-        return
+def _all_urls(values: Mapping[str, Any]) -> list[str]:
+    return [*values["prefill_urls"], *values["decode_urls"], *([values["proxy_url"]] if values["proxy_url"] else [])]
+
+
+def _check_raw(s: Setting, raw: Any) -> None:
+    """What no setting accepts: a TOML boolean for a non-boolean, NUL bytes, undecodable bytes, huge values."""
+    if isinstance(raw, bool) and s.kind != "bool":
+        raise SettingError("got a boolean; expected text or a number")
+    text = raw if isinstance(raw, str) else str(raw)
+    if "\x00" in text:
+        raise SettingError("it contains a NUL byte")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SettingError("it is not valid UTF-8 (undecodable bytes in the environment?)") from None
+    if size > MAX_VALUE_BYTES:
+        raise SettingError(f"it is {size} bytes long; the limit is {MAX_VALUE_BYTES}")
+
+
+def short_source(source: str) -> str:
+    """``VLLM_SERVE_EXTRA_ARGS (env)``, ``pdserve_x (ini)``, ``--flag (command line)``."""
+    if source.startswith("$"):
+        return f"{source[1:]} (env)"
+    if source.startswith("ini "):
+        return f"{source[4:]} (ini)"
+    return f"{source} (command line)" if source.startswith("-") else source
+
+
+def _check_extra_args(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """The owned-flags table applied to the session's extra args: refused flags, and ``once`` flags that a
+    setting gives too (the same rule `effective.effective` applies per cluster)."""
     extra: Sequence[str] = values["vllm_serve_extra_args"]
-    clash = find_flag(extra, "--attention-backend") or find_flag(extra, "--attention-config.backend")
-    if clash is None:
-        return
-    raise pytest.UsageError(
-        f"pdserve: the attention backend is given twice: {backend!r} from "
-        f"{_describe_source(sources['attention_backend'])} and {clash!r} inside the extra args from "
-        f"{_describe_source(sources['vllm_serve_extra_args'])}; give it in one place only "
-        "(--attention-backend / ATTENTION_BACKEND, or the extra args)"
-    )
+    where = short_source(sources["vllm_serve_extra_args"])
+    given: dict[str, list[owned_flags.Given]] = {}
+    for name, flag in (("max_model_len", "--max-model-len"), ("gpu_memory_utilization", "--gpu-memory-utilization")):
+        if values[name] is not None:
+            given[flag] = [owned_flags.Given(short_source(sources[name]), f"{values[name]!r}")]
+    try:
+        owned_flags.refuse(extra, where)
+        owned_flags.check_once(given, [(where, extra)])
+    except OwnedFlagError as exc:
+        raise pytest.UsageError(f"pdserve: {exc}") from None
+
+
+def remedy(name: str) -> str:
+    """How to set setting *name*: ``--pd-x / PDSERVE_X / pdserve_x`` (derived from its declaration)."""
+    return SETTINGS_BY_NAME[name].remedy
 
 
 # --------------------------------------------------------------------------- inventory (lazy)

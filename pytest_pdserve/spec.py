@@ -8,10 +8,12 @@ mappings are stored as sorted tuples. Build specs with keyword arguments; `env` 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_pdserve import owned_flags
 from pytest_pdserve.errors import ClusterSpecError
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
@@ -22,15 +24,40 @@ KV_CONNECTORS = ("NixlConnector", "MultiConnector")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 MAMBA_CACHE_MODES = ("all", "align", "none")
 
+#: Upper bounds shared with the session settings (`settings.py`): beyond them a value only costs memory or time.
+MAX_BLOCK_SIZE = 8192
+MAX_MODEL_LEN = 1 << 24
+MAX_TP = 64
+MAX_SERVERS = 64
+#: Linux rejects a single argv element or env string of 128 KiB or more (MAX_ARG_STRLEN) with a raw OSError.
+MAX_ARG_BYTES = 128 * 1024 - 1
+#: What vLLM attention backend names look like (``FLASH_ATTN``, ``TRITON_ATTN``, ``auto``).
+ATTENTION_BACKEND_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+def argv_text_problem(value: str) -> str | None:
+    """Why *value* cannot be one argv element or env string of a child process (None when it can)."""
+    if "\x00" in value:
+        return "it contains a NUL byte"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8 (undecodable bytes)"
+    if size > MAX_ARG_BYTES:
+        return f"it is {size} bytes long; the limit for one argument is {MAX_ARG_BYTES}"
+    return None
+
 
 def _freeze_env(env: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
     items = env.items() if isinstance(env, Mapping) else (env or ())
     frozen = []
     for key, value in items:
-        if not isinstance(key, str) or not key or "=" in key:
+        if not isinstance(key, str) or not key or "=" in key or argv_text_problem(key) is not None:
             raise ClusterSpecError(f"env key {key!r} is not a valid environment variable name")
         if not isinstance(value, str):
             raise ClusterSpecError(f"env value for {key} must be a string, got {type(value).__name__} {value!r}")
+        if (problem := argv_text_problem(f"{key}={value}")) is not None:
+            raise ClusterSpecError(f"env value for {key} cannot be passed to a server: {problem}")
         frozen.append((key, value))
     return tuple(sorted(frozen))
 
@@ -45,7 +72,18 @@ def _freeze_args(args: Iterable[str] | str | None, what: str) -> tuple[str, ...]
     for a in out:
         if not isinstance(a, str):
             raise ClusterSpecError(f"{what} must hold strings, got {a!r}")
+        if (problem := argv_text_problem(a)) is not None:
+            raise ClusterSpecError(f"{what} element {a[:60]!r} cannot be passed to a server: {problem}")
     return out
+
+
+def _check_int(spec: ClusterSpec, attr: str, high: int, *, optional: bool) -> None:
+    value = getattr(spec, attr)
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        none = " or None" if optional else ""
+        raise ClusterSpecError(f"ClusterSpec.{attr} must be a whole number from 1 to {high}{none}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -86,17 +124,31 @@ class ClusterSpec:
     name: str = field(default="pd", compare=False)
 
     def __post_init__(self) -> None:
-        for attr in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
-            value = getattr(self, attr)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ClusterSpecError(f"ClusterSpec.{attr} must be a positive integer, got {value!r}")
-        for attr in ("block_size", "max_model_len"):
-            value = getattr(self, attr)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ClusterSpecError(f"ClusterSpec.{attr} must be a positive integer or None, got {value!r}")
+        for attr in ("num_prefill", "num_decode"):
+            _check_int(self, attr, MAX_SERVERS, optional=False)
+        for attr in ("prefill_tp", "decode_tp"):
+            _check_int(self, attr, MAX_TP, optional=False)
+        _check_int(self, "block_size", MAX_BLOCK_SIZE, optional=True)
+        _check_int(self, "max_model_len", MAX_MODEL_LEN, optional=True)
         util = self.gpu_memory_utilization
-        if util is not None and not (isinstance(util, (int, float)) and 0 < util <= 1):
+        if util is not None and not (isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1):
             raise ClusterSpecError(f"ClusterSpec.gpu_memory_utilization must be in (0, 1], got {util!r}")
+        for attr in ("trust_remote_code",):
+            if not isinstance(getattr(self, attr), bool):
+                raise ClusterSpecError(f"ClusterSpec.{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ClusterSpecError(
+                f"ClusterSpec.enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}"
+            )
+        backend = self.attention_backend
+        if backend is not None and not (isinstance(backend, str) and ATTENTION_BACKEND_RE.fullmatch(backend)):
+            raise ClusterSpecError(
+                f"ClusterSpec.attention_backend {backend!r} is not a vLLM attention backend name such as "
+                "FLASH_ATTN or TRITON_ATTN"
+            )
+        model = self.model
+        if model is not None and not (isinstance(model, str) and model.strip() and argv_text_problem(model) is None):
+            raise ClusterSpecError(f"ClusterSpec.model must be a non-empty model name or path, got {model!r}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ClusterSpecError(
                 f"ClusterSpec.kv_connector {self.kv_connector!r} is not supported; use one of {KV_CONNECTORS}"
@@ -128,13 +180,10 @@ class ClusterSpec:
             object.__setattr__(self, attr, _freeze_env(getattr(self, attr)))
         for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):
             object.__setattr__(self, attr, _freeze_args(getattr(self, attr), f"ClusterSpec.{attr}"))
-        for flag in ("--attention-backend", "--port", "--host", "--kv-transfer-config"):
-            for args in (self.extra_args, self.prefill_extra_args, self.decode_extra_args):
-                if any(a == flag or a.startswith(flag + "=") for a in args):
-                    raise ClusterSpecError(
-                        f"{flag} in ClusterSpec extra args: pdserve sets it itself"
-                        + (" (use ClusterSpec.attention_backend)" if flag == "--attention-backend" else "")
-                    )
+        for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):
+            owned_flags.refuse(getattr(self, attr), f"ClusterSpec.{attr}")
+        for attr in ("env", "prefill_env", "decode_env"):
+            owned_flags.check_env(dict(getattr(self, attr)), f"ClusterSpec.{attr}")
 
     @property
     def num_gpus(self) -> int:

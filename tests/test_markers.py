@@ -85,13 +85,37 @@ def test_simulated_rocm_from_the_environment(pytester: pytest.Pytester, monkeypa
     )
 
 
-def test_gpu_counts_do_not_apply_on_a_cpu_only_machine(pytester: pytest.Pytester) -> None:
-    # Servers run on the CPU there (simulator or vLLM's CPU backend); platform markers still apply.
+def test_gpu_counts_on_a_cpu_only_machine_skip_tests_without_a_pd_fixture(pytester: pytest.Pytester) -> None:
+    # Such tests do their own GPU work (vLLM's test_accuracy_rocm.py): skipped. Platform markers still apply.
     pytester.makepyfile(MARKED_TESTS)
     got = outcomes(pytester, "--pd-platform=cpu")
-    assert "test_two" in passed(got)
-    assert "test_plain" in passed(got)
+    assert got["test_two"] == (
+        "needs 2 GPUs, this machine has none (platform set to cpu); it uses no pd fixture, so the CPU engine "
+        "cannot stand in for them"
+    )
+    assert got["test_distributed_two"].startswith("needs 2 GPUs, this machine has none")
+    assert {"test_plain", "test_distributed_label"} <= passed(got)
     assert got["test_cuda"] == "needs platform cuda, this machine is cpu (platform set to cpu)"
+
+
+def test_gpu_counts_on_a_cpu_only_machine_run_pd_tests_on_the_cpu_engine(pytester: pytest.Pytester) -> None:
+    # Servers run on the CPU there (simulator or vLLM's CPU backend); -rA says why the count was not enforced.
+    pytester.makeconftest("import pytest\n\n@pytest.fixture\ndef cluster(pd_cluster_factory):\n    return 1\n")
+    pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.gpus(2)\ndef test_pd(pd_cluster_factory): pass\n\n"
+        "@pytest.mark.distributed(num_gpus=4)\ndef test_indirect(cluster): pass\n"
+    )
+    result = pytester.runpytest("--pd-platform=cpu", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*Captured pdserve setup*",
+            "gpus(2) not enforced: this machine is CPU-only (platform set to cpu), so the pd cluster runs on the "
+            "CPU engine; --pd-platform=cuda or rocm makes GPU counts apply",
+            "*Captured pdserve setup*",
+            "distributed(num_gpus=4) not enforced: *",
+        ]
+    )
 
 
 def test_markers_are_listed(pytester: pytest.Pytester) -> None:
@@ -123,7 +147,13 @@ def test_vllm_style_marker_selection(pytester: pytest.Pytester) -> None:
         ("gpus(True)", "got True"),
         ("gpus()", "@pytest.mark.gpus(): takes exactly one GPU count; use @pytest.mark.gpus(2)"),
         ("gpus(1, 2)", "takes exactly one GPU count"),
-        ("gpus(count=2)", "takes exactly one GPU count"),
+        ("gpus(count=2)", "@pytest.mark.gpus(count=2): unknown keyword argument count; gpus takes one GPU count, n"),
+        ("gpus(2, n=2)", "takes exactly one GPU count"),
+        ("distributed(num_gpu=2)", "@pytest.mark.distributed(num_gpu=2): unknown keyword argument num_gpu"),
+        ("distributed(2, num_gpus=2)", "takes one GPU count, num_gpus"),
+        ("cuda(2)", "@pytest.mark.cuda(2): takes no arguments"),
+        ("rocm(arch='gfx942')", "@pytest.mark.rocm(arch='gfx942'): takes no arguments"),
+        ("gpus(10**9)", "must be at most 4096"),
         ("distributed(num_gpus=-1)", "@pytest.mark.distributed(num_gpus=-1): num_gpus must be a whole number >= 1"),
         ('distributed(num_gpus="2")', "use @pytest.mark.distributed(num_gpus=2)"),
     ],

@@ -209,7 +209,7 @@ BAD_INPUTS = [
         [],
         {"DECODE_GPU_ID": "-1"},
         "",
-        ["'-1' from environment variable DECODE_GPU_ID", "GPU indices >= 0 separated by commas"],
+        ["'-1' from environment variable DECODE_GPU_ID", "GPU indices >= 0 (at most 1023) separated by commas"],
     ),
     ("gpu-id-repeated", ["--pd-decode-gpu-ids=1,1"], {}, "", ["an index is repeated"]),
     (
@@ -234,25 +234,22 @@ BAD_INPUTS = [
         ["ini key pdserve_gpu_memory_utilization"],
     ),
     (
-        "backend-twice-env",
+        "backend-in-extra-args-env",
         [],
         {"ATTENTION_BACKEND": "FLASHINFER", "VLLM_SERVE_EXTRA_ARGS": "--attention-backend,TRITON_ATTN"},
         "",
         [
-            "attention backend is given twice",
-            "'FLASHINFER' from environment variable ATTENTION_BACKEND",
-            "'--attention-backend' inside the extra args from environment variable VLLM_SERVE_EXTRA_ARGS",
+            "--attention-backend in VLLM_SERVE_EXTRA_ARGS (env) ('--attention-backend TRITON_ATTN') is a flag "
+            "pdserve sets itself",
+            "Use ClusterSpec.attention_backend or --attention-backend / ATTENTION_BACKEND / pdserve_attention_backend",
         ],
     ),
     (
-        "backend-twice-equals",
-        ["--attention-backend=FLASH_ATTN", "--vllm-serve-extra-args=--attention-backend=X"],
+        "backend-in-extra-args-equals",
+        ["--vllm-serve-extra-args=--attention-backend=X"],
         {},
         "",
-        [
-            "'FLASH_ATTN' from --attention-backend",
-            "'--attention-backend=X' inside the extra args from --vllm-serve-extra-args",
-        ],
+        ["--attention-backend in --vllm-serve-extra-args (command line) ('--attention-backend=X')"],
     ),
     ("backend-bad-name", ["--attention-backend=flash attn"], {}, "", ["such as FLASH_ATTN"]),
     ("timeout-zero", ["--pd-startup-timeout=0"], {}, "", ["'0' from --pd-startup-timeout", "seconds > 0"]),
@@ -320,7 +317,13 @@ BAD_INPUTS = [
         "pdserve_proxy_url = http://127.0.0.1:99999\n",
         ["ini key pdserve_proxy_url", "port"],
     ),
-    ("block-size", ["--pd-block-size=-16"], {}, "", ["whole number > 0"]),
+    (
+        "block-size",
+        ["--pd-block-size=-16"],
+        {},
+        "",
+        ["whole number from 1 to 8192", "(set --pd-block-size / PDSERVE_BLOCK_SIZE / pdserve_block_size)"],
+    ),
     ("bool", [], {"PDSERVE_ENFORCE_EAGER": "maybe"}, "", ["1/0, true/false"]),
     ("proxy-command", ["--pd-proxy-command=python 'x"], {}, "", ["balance the quotes"]),
     (

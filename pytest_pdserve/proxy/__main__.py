@@ -1,8 +1,13 @@
-"""Command line: ``python -m pytest_pdserve.proxy --host H --port P --prefill URL ... --decode URL ...``."""
+"""Command line: ``python -m pytest_pdserve.proxy --host H --port P --prefill URL ... --decode URL ...``.
+
+The API key comes from the environment (``VLLM_API_KEY``, like vLLM's servers), never from argv, where
+``ps`` would show it to every local user.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,7 +19,8 @@ from pytest_pdserve.proxy.app import ProxyConfig, create_app
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pytest_pdserve.proxy",
-        description="P/D proxy: prefill on one server (max_tokens=1), decode on another (NixlConnector).",
+        description="P/D proxy: prefill on one server (max_tokens=1), decode on another (NixlConnector). "
+        "$VLLM_API_KEY, when set, is sent upstream as 'Authorization: Bearer KEY' (else the client's header is).",
     )
     # 127.0.0.1, not localhost: localhost may resolve to IPv6, which CI blocks (vLLM PR #27010).
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -34,11 +40,6 @@ def _parser() -> argparse.ArgumentParser:
         help="decode server base URL (repeat for several; round-robin, independent of prefill)",
     )
     parser.add_argument(
-        "--api-key",
-        default=None,
-        help="send 'Authorization: Bearer KEY' upstream (default: forward the client's header)",
-    )
-    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -54,7 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.port < 65536:
         parser.error(f"--port {args.port} is out of range; expected 1-65535")
     try:
-        config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), api_key=args.api_key)
+        # $VLLM_API_KEY: sent as 'Authorization: Bearer KEY' upstream; unset: the client's header is forwarded.
+        api_key = os.environ.get("VLLM_API_KEY") or None
+        config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), api_key=api_key)
     except ValueError as exc:
         parser.error(str(exc))
     print(

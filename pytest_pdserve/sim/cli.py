@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -357,7 +358,8 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         host=ns.host,
         port=ns.port,
         served_model_name=tuple(ns.served_model_name or ()),
-        api_key=ns.api_key,
+        # vLLM: "--api-key option from CLI takes precedence over VLLM_API_KEY" (serve/middleware/register.py).
+        api_key=ns.api_key if ns.api_key is not None else (os.environ.get("VLLM_API_KEY") or None),
         kv_transfer_config=ns.kv_transfer_config,
         attention_backend=ns.attention_backend,
         block_size=ns.block_size,

@@ -1,0 +1,106 @@
+"""One merge of a `ClusterSpec` with the session settings: what each server of the cluster really gets.
+
+A spec field left at ``None`` means "the session's value" (CLI > env > ini > default); this module is
+the only place that rule is written. The command builder, the manager (the `PDCluster` it hands out)
+and attach mode all read `Effective`, so the header, the cluster object and the servers cannot
+disagree. It also applies the ``once`` rule of the owned-flags table across every source of one
+server: a setting or spec field, the session's extra args, the spec's and the role's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pytest_pdserve import owned_flags
+from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
+
+__all__ = ["Effective", "SessionDefaults", "effective"]
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class SessionDefaults:
+    """The session settings a cluster needs (a narrow, pytest-free view of PDServeConfig)."""
+
+    attention_backend: str | None = None
+    vllm_serve_extra_args: tuple[str, ...] = ()
+    gpu_memory_utilization: float | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    seed: int = 0
+    api_key: str | None = None
+    platform: str = "cpu"
+    #: Where ``vllm_serve_extra_args`` came from, for errors (``VLLM_SERVE_EXTRA_ARGS (env)``).
+    extra_args_source: str = "VLLM_SERVE_EXTRA_ARGS / --vllm-serve-extra-args / ini pdserve_vllm_serve_extra_args"
+
+
+@dataclass(frozen=True)
+class Effective:
+    """A spec merged with the session; every field is what the servers run with."""
+
+    attention_backend: str | None
+    block_size: int
+    gpu_memory_utilization: float | None
+    max_model_len: int | None
+    enforce_eager: bool
+    seed: int
+    api_key: str | None
+    platform: str
+    prefill_extra_args: tuple[str, ...]
+    decode_extra_args: tuple[str, ...]
+
+    def extra_args(self, role: Role) -> tuple[str, ...]:
+        """The extra args of *role*'s servers: the session's, then the spec's, then the role's."""
+        return self.prefill_extra_args if role == "prefill" else self.decode_extra_args
+
+
+def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
+    """Merge *spec* with *session*.
+
+    :raises OwnedFlagError: a ``once`` owned flag reaches one server from two places.
+    """
+    backend = spec.attention_backend if spec.attention_backend is not None else session.attention_backend
+    block_size = spec.block_size if spec.block_size is not None else session.block_size
+    util = spec.gpu_memory_utilization if spec.gpu_memory_utilization is not None else session.gpu_memory_utilization
+    max_len = spec.max_model_len if spec.max_model_len is not None else session.max_model_len
+    given: dict[str, list[owned_flags.Given]] = {}
+
+    def give(flag: str, field: str, value: object, *, session_value: bool) -> None:
+        where = f"the session setting {field}" if session_value else f"ClusterSpec.{field}"
+        given[flag] = [owned_flags.Given(where, f"{field}={value!r}")]
+
+    if max_len is not None:
+        give("--max-model-len", "max_model_len", max_len, session_value=spec.max_model_len is None)
+    if util is not None:
+        give("--gpu-memory-utilization", "gpu_memory_utilization", util,
+             session_value=spec.gpu_memory_utilization is None)  # fmt: skip
+    if spec.trust_remote_code:
+        give("--trust-remote-code", "trust_remote_code", True, session_value=False)
+    if spec.enable_prefix_caching is not None:
+        give("--enable-prefix-caching", "enable_prefix_caching", spec.enable_prefix_caching, session_value=False)
+    if spec.mamba_cache_mode is not None:
+        give("--mamba-cache-mode", "mamba_cache_mode", spec.mamba_cache_mode, session_value=False)
+    per_role: dict[Role, tuple[str, ...]] = {}
+    for role, own in (("prefill", spec.prefill_extra_args), ("decode", spec.decode_extra_args)):
+        sources = [
+            (session.extra_args_source, session.vllm_serve_extra_args),
+            ("ClusterSpec.extra_args", spec.extra_args),
+            (f"ClusterSpec.{role}_extra_args", own),
+        ]
+        owned_flags.check_once(given, sources)
+        per_role[role] = (*session.vllm_serve_extra_args, *spec.extra_args, *own)  # type: ignore[index]
+    return Effective(
+        attention_backend=backend,
+        block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,
+        gpu_memory_utilization=util,
+        max_model_len=max_len,
+        enforce_eager=session.enforce_eager,
+        seed=session.seed,
+        api_key=session.api_key,
+        platform=session.platform,
+        prefill_extra_args=per_role["prefill"],
+        decode_extra_args=per_role["decode"],
+    )
