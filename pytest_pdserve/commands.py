@@ -20,6 +20,7 @@ from typing import Literal
 
 from pytest_pdserve import vllm_compat
 from pytest_pdserve.effective import Role, SessionDefaults, effective
+from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
@@ -78,6 +79,11 @@ class ServerCommand:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    def __repr__(self) -> str:
+        # Redacted: a repr lands in assertion messages and --showlocals output, and env carries VLLM_API_KEY.
+        env = redact_env(self.env)
+        return f"ServerCommand(role={self.role!r}, index={self.index}, argv={self.argv!r}, env={env!r})"
 
 
 def kv_transfer_config(spec: ClusterSpec, role: Role, engine: EngineInfo, platform: str) -> str:

@@ -70,7 +70,7 @@ def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
 
     def give(flag: str, field: str, value: object, *, session_value: bool) -> None:
         where = f"the session setting {field}" if session_value else f"ClusterSpec.{field}"
-        given[flag] = [owned_flags.Given(where, f"{field}={value!r}")]
+        given[flag] = [owned_flags.Given(where, repr(value))]
 
     if max_len is not None:
         give("--max-model-len", "max_model_len", max_len, session_value=spec.max_model_len is None)

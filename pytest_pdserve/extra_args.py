@@ -14,16 +14,16 @@ apart is:
 * **Shell form**: anything else. The value is split with :func:`shlex.split` (POSIX rules:
   quotes group words, backslash escapes). Unbalanced quotes are an error.
 
-Nothing is ever handed to a shell: the result is an argv list for ``subprocess``.
+Nothing is ever handed to a shell: the result is an argv list for ``subprocess``. Which flags the
+result may not contain is the owned-flags table's business (:mod:`pytest_pdserve.owned_flags`).
 This module is pytest-free.
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
 
-__all__ = ["ExtraArgsError", "find_flag", "is_comma_form", "parse_extra_args"]
+__all__ = ["ExtraArgsError", "is_comma_form", "parse_extra_args"]
 
 _QUOTES = ("'", '"')
 
@@ -68,15 +68,3 @@ def parse_extra_args(value: str) -> tuple[str, ...]:
             f"cannot split {value!r} into arguments ({exc}); use the comma form "
             "'--flag,value,--other-flag' or balanced shell quoting '--flag \"a b\"'"
         ) from None
-
-
-def find_flag(argv: Iterable[str], flag: str) -> str | None:
-    """Return the first element of *argv* that is *flag* or ``flag=...``, else None.
-
-    Used to detect a setting given twice, e.g. ``--attention-backend`` both as a plugin
-    setting and inside the extra args.
-    """
-    for arg in argv:
-        if arg == flag or arg.startswith(flag + "="):
-            return arg
-    return None

@@ -70,10 +70,11 @@ class OwnedFlag:
     :param why: why pdserve owns it.
     :param setting: the settings-table name whose flag / env var / ini key sets it instead, if any.
     :param spec_field: the `ClusterSpec` field that sets it instead, if any.
-    :param instead: what to do instead when neither a setting nor a field does it.
+    :param instead: a note on what to do instead (the only remedy when neither a setting nor a field sets it).
     :param aliases: other long spellings of the same option (``--no-...``).
     :param short: vLLM's short aliases (``-tp``).
     :param takes_value: False for boolean flags (no value follows).
+    :param secret: its value is never shown (the API key).
     """
 
     flag: str
@@ -85,35 +86,34 @@ class OwnedFlag:
     aliases: tuple[str, ...] = ()
     short: tuple[str, ...] = ()
     takes_value: bool = True
+    secret: bool = False
 
     @property
     def spellings(self) -> tuple[str, ...]:
         return (self.flag, *self.aliases)
 
 
-_GPUS_LEASED = "pdserve leases prefill_tp / decode_tp GPUs per server; more would use GPUs it did not lease"
+_GPUS_LEASED = "pdserve leases prefill_tp / decode_tp GPUs per server, and more would use GPUs it did not lease"
 
 #: Every flag the command builder sets, plus those that would silently undo what it set up (ports, GPUs, the model).
 OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag("--host", "refused", "every server binds 127.0.0.1 only",
-              instead="nothing (servers elsewhere: attach mode, --pd-prefill-url / --pd-decode-url)"),
-    OwnedFlag("--port", "refused", "pdserve leases every port a server binds",
-              instead="nothing (ports are leased)"),
-    OwnedFlag("--uds", "refused", "servers listen on a leased 127.0.0.1 TCP port, where readiness is checked",
-              instead="nothing"),
+              instead="for servers elsewhere use attach mode: --pd-prefill-url / --pd-decode-url"),
+    OwnedFlag("--port", "refused", "pdserve leases every port a server binds"),
+    OwnedFlag("--uds", "refused", "servers listen on a leased 127.0.0.1 TCP port, where readiness is checked"),
     OwnedFlag("--kv-transfer-config", "refused", "it carries the P/D roles (kv_producer / kv_consumer)",
               spec_field="kv_connector / kv_buffer_device / kv_load_failure_policy / kv_connector_extra_config"),
     OwnedFlag("--attention-backend", "refused", "prefill and decode must run the same backend",
               setting="attention_backend", spec_field="attention_backend"),
     OwnedFlag("--tensor-parallel-size", "refused", _GPUS_LEASED, spec_field="prefill_tp / decode_tp",
               short=("-tp",)),
-    OwnedFlag("--pipeline-parallel-size", "refused", _GPUS_LEASED, instead="nothing (not supported)",
-              short=("-pp",)),
+    OwnedFlag("--pipeline-parallel-size", "refused", _GPUS_LEASED, short=("-pp",)),
     OwnedFlag("--data-parallel-size", "refused", _GPUS_LEASED, spec_field="num_prefill / num_decode",
               short=("-dp",)),
     OwnedFlag("--data-parallel-size-local", "refused", _GPUS_LEASED, spec_field="num_prefill / num_decode",
               short=("-dpl",)),
-    OwnedFlag("--api-key", "refused", "a secret on argv is visible to every local user (ps)", setting="api_key"),
+    OwnedFlag("--api-key", "refused", "a secret on argv is visible to every local user (ps)", setting="api_key",
+              secret=True),
     OwnedFlag("--block-size", "refused", "the cluster's block size drives the KV-transfer arithmetic of the checks",
               setting="block_size", spec_field="block_size"),
     OwnedFlag("--seed", "refused", "pdserve always sets it", setting="seed"),
@@ -121,7 +121,7 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
               aliases=("--no-enforce-eager",), takes_value=False),
     OwnedFlag("--model", "refused", "pdserve passes the model itself", setting="model", spec_field="model"),
     OwnedFlag("--config", "refused", "pdserve cannot check the flags a config file sets (--host, --port, ...)",
-              instead="the flags themselves, in the extra args"),
+              instead="give the flags themselves in the extra args"),
     OwnedFlag("--max-model-len", "once", "pdserve sets it from a setting or spec field",
               setting="max_model_len", spec_field="max_model_len"),
     OwnedFlag("--gpu-memory-utilization", "once", "pdserve sets it from a setting or spec field",
@@ -172,7 +172,9 @@ class Hit:
 
     @property
     def shown(self) -> str:
-        """The flag and its value as the user wrote them."""
+        """The flag and its value as the user wrote them (a secret value masked)."""
+        if self.owned.secret and self.value is not None:
+            return f"{self.token.split('=', 1)[0]}{'=' if '=' in self.token else ' '}***"
         if "=" in self.token or self.value is None:
             return self.token
         return f"{self.token} {self.value}"
@@ -252,7 +254,8 @@ def match(argv: Sequence[str]) -> Iterator[Hit]:
 
 
 def _remedy(owned: OwnedFlag) -> str:
-    """What to use instead, naming the plugin option (flag / env var / ini key) and the ClusterSpec field."""
+    """What to use instead, naming the plugin option (flag / env var / ini key) and the ClusterSpec field;
+    empty when nothing overrides it."""
     parts = []
     if owned.spec_field is not None:
         fields = " / ".join(f"ClusterSpec.{f.strip()}" for f in owned.spec_field.split("/"))
@@ -262,9 +265,13 @@ def _remedy(owned: OwnedFlag) -> str:
         from pytest_pdserve.settings import remedy
 
         parts.append(remedy(owned.setting))
-    if owned.instead is not None:
-        parts.append(owned.instead)
     return " or ".join(parts)
+
+
+def _advice(owned: OwnedFlag) -> str:
+    remedy = _remedy(owned)
+    text = f"use {remedy} instead" if remedy else "it cannot be overridden"
+    return f"{text} ({owned.instead})" if owned.instead else text
 
 
 def refuse(argv: Sequence[str], source: str) -> None:
@@ -273,8 +280,8 @@ def refuse(argv: Sequence[str], source: str) -> None:
     for hit in match(argv):
         if hit.owned.policy == "refused":
             raise OwnedFlagError(
-                f"{hit.spelled_as} in {source} ({hit.shown!r}) is a flag pdserve sets itself: {hit.owned.why}. "
-                f"Use {_remedy(hit.owned)} instead"
+                f"{hit.spelled_as} in {source} ({hit.shown!r}) is a flag pdserve owns, because "
+                f"{hit.owned.why}; {_advice(hit.owned)}"
             )
 
 
@@ -303,7 +310,7 @@ def check_once(given: Mapping[str, Sequence[Given]], sources: Sequence[tuple[str
             both = " and ".join(f"{g.shown} from {g.source}" for g in places)
             raise OwnedFlagError(
                 f"{flag} is given twice for one server: {both}; give it once, with {_remedy(owned)} "
-                "or in one extra-args source"
+                "or in one extra-args source (vLLM would silently take the last one)"
             )
 
 

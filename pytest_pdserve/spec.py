@@ -136,7 +136,7 @@ class ClusterSpec:
         for attr in ("trust_remote_code",):
             if not isinstance(getattr(self, attr), bool):
                 raise ClusterSpecError(f"ClusterSpec.{attr} must be True or False, got {getattr(self, attr)!r}")
-        if self.enable_prefix_caching not in (None, True, False):
+        if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
             raise ClusterSpecError(
                 f"ClusterSpec.enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}"
             )

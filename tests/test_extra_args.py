@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_pdserve.extra_args import ExtraArgsError, find_flag, is_comma_form, parse_extra_args
+from pytest_pdserve.extra_args import ExtraArgsError, is_comma_form, parse_extra_args
 
 
 @pytest.mark.parametrize(
@@ -61,10 +61,3 @@ def test_unbalanced_quotes_raise_a_value_error_naming_the_value(value: str) -> N
     assert isinstance(info.value, ValueError)
     assert repr(value) in str(info.value)
     assert "comma form" in str(info.value)
-
-
-def test_find_flag_matches_flag_and_flag_equals_value() -> None:
-    assert find_flag(("--a", "--attention-backend", "X"), "--attention-backend") == "--attention-backend"
-    assert find_flag(("--attention-backend=X",), "--attention-backend") == "--attention-backend=X"
-    assert find_flag(("--attention-backends",), "--attention-backend") is None
-    assert find_flag((), "--attention-backend") is None
