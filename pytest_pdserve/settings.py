@@ -24,7 +24,7 @@ import threading
 import types
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -197,13 +197,22 @@ def _command(text: str) -> tuple[str, ...]:
 
 def _url(text: str) -> str:
     value = text.strip()
-    parsed = urllib.parse.urlsplit(value)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise SettingError("expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8100")
+    expected = "expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8100"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
+        raise SettingError(f"{expected}; it contains a space or control character")
     try:
-        parsed.port  # noqa: B018 - raises ValueError for a bad port
+        parsed = urllib.parse.urlsplit(value)
+        hostname = parsed.hostname  # raises ValueError for a malformed [IPv6] host
+    except ValueError as exc:
+        raise SettingError(f"{expected} ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not hostname:
+        raise SettingError(expected)
+    try:
+        port = parsed.port
     except ValueError:
-        raise SettingError("the port is not a number in 0-65535") from None
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise SettingError("the port is not a number in 1-65535")
     return value.rstrip("/")
 
 
@@ -351,7 +360,7 @@ class PDServeConfig:
     gpu_wait_timeout: float
     vllm_executable: str
     proxy_command: tuple[str, ...] | None
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # a repr lands in assertion messages and --showlocals output
     lease_dir: Path
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]

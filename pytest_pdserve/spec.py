@@ -31,6 +31,10 @@ MAX_TP = 64
 MAX_SERVERS = 64
 #: Linux rejects a single argv element or env string of 128 KiB or more (MAX_ARG_STRLEN) with a raw OSError.
 MAX_ARG_BYTES = 128 * 1024 - 1
+#: All extra args of one spec together (Linux refuses an argv + env over ARG_MAX, 2 MiB, with a raw OSError).
+MAX_ARGS_TOTAL_BYTES = 1 << 20
+#: Cluster names become log file names: no path separators, no leading dot.
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+ -]{0,79}")
 #: What vLLM attention backend names look like (``FLASH_ATTN``, ``TRITON_ATTN``, ``auto``).
 ATTENTION_BACKEND_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 
@@ -74,6 +78,9 @@ def _freeze_args(args: Iterable[str] | str | None, what: str) -> tuple[str, ...]
             raise ClusterSpecError(f"{what} must hold strings, got {a!r}")
         if (problem := argv_text_problem(a)) is not None:
             raise ClusterSpecError(f"{what} element {a[:60]!r} cannot be passed to a server: {problem}")
+    total = sum(len(a.encode("utf-8")) + 1 for a in out)
+    if total > MAX_ARGS_TOTAL_BYTES:
+        raise ClusterSpecError(f"{what} is {total} bytes in all; the limit is {MAX_ARGS_TOTAL_BYTES}")
     return out
 
 
@@ -166,9 +173,25 @@ class ClusterSpec:
             raise ClusterSpecError(f"ClusterSpec.engine {self.engine!r} is not 'vllm', 'sim' or None")
         if self.model_kind not in ("llama", "nemotronh"):
             raise ClusterSpecError(f"ClusterSpec.model_kind {self.model_kind!r} is not 'llama' or 'nemotronh'")
+        if not (isinstance(self.name, str) and NAME_RE.fullmatch(self.name)):
+            raise ClusterSpecError(
+                f"ClusterSpec.name {self.name!r} must be 1-80 letters, digits, '_', '.', '+', '-' or spaces, not "
+                "starting with '.', '-' or a space (it becomes part of the log file names)"
+            )
+        device = self.kv_buffer_device
+        if device is not None and not (isinstance(device, str) and ATTENTION_BACKEND_RE.fullmatch(device)):
+            raise ClusterSpecError(f"ClusterSpec.kv_buffer_device {device!r} is not a device name such as cpu or cuda")
         extra = self.kv_connector_extra_config
         if extra is not None and not isinstance(extra, str):
-            object.__setattr__(self, "kv_connector_extra_config", json.dumps(extra, sort_keys=True))
+            if not isinstance(extra, Mapping):
+                what = "ClusterSpec.kv_connector_extra_config"
+                raise ClusterSpecError(f"{what} must be a dict or JSON text, got {extra!r}")
+            try:
+                text = json.dumps(extra, sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                what = "ClusterSpec.kv_connector_extra_config"
+                raise ClusterSpecError(f"{what} is not JSON-serialisable: {exc}") from None
+            object.__setattr__(self, "kv_connector_extra_config", text)
         elif isinstance(extra, str):
             try:
                 parsed = json.loads(extra)

@@ -23,7 +23,7 @@ from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, bu
 from pytest_pdserve.errors import ClusterSpecError, OwnedFlagError, ServerStartupError
 from pytest_pdserve.hints import AUTH_HINT
 from pytest_pdserve.process import ServerProcess, new_run_token
-from pytest_pdserve.settings import remedy
+from pytest_pdserve.settings import PDSERVE_CONFIG, remedy
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.vllm_compat import Version
 
@@ -310,9 +310,12 @@ def test_attach_url_password_is_redacted(pytester: pytest.Pytester) -> None:
     assert f"other-{dead}-pw" not in out
 
 
-def test_a_server_handle_repr_hides_the_key() -> None:
+def test_reprs_hide_the_key(pytester: pytest.Pytester) -> None:
     # beyond the issue: a repr lands in assertion messages and in --showlocals output
     assert "s3cr3t" not in repr(ServerHandle("prefill", 0, "http://127.0.0.1:1", "s3cr3t"))
+    cfg = pytester.parseconfigure("--pd-engine=sim", "--pd-api-key=s3cr3t-cfg").stash[PDSERVE_CONFIG]
+    assert cfg.api_key == "s3cr3t-cfg"
+    assert "s3cr3t-cfg" not in repr(cfg)
 
 
 # --------------------------------------------------------------------------- values
@@ -340,6 +343,9 @@ BAD_VALUES = [
     ("toml-bool-for-number", [], {}, "pdserve_seed = true", "expected a whole number"),
     ("toml-float-for-int", [], {}, "pdserve_block_size = 16.5", "whole number"),
     ("api-key-space", ["--pd-api-key=two words"], {}, "", "without spaces"),
+    ("url-broken-ipv6", ["--pd-prefill-url=http://[::1"], {}, "", "Invalid IPv6 URL"),  # was INTERNALERROR
+    ("url-bad-ipv6-host", [], {"PDSERVE_DECODE_URLS": "http://[zz]:1"}, "", "does not appear to be an IPv4"),
+    ("url-port-zero", ["--pd-proxy-url=http://127.0.0.1:0"], {}, "", "port is not a number in 1-65535"),
     ("proxy-unknown-placeholder", ["--pd-proxy-command={python} p.py --port {prt}"], {}, "",
      "unknown placeholder {prt}"),
     ("proxy-list-placeholder-inside", ["--pd-proxy-command={python} p.py --ports={prefill_ports}"], {}, "",
@@ -396,9 +402,16 @@ def test_undecodable_bytes_in_the_environment(pytester: pytest.Pytester, monkeyp
         ({"decode_tp": True}, "from 1 to 64"),
         ({"max_model_len": 1 << 40}, "from 1 to 16777216"),
         ({"gpu_memory_utilization": True}, "(0, 1]"),
+        ({"name": "../../outside"}, "becomes part of the log file names"),
+        ({"name": "a/b"}, "becomes part of the log file names"),
+        ({"kv_connector_extra_config": {"x": object()}}, "not JSON-serialisable"),
+        ({"kv_connector_extra_config": {"x": float("nan")}}, "not JSON-serialisable"),
+        ({"kv_buffer_device": "cpu\"}, {\"x"}, "not a device name"),
+        ({"extra_args": ("--served-model-name", "x" * 100_000) * 12}, "bytes in all; the limit is"),
     ],
     ids=["nul", "argv-too-long", "env-too-long", "env-key-nul", "empty-model", "backend-shell", "bool-type",
-         "tristate-type", "servers-huge", "bool-as-int", "max-len-huge", "bool-as-float"],
+         "tristate-type", "servers-huge", "bool-as-int", "max-len-huge", "bool-as-float", "name-traversal",
+         "name-slash", "extra-config-object", "extra-config-nan", "buffer-device-json", "argv-total-too-long"],
 )  # fmt: skip
 def test_bad_cluster_spec_values(fields: dict[str, object], fragment: str) -> None:
     with pytest.raises(ClusterSpecError) as info:
