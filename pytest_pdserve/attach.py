@@ -17,6 +17,7 @@ import httpx
 
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.errors import AttachError
+from pytest_pdserve.hints import AUTH_HINT
 from pytest_pdserve.metrics import scrape
 from pytest_pdserve.spec import ClusterSpec
 
@@ -118,7 +119,7 @@ def _check_health(h: ServerHandle, paths: Sequence[str], timeout: float) -> None
             continue
         if r.status_code == 200:
             return
-        hint = " (the server wants an API key: --pd-api-key / $PDSERVE_API_KEY)" if r.status_code == 401 else ""
+        hint = f" ({AUTH_HINT})" if r.status_code in (401, 403) else ""
         errors.append(f"GET {path} -> HTTP {r.status_code}{hint}")
     raise AttachError("; ".join(errors))
 
