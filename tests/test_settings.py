@@ -240,8 +240,8 @@ BAD_INPUTS = [
         "",
         [
             "--attention-backend in VLLM_SERVE_EXTRA_ARGS (env) ('--attention-backend TRITON_ATTN') is a flag "
-            "pdserve sets itself",
-            "Use ClusterSpec.attention_backend or --attention-backend / ATTENTION_BACKEND / pdserve_attention_backend",
+            "pdserve owns",
+            "use ClusterSpec.attention_backend or --attention-backend / ATTENTION_BACKEND / pdserve_attention_backend",
         ],
     ),
     (
