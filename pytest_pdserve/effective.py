@@ -9,7 +9,7 @@ server: a setting or spec field, the session's extra args, the spec's and the ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from pytest_pdserve import owned_flags
@@ -18,6 +18,7 @@ from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
 __all__ = ["Effective", "SessionDefaults", "effective"]
 
 Role = Literal["prefill", "decode"]
+_SPEC_DEFAULTS = {f.name: f.default for f in fields(ClusterSpec)}
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,18 @@ def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
     block_size = spec.block_size if spec.block_size is not None else session.block_size
     util = spec.gpu_memory_utilization if spec.gpu_memory_utilization is not None else session.gpu_memory_utilization
     max_len = spec.max_model_len if spec.max_model_len is not None else session.max_model_len
+    # What the settings and spec fields make pdserve pass itself, for the table's "once" flags.
     given: dict[str, list[owned_flags.Given]] = {}
-
-    def give(flag: str, field: str, value: object, *, session_value: bool) -> None:
-        where = f"the session setting {field}" if session_value else f"ClusterSpec.{field}"
-        given[flag] = [owned_flags.Given(where, repr(value))]
-
-    if max_len is not None:
-        give("--max-model-len", "max_model_len", max_len, session_value=spec.max_model_len is None)
-    if util is not None:
-        give("--gpu-memory-utilization", "gpu_memory_utilization", util,
-             session_value=spec.gpu_memory_utilization is None)  # fmt: skip
-    if spec.trust_remote_code:
-        give("--trust-remote-code", "trust_remote_code", True, session_value=False)
-    if spec.enable_prefix_caching is not None:
-        give("--enable-prefix-caching", "enable_prefix_caching", spec.enable_prefix_caching, session_value=False)
-    if spec.mamba_cache_mode is not None:
-        give("--mamba-cache-mode", "mamba_cache_mode", spec.mamba_cache_mode, session_value=False)
+    for owned in owned_flags.OWNED_FLAGS:
+        if owned.policy != "once":
+            continue
+        field = owned.spec_field
+        value = getattr(spec, field) if field is not None else None
+        if field is not None and value is not None and value != _SPEC_DEFAULTS[field]:  # the default: "not set"
+            given[owned.flag] = [owned_flags.Given(f"ClusterSpec.{owned.spec_field}", repr(value))]
+        elif owned.setting is not None and getattr(session, owned.setting, None) is not None:
+            value = getattr(session, owned.setting)
+            given[owned.flag] = [owned_flags.Given(f"the session setting {owned.setting}", repr(value))]
     per_role: dict[Role, tuple[str, ...]] = {}
     for role, own in (("prefill", spec.prefill_extra_args), ("decode", spec.decode_extra_args)):
         sources = [

@@ -593,9 +593,9 @@ def _check_extra_args(values: Mapping[str, Any], sources: Mapping[str, str]) -> 
     extra: Sequence[str] = values["vllm_serve_extra_args"]
     where = short_source(sources["vllm_serve_extra_args"])
     given: dict[str, list[owned_flags.Given]] = {}
-    for name, flag in (("max_model_len", "--max-model-len"), ("gpu_memory_utilization", "--gpu-memory-utilization")):
-        if values[name] is not None:
-            given[flag] = [owned_flags.Given(short_source(sources[name]), f"{values[name]!r}")]
+    for owned in owned_flags.OWNED_FLAGS:
+        if owned.policy == "once" and owned.setting is not None and values[owned.setting] is not None:
+            given[owned.flag] = [owned_flags.Given(short_source(sources[owned.setting]), repr(values[owned.setting]))]
     try:
         owned_flags.refuse(extra, where)
         owned_flags.check_once(given, [(where, extra)])

@@ -146,6 +146,10 @@ def test_a_once_flag_given_twice_names_both(pytester: pytest.Pytester, monkeypat
         build_server_command(spec=ClusterSpec(trust_remote_code=True, extra_args=("--trust-remote-code",)),
                              role="prefill", index=0, model="m", ports=PORTS, engine=SIM, defaults=SessionDefaults(),
                              gpu_env={})  # fmt: skip
+    with pytest.raises(OwnedFlagError, match="False from ClusterSpec.enable_prefix_caching"):
+        build_server_command(spec=ClusterSpec(enable_prefix_caching=False, extra_args=("--enable-prefix",)),
+                             role="prefill", index=0, model="m", ports=PORTS, engine=SIM, defaults=SessionDefaults(),
+                             gpu_env={})  # fmt: skip
     # Given once, in the extra args only, it passes through once.
     once = build_server_command(spec=ClusterSpec(), role="decode", index=0, model="m", ports=PORTS, engine=SIM,
                                 defaults=session, gpu_env={})  # fmt: skip
