@@ -141,11 +141,15 @@ def engine_setup(name: str, cfg: PDServeConfig, platform: str, basetemp: Path) -
     version = vllm_compat.installed_vllm_version(argv[0]) or vllm_compat.LATEST_KNOWN
     python = _vllm_python(argv)
     platform_env: dict[str, str] = {}
+    platform_args: tuple[str, ...] = ()
     if platform == "cpu":
-        from pytest_pdserve.cpu import cpu_server_env
+        from pytest_pdserve.cpu import cpu_server_args, cpu_server_env
 
         platform_env = cpu_server_env(basetemp / "pdserve-vllm")
-    return EngineSetup(EngineInfo("vllm", argv, version, python), platform_env, _tiny_model_resolver(python))
+        platform_args = tuple(cpu_server_args())
+    return EngineSetup(
+        EngineInfo("vllm", argv, version, python), platform_env, platform_args, _tiny_model_resolver(python)
+    )
 
 
 def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
@@ -207,9 +211,11 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     skip_reason = fail_reason = None
     try:
         with timeout_paused(config):
-            if cfg.attach_mode:
-                return manager.attached(spec, cfg)
-            return manager.get(spec)
+            cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+        if cluster.health.died is None:
+            return cluster
+        # A server died under an earlier test: fail at once with that reason instead of timing out again.
+        fail_reason = str(cluster.health.died)
     except ClusterUnavailable as exc:
         skip_reason = str(exc)
     except AttachError as exc:
@@ -223,6 +229,16 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     if skip_reason is not None:
         pytest.skip(skip_reason)
     pytest.fail(fail_reason or "unreachable", pytrace=False)
+
+
+def fail_if_cluster_died(item: pytest.Item) -> None:
+    """Fail a test whose fixtures hold a cluster that died under an earlier test (session fixtures are cached,
+    so this is checked per test, not when the fixture was made); the reason is the death's own message."""
+    from pytest_pdserve.cluster import PDCluster
+
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, PDCluster) and value.health.died is not None:
+            pytest.fail(str(value.health.died), pytrace=False)
 
 
 class _Factory:
