@@ -63,7 +63,8 @@ def test_a_dead_engine_fails_its_test_with_one_message_and_the_rest_fast(
     assert "--- last lines of the decode-0 log ---" in out
     assert "hint: a vLLM process died of SIGILL" in out
     # Later tests fail at once with the same reason, not with a bare 500/502 or a timeout.
-    assert "HTTPStatusError" not in out and "ReadTimeout" not in out
+    assert "HTTPStatusError" not in out
+    assert "ReadTimeout" not in out
     # (Both fail at setup: a session fixture's cluster is checked before every test that holds it.)
     result.stdout.fnmatch_lines([
         "ERROR test_cluster.py::test_later_test_fails_fast - Failed: pdserve: deco*",
