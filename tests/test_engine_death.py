@@ -56,9 +56,12 @@ def test_a_dead_engine_fails_its_test_with_one_message_and_the_rest_fast(
     result.assert_outcomes(passed=1, failed=1, errors=2)
     out = result.stdout.str()
     # The failing request names the server, the time and carries the worker's dying words from its log.
-    assert re.search(r"ServerDied: pdserve: decode-0 of cluster 'dying' exited with exit code 1 \(died at "
-                     r"\d\d:\d\d:\d\d UTC; first seen by test_cluster.py::test_engine_dies_under_this_one \(call\), "
-                     r"POST /v1/completions via proxy: HTTP 500\)", out), out
+    assert re.search(
+        r"ServerDied: pdserve: decode-0 of cluster 'dying' exited with exit code 1 \(died at "
+        r"\d\d:\d\d:\d\d UTC; first seen by test_cluster.py::test_engine_dies_under_this_one \(call\), "
+        r"POST /v1/completions via proxy: HTTP 500\)",
+        out,
+    ), out
     assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)" in out
     assert "--- last lines of the decode-0 log ---" in out
     assert "hint: a vLLM process died of SIGILL" in out
