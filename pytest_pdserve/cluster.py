@@ -1,7 +1,7 @@
 """The objects tests get: a running (or attached) P/D cluster and its servers.
 
 `PDCluster` is what ``pd_cluster`` gives a test; `ServerHandle` is one of its servers (prefill, decode
-or proxy) with URL, httpx clients, log and metrics. `EngineSetup` and `ClusterUnavailable` are shared
+or proxy) with URL, httpx clients, log and metrics. `EngineSetup` is shared
 by the fixtures and the manager. Who starts, shares and stops clusters lives in `manager.py`; attach
 mode (servers someone else started) in `attach.py`. Both build on this module, which imports neither
 (no import cycle).
@@ -19,7 +19,6 @@ import httpx
 
 from pytest_pdserve import vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
-from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
 from pytest_pdserve.process import ServerProcess
@@ -41,10 +40,6 @@ class EngineSetup:
     platform_args: tuple[str, ...] = ()
     #: Default model for a spec without one (the tiny model for real vLLM); None = simulator names.
     model_resolver: Callable[[ClusterSpec], str] | None = None
-
-
-class ClusterUnavailable(PDServeError):
-    """The machine cannot host this cluster (too few GPUs, or none free and gpu_wait=skip): a skip, not a failure."""
 
 
 @dataclass

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pytest_pdserve import vllm_compat
-from pytest_pdserve.cluster import SIM_VERSION, ClusterUnavailable, EngineSetup
+from pytest_pdserve.cluster import SIM_VERSION, EngineSetup
 from pytest_pdserve.commands import EngineInfo
-from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.errors import ClusterUnavailable, PDServeError
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["EngineVersionUnknown", "engine_setup", "vllm_python"]

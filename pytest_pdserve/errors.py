@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "AttachError",
     "ClusterSpecError",
+    "ClusterUnavailable",
     "LeaseTimeout",
     "PDServeError",
     "PortInUse",
@@ -133,6 +134,10 @@ class PortInUse(PDServeError):
 
 class LeaseTimeout(PDServeError):
     """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
+
+
+class ClusterUnavailable(PDServeError):
+    """The machine cannot host this cluster (too few GPUs, or none free and gpu_wait=skip): a skip, not a failure."""
 
 
 class ClusterSpecError(PDServeError, ValueError):

@@ -149,8 +149,7 @@ def timeout_paused(config: pytest.Config) -> Iterator[None]:
 
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
-    from pytest_pdserve.cluster import ClusterUnavailable
-    from pytest_pdserve.errors import AttachError, LeaseTimeout
+    from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]

@@ -38,14 +38,13 @@ from pytest_pdserve import commands, leases
 from pytest_pdserve.attach import ROLES, attach, attach_mismatch
 from pytest_pdserve.cluster import (
     SIM_DEFAULT_MODELS,
-    ClusterUnavailable,
     EngineSetup,
     PDCluster,
     ServerHandle,
     served_model_name,
 )
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
-from pytest_pdserve.errors import ClusterSpecError, PDServeError, ServerDied
+from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError, ServerDied
 from pytest_pdserve.inventory import Inventory, gpu_processes
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
