@@ -251,7 +251,8 @@ def test_one_gpu_without_share_gpus_skips_naming_it(pytester: pytest.Pytester, m
          "*decode GPU id 7*(given by environment variable PREFILL_GPU_ID=0 and environment variable "
          "DECODE_GPU_ID=7)*"),
         (["--pd-simulate-gpus=1", "--pd-share-gpus", "--pd-gpu-memory-utilization=0.6"], {},
-         "*0.6 from --pd-gpu-memory-utilization is not a valid gpu_memory_utilization: with --pd-share-gpus, 2 servers share one GPU*"
+         "*0.6 from --pd-gpu-memory-utilization is not a valid gpu_memory_utilization: "
+         "with --pd-share-gpus, 2 servers share one GPU*"
          "at most 0.5 each*"),
         (["--pd-simulate-gpus=2", "--pd-prefill-gpu-ids=1", "--pd-decode-gpu-ids=1"],
          {"GPU_MEMORY_UTILIZATION": "0.9"},
