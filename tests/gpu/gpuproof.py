@@ -41,10 +41,12 @@ def describe(cluster):
     for s in (*cluster.prefill, *cluster.decode):
         sim = httpx.get(f"{s.url}/version", timeout=30, trust_env=False).json()["pdserve_sim"]
         device = sim.get("device") or {}
+        argv = list(s.command.argv) if s.command is not None else []
+        util = argv[argv.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in argv else None
         servers.append({
             "name": s.name, "url": s.url, "handle_gpus": list(s.gpus), "pid": sim["pid"],
             "uuid": device.get("uuid"), "device_name": device.get("name"), "cvd": sim["cuda_visible_devices"],
-            "ready_seconds": s.ready_seconds, "log": str(s.log_path),
+            "ready_seconds": s.ready_seconds, "log": str(s.log_path), "gpu_memory_utilization": util,
         })
     return {
         "servers": servers, "started_seconds": cluster.started_seconds, "apps": compute_apps(),
@@ -81,6 +83,11 @@ class PhysicalGpus:
 
     raw: str
     uuids: list[str]
+
+    @property
+    def share_args(self) -> list[str]:
+        """``--pd-share-gpus`` on a one-GPU machine (both servers on it), nothing where each gets its own."""
+        return ["--pd-share-gpus"] if len(self.uuids) == 1 else []
 
     def by_token(self, token: str) -> str:
         """The UUID a ``CUDA_VISIBLE_DEVICES`` token names (an index or a full UUID)."""
@@ -142,6 +149,11 @@ class Inner:
         with (self.proof_dir / "inner-runs.log").open("a", encoding="utf-8") as fh:
             fh.write(f"\n===== {self.label} run {self.runs}: CUDA_VISIBLE_DEVICES={cvd!r} pytest {' '.join(args)}"
                      f" ({seconds:.1f}s)\n{output}\n")  # fmt: skip
+
+    @property
+    def last_log_dir(self) -> Path:
+        """The ``--pd-log-dir`` of the latest inner session (``pdserve.log`` and server logs)."""
+        return self.proof_dir / "logs" / f"{self.label}-{self.runs}"
 
     def read(self, name: str) -> dict[str, Any]:
         """What the inner test recorded under ``name``."""
