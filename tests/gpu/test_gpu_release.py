@@ -164,6 +164,20 @@ def _live(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
+def _pids_with_env(name: str, value: str) -> list[int]:
+    """Processes (other than this one) whose environment has ``name=value``: what the inner session started."""
+    found = []
+    needle = f"{name}={value}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def _watchdog_pids(pytest_pid: int) -> list[int]:
     """Children of the inner pytest that run the plugin's watchdog (found by its command line, killed by pid)."""
     found = []
@@ -264,6 +278,9 @@ def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
         for pid in survivors:  # never leave a server on the GPU for the tests after this one
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
+        for pid in _pids_with_env("PROOF_DIR", str(inner.results)):  # the proxy too, had it survived
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     inner.keep(args, None, time.monotonic() - t_kill, out.read_text())
     all_apps = [[a.pid, a.uuid] for a in gpu_processes() or [] if a.uuid in uuids]
     evidence(

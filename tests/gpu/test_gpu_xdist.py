@@ -155,6 +155,6 @@ def test_two_xdist_workers_on_one_gpu_wait_for_it_or_skip(
         mode=mode, first=first, second=second, waiting_message=waiting,
         first_done_to_second_ready_s=round(ups[second]["wall"] - done_first, 3),
         second_started_seconds=ups[second]["started_seconds"],
-        servers={w: [{k: s[k] for k in ("name", "handle_gpus", "uuid", "pid")} for s in info["servers"]]
-                 for w, info in ups.items()},
+        by_worker={w: [{k: s[k] for k in ("name", "handle_gpus", "uuid", "pid")} for s in info["servers"]]
+                   for w, info in ups.items()},
     )  # fmt: skip
