@@ -75,6 +75,23 @@ def test_callers_reordered_visible_devices_are_honoured(
                                       for s in (prefill, decode)])  # fmt: skip
 
 
+@pytest.mark.gpus(2)
+def test_decode_gpu_id_alone_leases_another_gpu_for_prefill(
+    inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
+) -> None:
+    """``--pd-decode-gpu-ids=1`` alone: decode on GPU 1, prefill on a leased GPU of its own (GPU 0), not on all."""
+    gpu0, gpu1 = physical_gpus.uuids[:2]
+    inner.pytester.makepyfile(test_inner=CLUSTER_TEST)
+    result = inner.run("--pd-decode-gpu-ids=1")
+    result.assert_outcomes(passed=1)
+    info = inner.read("cluster")
+    prefill, decode = info["servers"]
+    assert check_server(prefill, info["apps"], physical_gpus) == gpu0
+    assert check_server(decode, info["apps"], physical_gpus) == gpu1
+    find_line(result.outlines, r"GPUs \[.*\] released after a [0-9.]+s gate")
+    evidence(servers=[{k: s[k] for k in ("name", "handle_gpus", "cvd", "uuid", "pid")} for s in (prefill, decode)])
+
+
 @pytest.mark.gpus(1)
 def test_one_visible_gpu_skips_a_two_gpu_cluster_naming_share_gpus(
     inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
