@@ -174,7 +174,7 @@ class GpuPlanner:
         if not self.inventory.gpus:
             return GpuPlan(tuple(() for _ in tps), (), tuple(None for _ in tps))
         if self.prefill_gpu_ids is not None or self.decode_gpu_ids is not None:
-            plan = self._explicit(spec, tps, label)
+            plan = self._explicit(spec, tps, label, make_room)
         elif self.share_gpus:
             plan = self._shared(spec, tps, label, make_room)
         else:
@@ -217,7 +217,7 @@ class GpuPlanner:
         lease = self._acquire(list(range(self.inventory.count)), 1, spec, label)
         return GpuPlan(tuple(lease.positions for _ in tps), (lease,))
 
-    def _explicit(self, spec: ClusterSpec, tps: list[int], label: str) -> GpuPlan:
+    def _explicit(self, spec: ClusterSpec, tps: list[int], label: str, make_room: Callable[[int], None]) -> GpuPlan:
         if spec.num_prefill != 1 or spec.num_decode != 1:
             raise ClusterSpecError(
                 "PREFILL_GPU_ID / DECODE_GPU_ID (--pd-prefill-gpu-ids / --pd-decode-gpu-ids) only apply to a "
@@ -233,6 +233,9 @@ class GpuPlanner:
         problem = explicit_ids_problem(self.inventory, self.prefill_gpu_ids, self.decode_gpu_ids)
         if problem is not None:  # checked at configure time; kept for managers built without the settings
             raise ClusterSpecError(problem)
+        # Every spec pins the same ids, so another of our clusters holds them: free all of ours first
+        # (else the lease would wait for ourselves until --pd-gpu-wait-timeout).
+        make_room(self.inventory.count)
         pinned = sorted({*(self.prefill_gpu_ids or ()), *(self.decode_gpu_ids or ())})
         held = [self._acquire(pinned, len(pinned), spec, label)]
         try:

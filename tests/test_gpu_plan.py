@@ -133,6 +133,13 @@ def test_the_side_without_ids_skips_when_no_other_gpu_is_visible(lease_dir: Path
         planner(lease_dir, 1, decode_gpu_ids=(0,)).plan(ClusterSpec(), "t")
 
 
+def test_explicit_ids_first_free_every_gpu_our_other_clusters_hold(lease_dir: Path, plans: list[GpuPlan]) -> None:
+    """Every spec pins the same ids: the manager must stop its own clusters first, not wait for itself."""
+    asked: list[int] = []
+    plans.append(planner(lease_dir, 4, decode_gpu_ids=(1,)).plan(ClusterSpec(), "t", asked.append))
+    assert asked == [4]
+
+
 def test_explicit_ids_must_match_the_tensor_parallel_size(lease_dir: Path) -> None:
     with pytest.raises(ClusterSpecError, match=r"prefill GPU ids \[0\] .* tensor-parallel size 2: give 2 ids"):
         planner(lease_dir, 4, prefill_gpu_ids=(0,)).plan(ClusterSpec(prefill_tp=2), "t")
