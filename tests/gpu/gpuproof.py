@@ -25,14 +25,14 @@ import httpx
 GPU_ENV = {"PDSERVE_SIM_GPU": "1"}
 
 
-def compute_apps():
-    # [pid, uuid] of every compute process nvidia-smi lists.
+def compute_apps(memory=False):
+    # [pid, uuid] (and used MiB with memory=True) of every compute process nvidia-smi lists.
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout
     rows = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
-    return [[int(r[0]), r[1]] for r in rows if len(r) == 3 and r[0].isdigit()]
+    return [[int(r[0]), r[1], *([r[2]] if memory else [])] for r in rows if len(r) == 3 and r[0].isdigit()]
 
 
 def describe(cluster):
@@ -50,6 +50,7 @@ def describe(cluster):
         })
     return {
         "servers": servers, "started_seconds": cluster.started_seconds, "apps": compute_apps(),
+        "apps_mib": compute_apps(memory=True),
         "wall": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "master"),
         "caller_cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }

@@ -149,12 +149,18 @@ def test_share_gpus_runs_both_servers_on_the_callers_one_gpu(
         assert server["handle_gpus"] == [cvd], server
         assert server["gpu_memory_utilization"] == "0.4", server
     assert prefill["pid"] != decode["pid"]
+    # Memory of both is on the one GPU: nvidia-smi lists each pid there with memory in use.
+    used = {pid: mib for pid, gpu, mib in info["apps_mib"] if gpu == uuid}
+    for server in (prefill, decode):
+        mib = used.get(server["pid"], "0")
+        assert mib.isdigit(), (server, info["apps_mib"])
+        assert int(mib) > 0, (server, info["apps_mib"])
     gates = gate_seconds(result.outlines)
     assert len(gates) == 1, result.outlines
     evidence(
         caller_cvd=cvd, servers=[{k: s[k] for k in ("name", "handle_gpus", "cvd", "uuid", "pid", "ready_seconds",
                                                       "gpu_memory_utilization")} for s in (prefill, decode)],
-        compute_apps=info["apps"], ready_seconds=ready_seconds(result.outlines), teardown_gate_seconds=gates[0],
+        compute_apps=info["apps_mib"], ready_seconds=ready_seconds(result.outlines), teardown_gate_seconds=gates[0],
     )  # fmt: skip
 
 
