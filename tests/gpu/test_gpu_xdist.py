@@ -158,3 +158,67 @@ def test_two_xdist_workers_on_one_gpu_wait_for_it_or_skip(
         by_worker={w: [{k: s[k] for k in ("name", "handle_gpus", "uuid", "pid")} for s in info["servers"]]
                    for w, info in ups.items()},
     )  # fmt: skip
+
+
+QUEUE_TEST = """
+import os, time
+from pathlib import Path
+
+import pytest
+from gpuinner import describe, record
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3])
+def test_cluster(n, gpu_cluster):
+    me = os.environ["PYTEST_XDIST_WORKER"]
+    record(f"up-{me}", describe(gpu_cluster))
+    proof = Path(os.environ["PROOF_DIR"])
+    deadline = time.monotonic() + 120
+    while len(list(proof.glob("asking-*.json"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)  # keep the GPUs until every worker has asked for some
+    time.sleep(1)
+    record(f"done-{me}", {"t": time.time()})
+"""
+
+ASKING_CONFTEST_ADDON = """
+
+@pytest.fixture(autouse=True)
+def _asking():
+    import os, time
+    from gpuinner import record
+    record(f"asking-{os.environ['PYTEST_XDIST_WORKER']}", {"t": time.time()})
+"""
+
+
+@pytest.mark.gpus(4)
+def test_four_xdist_workers_on_four_gpus_two_run_two_wait(
+    inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
+) -> None:
+    """``-n 4`` with four 1P x 1D clusters on four GPUs: two run at once on disjoint GPUs, two wait (with a message)
+    and run when a pair is released."""
+    from gpuproof import INNER_CONFTEST
+
+    inner.pytester.makeconftest(INNER_CONFTEST + ASKING_CONFTEST_ADDON)
+    inner.pytester.makepyfile(test_queue=QUEUE_TEST)
+    result = inner.run("-n", "4", cvd="0,1,2,3")
+    result.assert_outcomes(passed=4)
+    ups = {p.stem.split("-", 1)[1]: inner.read(p.stem) for p in inner.results.glob("up-*.json")}
+    done = {w: inner.read(f"done-{w}")["t"] for w in ups}
+    assert sorted(ups) == ["gw0", "gw1", "gw2", "gw3"], ups
+    order = sorted(ups, key=lambda w: ups[w]["wall"])
+    first_two, last_two = order[:2], order[2:]
+    uuids = [s["uuid"] for w in first_two for s in ups[w]["servers"]]
+    assert len(set(uuids)) == 4, f"the two clusters that ran at once share a GPU: {uuids}"
+    first_release = min(done[w] for w in first_two)
+    for w in last_two:
+        assert ups[w]["wall"] > first_release, f"{w} came up while both first clusters still held their GPUs"
+    waiting = {}
+    for w in last_two:
+        log = (inner.last_log_dir / w / "pdserve.log").read_text()
+        waiting[w] = find_line(log.splitlines(), r"pdserve: waiting for 2 free GPU\(s\) .*").group(0)
+    evidence(
+        order=order, waiting=waiting,
+        up_after_first_release_s={w: round(ups[w]["wall"] - first_release, 3) for w in last_two},
+        by_worker={w: [{k: s[k] for k in ("name", "handle_gpus", "uuid", "pid")} for s in ups[w]["servers"]]
+                   for w in order},
+    )  # fmt: skip
