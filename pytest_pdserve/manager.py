@@ -3,7 +3,8 @@
 `ClusterManager` is pytest-free: the fixtures give it the resolved settings, the inventory, a log
 directory and a reporter callback. Lifecycle of one cluster (each step undone if a later one fails):
 
-1. lease GPUs (positions in the caller's visible list; TP-aware) and every port each server binds;
+1. plan and lease GPUs (`gpu_plan.py`: positions in the caller's visible list; TP-aware) and every port
+   each server binds;
 2. build argv/env per server (`commands.py`) and spawn P and D together, each in its own session;
    when P and D would share a GPU they are staggered instead, since two vLLMs profiling one GPU at
    once mis-size their KV caches;
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,6 @@ from pytest_pdserve import commands, leases
 from pytest_pdserve.attach import ROLES, attach, attach_mismatch
 from pytest_pdserve.cluster import (
     SIM_DEFAULT_MODELS,
-    ClusterUnavailable,
     EngineSetup,
     PDCluster,
     ServerHandle,
@@ -45,8 +45,9 @@ from pytest_pdserve.cluster import (
 )
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.effective import effective
-from pytest_pdserve.errors import ClusterSpecError, PDServeError
-from pytest_pdserve.inventory import Inventory, gpu_processes
+from pytest_pdserve.errors import ClusterUnavailable, PDServeError, ServerDied
+from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
+from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.spec import ClusterSpec
@@ -56,8 +57,6 @@ log = logging.getLogger(__name__)
 
 Reporter = Callable[[str], None]
 
-#: How long the release gate waits for nvidia-smi to stop listing our pids on a GPU.
-GPU_RELEASE_TIMEOUT = 60.0
 #: Undocumented knob (tests, firewalled CI hosts): lease every port from ``LOW-HIGH`` instead of the default
 #: range (20000 up to just below the kernel's ephemeral range).
 PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"
@@ -91,7 +90,7 @@ class _Running:
 
     cluster: PDCluster
     processes: list[ServerProcess]
-    gpu_lease: leases.GpuLease | None
+    gpu_plan: GpuPlan | None
     port_leases: list[leases.PortLease]
     label: str
     last_used: float = field(default_factory=time.monotonic)
@@ -116,6 +115,7 @@ class ClusterManager:
         gpu_wait_timeout: float = 1800.0,
         prefill_gpu_ids: tuple[int, ...] | None = None,
         decode_gpu_ids: tuple[int, ...] | None = None,
+        share_gpus: bool = False,
         proxy_command: tuple[str, ...] | None = None,
         reporter: Reporter | None = None,
     ) -> None:
@@ -129,17 +129,20 @@ class ClusterManager:
         self.model = model
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
-        self.gpu_wait = gpu_wait
-        self.gpu_wait_timeout = gpu_wait_timeout
-        self.prefill_gpu_ids = prefill_gpu_ids
-        self.decode_gpu_ids = decode_gpu_ids
         self.proxy_command = proxy_command
         self.report = reporter or (lambda msg: log.info("%s", msg))
+        self.gpus = GpuPlanner(
+            inventory, lease_dir, gpu_wait=gpu_wait, gpu_wait_timeout=gpu_wait_timeout,
+            prefill_gpu_ids=prefill_gpu_ids, decode_gpu_ids=decode_gpu_ids, share_gpus=share_gpus,
+            gpu_memory_utilization=defaults.gpu_memory_utilization, report=self.report,
+        )  # fmt: skip
         self.run_token = new_run_token()
         self.port_range = port_range_from_env()
         self._watchdog: Watchdog | None = None
         self._running: dict[ClusterSpec, _Running] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
+        #: Servers that died under a test, one per cluster (health.py), for the end-of-run summary.
+        self.deaths: list[ServerDied] = []
         self._lock = threading.RLock()
         self._counter = 0
 
@@ -281,72 +284,10 @@ class ClusterManager:
             )
         return self._watchdog
 
-    def _gpu_plan(self, spec: ClusterSpec, label: str) -> tuple[leases.GpuLease | None, list[list[int]]]:
-        """Positions (in the inventory) for each server, in order P0..Pn, D0..Dm; and the lease held."""
-        tps = [spec.prefill_tp] * spec.num_prefill + [spec.decode_tp] * spec.num_decode
-        if not self.inventory.gpus:
-            return None, [[] for _ in tps]
-        explicit = self.prefill_gpu_ids is not None or self.decode_gpu_ids is not None
-        if explicit:
-            return self._explicit_plan(spec, tps, label)
-        need = sum(tps)
-        if need > self.inventory.count:
-            raise ClusterUnavailable(
-                f"cluster {spec.name} needs {need} GPUs ({spec.num_prefill}P x TP{spec.prefill_tp} + "
-                f"{spec.num_decode}D x TP{spec.decode_tp}), {self.inventory.count} visible: {self.inventory.describe()}"
-            )
-        self._make_room(need)
-        keys = [g.uuid or str(g.index) for g in self.inventory.gpus]
-        if self.gpu_wait == "skip":
-            lease = leases.try_acquire_gpus(self.lease_dir, keys, need, contiguous=False, purpose=label)
-            if lease is None:
-                raise ClusterUnavailable(
-                    f"no {need} free GPUs for cluster {spec.name} (leased by other tests; --pd-gpu-wait=skip)"
-                )
-        else:
-            lease = leases.acquire_gpus(
-                self.lease_dir, keys, need, contiguous=False, timeout=self.gpu_wait_timeout,
-                on_wait=self.report, purpose=label,
-            )  # fmt: skip
-        positions = sorted(lease.positions)
-        plan, at = [], 0
-        for tp in tps:
-            plan.append(positions[at : at + tp])
-            at += tp
-        return lease, plan
-
-    def _explicit_plan(
-        self, spec: ClusterSpec, tps: list[int], label: str
-    ) -> tuple[leases.GpuLease | None, list[list[int]]]:
-        if spec.num_prefill != 1 or spec.num_decode != 1:
-            raise ClusterSpecError(
-                "PREFILL_GPU_ID / DECODE_GPU_ID (--pd-prefill-gpu-ids / --pd-decode-gpu-ids) only apply to a "
-                f"1P x 1D cluster; cluster {spec.name} is {spec.num_prefill}P x {spec.num_decode}D"
-            )
-        p_ids = list(self.prefill_gpu_ids or [])
-        d_ids = list(self.decode_gpu_ids or [])
-        for what, ids, tp in (("prefill", p_ids, tps[0]), ("decode", d_ids, tps[1])):
-            if ids and len(ids) != tp:
-                raise ClusterSpecError(f"{what} GPU ids {ids} do not match its tensor-parallel size {tp}")
-            for i in ids:
-                if i >= self.inventory.count:
-                    raise ClusterUnavailable(
-                        f"{what} GPU id {i} is not visible: {self.inventory.count} GPUs ({self.inventory.describe()})"
-                    )
-        wanted = sorted(set(p_ids) | set(d_ids))
-        lease = None
-        if wanted:
-            keys = [self.inventory.gpus[i].uuid or str(self.inventory.gpus[i].index) for i in wanted]
-            lease = leases.acquire_gpus(
-                self.lease_dir, keys, len(keys), contiguous=False, timeout=self.gpu_wait_timeout,
-                on_wait=self.report, purpose=label,
-            )  # fmt: skip
-        return lease, [p_ids, d_ids]
-
     def _make_room(self, need: int) -> None:
         """Stop our own least recently used clusters whose GPUs a new spec needs (the factory's contract)."""
         while self._running:
-            held = sum(len(r.gpu_lease.positions) for r in self._running.values() if r.gpu_lease)
+            held = sum(r.gpu_plan.held for r in self._running.values() if r.gpu_plan)
             if self.inventory.count - held >= need:
                 return
             victim = min(self._running.values(), key=lambda r: r.last_used)
@@ -389,25 +330,28 @@ class ClusterManager:
         model = self._resolve_model(spec, setup)
         processes: list[ServerProcess] = []
         port_leases: list[leases.PortLease] = []
-        gpu_lease: leases.GpuLease | None = None
+        gpu_plan: GpuPlan | None = None
         watchdog = self._watch()
         try:
-            gpu_lease, plan = self._gpu_plan(spec, label)
+            gpu_plan = self.gpus.plan(spec, label, self._make_room)
             # Lease fds go to the watchdog once the servers are spawned: its hello (~50 ms) then overlaps
             # their start-up instead of delaying it.
             holds: list[tuple[str, tuple[int, ...]]] = []
-            if gpu_lease is not None:
-                holds.append((f"{label}-gpus", gpu_lease.fds))
+            if gpu_plan.leases:
+                holds.append((f"{label}-gpus", gpu_plan.fds))
             roles: list[tuple[Role, int]] = [("prefill", i) for i in range(spec.num_prefill)]
             roles += [("decode", j) for j in range(spec.num_decode)]
             handles: list[ServerHandle] = []
-            for (role, index), positions in zip(roles, plan, strict=True):
+            for (role, index), positions, util in zip(roles, gpu_plan.positions, gpu_plan.utilization, strict=True):
                 ports, held = self._lease_ports(f"{label} {role}-{index}", 1)
                 port_leases += held
                 gpu_env = self.inventory.child_env(positions) if positions else {}
+                # Servers sharing a GPU get their share of its memory (gpu_plan.py) unless one was given.
+                defaults = self.defaults if util is None else replace(self.defaults, gpu_memory_utilization=util)
                 cmd = commands.build_server_command(
                     spec=spec, role=role, index=index, model=model, ports=ports, engine=setup.info,
-                    defaults=self.defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
+                    defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
+                    platform_args=setup.platform_args,
                 )  # fmt: skip
                 log_path = self.log_dir / f"{label}-{cmd.name}.log"
                 self._write_header(log_path, cmd)
@@ -432,7 +376,7 @@ class ClusterManager:
                 for name, fds in holds:
                     watchdog.hold(name, fds)
 
-            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog, hold_leases)
+            self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases)
             n_p = spec.num_prefill
             eff = effective(spec, self.defaults)
             cluster = PDCluster(
@@ -443,9 +387,9 @@ class ClusterManager:
                 started_seconds=time.monotonic() - t0,
             )  # fmt: skip
             self.report(cluster.describe())
-            return _Running(cluster, processes, gpu_lease, port_leases, label)
+            return _Running(cluster, processes, gpu_plan, port_leases, label)
         except BaseException:
-            self._cleanup(label, processes, gpu_lease, port_leases)
+            self._cleanup(label, processes, gpu_plan, port_leases)
             raise
 
     def _write_header(self, log_path: Path, cmd: ServerCommand) -> None:
@@ -458,13 +402,12 @@ class ClusterManager:
         self,
         spec: ClusterSpec,
         handles: list[ServerHandle],
-        plan: list[list[int]],
+        shared: bool,
         t0: float,
         watchdog: Watchdog,
         after_spawn: Callable[[], None] = lambda: None,
     ) -> None:
         deadline = t0 + self.startup_timeout
-        shared = _shares_gpu(plan)
         progress = _Progress(self.report)
         if shared:
             # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
@@ -548,15 +491,17 @@ class ClusterManager:
     # ------------------------------------------------------------------ stop
 
     def _teardown(self, running: _Running) -> None:
+        if running.cluster.health.died is not None:
+            self.deaths.append(running.cluster.health.died)  # for the terminal summary
         for s in running.cluster.servers:
             s.close()
-        self._cleanup(running.label, running.processes, running.gpu_lease, running.port_leases)
+        self._cleanup(running.label, running.processes, running.gpu_plan, running.port_leases)
 
     def _cleanup(
         self,
         label: str,
         processes: list[ServerProcess],
-        gpu_lease: leases.GpuLease | None,
+        gpu_plan: GpuPlan | None,
         port_leases: list[leases.PortLease],
     ) -> None:
         """Stop processes in parallel, then hand GPUs back behind the release gate, then ports. Best effort."""
@@ -574,11 +519,10 @@ class ClusterManager:
                     self._watchdog.unwatch(p.pgid)
                 except Exception:
                     log.exception("watchdog unwatch failed")
-        if gpu_lease is not None:
-            gate = _release_gate(self.inventory, gpu_lease, our_pids)
-            waited = gpu_lease.release(wait_until=gate, timeout=GPU_RELEASE_TIMEOUT)
-            if gate is not None:
-                self.report(f"pdserve: {label}: GPUs {list(gpu_lease.keys)} released after a {waited:.2f}s gate")
+        if gpu_plan is not None:
+            waited = self.gpus.release(gpu_plan, our_pids)
+            if waited is not None:
+                self.report(f"pdserve: {label}: GPUs {gpu_plan.keys} released after a {waited:.2f}s gate")
         for lease in port_leases:
             lease.release()
         if self._watchdog is not None:
@@ -607,28 +551,6 @@ def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
     return pids
 
 
-def _release_gate(inventory: Inventory, lease: leases.GpuLease, our_pids: set[int]) -> Callable[[], bool] | None:
-    """On real CUDA: hand a GPU back only when nvidia-smi lists none of our pids on it."""
-    if inventory.platform != "cuda" or inventory.simulated:
-        return None
-    uuids = set(lease.keys)
-
-    def gate() -> bool:
-        apps = gpu_processes()
-        if apps is None:  # nvidia-smi failed: nothing to wait on
-            return True
-        return not any(a.uuid in uuids and a.pid in our_pids for a in apps)
-
-    return gate
-
-
-def _shares_gpu(plan: list[list[int]]) -> bool:
-    seen: set[int] = set()
-    for positions in plan:
-        if seen & set(positions):
-            return True
-        seen |= set(positions)
-    return False
 
 
 class _Progress:

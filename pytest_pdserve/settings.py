@@ -298,6 +298,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(default: leased)", _gpu_ids, None, env="PREFILL_GPU_ID", metavar="IDS"),
     Setting("decode_gpu_ids", "GPU indices (in the visible list) for the decode server (default: leased)",
             _gpu_ids, None, env="DECODE_GPU_ID", metavar="IDS"),
+    Setting("share_gpus", "Run every server of a cluster on one GPU, started one after another, each with "
+            "--gpu-memory-utilization 0.4 unless given (TP 1 only)", _bool, False, kind="bool"),
     Setting("gpu_memory_utilization", "vLLM --gpu-memory-utilization, a fraction in (0, 1]",
             _utilization, None, env="GPU_MEMORY_UTILIZATION", metavar="FRACTION"),
     Setting("block_size", "vLLM --block-size", _number(int, 1, MAX_BLOCK_SIZE), None, metavar="N"),
@@ -346,6 +348,7 @@ class PDServeConfig:
     vllm_serve_extra_args: tuple[str, ...]
     prefill_gpu_ids: tuple[int, ...] | None
     decode_gpu_ids: tuple[int, ...] | None
+    share_gpus: bool
     gpu_memory_utilization: float | None
     block_size: int | None
     max_model_len: int | None
@@ -452,8 +455,8 @@ def _raw(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> tuple
 
 
 def _usage(setting: Setting, raw: Any, source: str, why: str) -> pytest.UsageError:
-    text = str(raw) if len(str(raw)) <= 200 else f"{str(raw)[:200]}..."
-    shown = "the value" if setting.secret else redaction.redact(repr(text))
+    short = f"{raw[:200]}..." if isinstance(raw, str) and len(raw) > 200 else raw
+    shown = "the value" if setting.secret else redaction.redact(repr(short))
     return pytest.UsageError(f"pdserve: {shown} from {_describe_source(source)} is not a valid "
                              f"{setting.name}: {why} (set {setting.remedy})")  # fmt: skip
 
@@ -532,6 +535,7 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
         if sources[name] != "default" and values[name] is not None:
             path = Path(values[name]).expanduser()
             values[name] = path if path.is_absolute() else _base_dir(config, sources[name]) / path
+    _check_gpu_sharing(values, sources)
     if values["simulate_gpus"] is not None:
         try:
             values["simulate_gpus"] = parse_simulate_gpus(values["simulate_gpus"], values["platform"])
@@ -608,6 +612,29 @@ def remedy(name: str) -> str:
     return SETTINGS_BY_NAME[name].remedy
 
 
+def _check_gpu_sharing(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """--pd-share-gpus excludes explicit ids; a memory fraction must fit the default cluster's shared GPU."""
+    p_ids, d_ids = values["prefill_gpu_ids"], values["decode_gpu_ids"]
+    if values["share_gpus"] and (p_ids is not None or d_ids is not None):
+        given = " and ".join(_describe_source(sources[n]) for n in ("prefill_gpu_ids", "decode_gpu_ids")
+                             if values[n] is not None)  # fmt: skip
+        raise pytest.UsageError(
+            f"pdserve: --pd-share-gpus (from {_describe_source(sources['share_gpus'])}) and explicit GPU ids "
+            f"(from {given}) both say where servers run; use one: the same ids on both sides share a GPU too"
+        )
+    util = values["gpu_memory_utilization"]
+    shares = values["share_gpus"] or bool(set(p_ids or ()) & set(d_ids or ()))
+    if util is None or not shares:
+        return
+    from pytest_pdserve.gpu_plan import shared_utilization_problem
+
+    problem = shared_utilization_problem(util, 2)  # the default cluster: 1 prefill + 1 decode
+    if problem is not None:
+        s = SETTINGS_BY_NAME["gpu_memory_utilization"]
+        why = "--pd-share-gpus" if values["share_gpus"] else "the same prefill and decode GPU ids"
+        raise _usage(s, util, sources["gpu_memory_utilization"], f"with {why}, {problem}")
+
+
 # --------------------------------------------------------------------------- inventory (lazy)
 
 
@@ -616,24 +643,45 @@ class _InventoryHolder:
 
     nvidia-smi takes tens of milliseconds to seconds; running it while pytest loads conftests keeps
     that off the critical path, and callers that never ask for the inventory never wait for it.
+    A crash in detection is kept and raised to every caller: turning it into a CPU inventory would
+    skip every GPU test and leave CI green on a broken GPU machine.
     """
 
-    def __init__(self, detect: Callable[[], Inventory]) -> None:
+    def __init__(self, detect: Callable[[], Inventory], what: str) -> None:
         self._detect = detect
+        self._what = what
         self._result: Inventory | None = None
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pdserve-inventory", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             self._result = self._detect()
-        except Exception as exc:  # detection must never break the session
-            self._result = Inventory("cpu", (), None, f"GPU detection failed: {exc!r}")
+        except Exception as exc:  # re-raised by get(), in the caller's thread
+            self._error = exc
 
     def get(self) -> Inventory:
         self._thread.join()
+        if self._error is not None:
+            raise pytest.UsageError(
+                f"pdserve: GPU detection ({self._what}) crashed: {_where_raised(self._error)}. Fix the GPU "
+                "stack (nvidia-smi / amd-smi must answer), or set --pd-platform=cpu (PDSERVE_PLATFORM=cpu) "
+                "to run without GPUs"
+            ) from self._error
         assert self._result is not None
         return self._result
+
+
+def _where_raised(exc: BaseException) -> str:
+    """``TypeError: msg (at inventory.py:123 in parse_x)``: the error and the innermost frame that raised it."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return f"{type(exc).__name__}: {exc}"
+    code = tb.tb_frame.f_code
+    return f"{type(exc).__name__}: {exc} (at {Path(code.co_filename).name}:{tb.tb_lineno} in {code.co_name})"
 
 
 _INVENTORY = pytest.StashKey[_InventoryHolder]()
@@ -649,13 +697,30 @@ def start_inventory_detection(config: pytest.Config) -> None:
         src = cfg.sources["simulate_gpus"]
         where = f"{src}={plat}:{count}" if src.startswith("--") else f"{_describe_source(src)}={plat}:{count}"
         inv = simulated_inventory(plat, count, f"simulated via {where}")
-        config.stash[_INVENTORY] = _InventoryHolder(lambda: inv)
-        return
-    platform = cfg.platform
-    config.stash[_INVENTORY] = _InventoryHolder(lambda: detect_inventory(platform))
+        config.stash[_INVENTORY] = _InventoryHolder(lambda: inv, "simulated")
+    else:
+        platform = cfg.platform
+        config.stash[_INVENTORY] = _InventoryHolder(lambda: detect_inventory(platform), f"platform {platform}")
+    if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
+        get_inventory(config)  # explicit GPU ids are checked against the inventory now, at configure time
 
 
 def get_inventory(config: pytest.Config) -> Inventory:
-    """The platform and GPU inventory for this session (detected at most once, cached)."""
+    """The platform and GPU inventory for this session (detected at most once, cached).
+
+    :raises pytest.UsageError: detection crashed, or an explicit GPU id is not in the inventory.
+    """
     start_inventory_detection(config)
-    return config.stash[_INVENTORY].get()
+    inventory = config.stash[_INVENTORY].get()
+    cfg = config.stash[PDSERVE_CONFIG]
+    if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
+        from pytest_pdserve.gpu_plan import explicit_ids_problem
+
+        problem = explicit_ids_problem(inventory, cfg.prefill_gpu_ids, cfg.decode_gpu_ids)
+        if problem is not None:
+            given = " and ".join(
+                f"{cfg.source_of(n)}={','.join(map(str, getattr(cfg, n)))}"
+                for n in ("prefill_gpu_ids", "decode_gpu_ids") if getattr(cfg, n) is not None
+            )  # fmt: skip
+            raise pytest.UsageError(f"pdserve: {problem} (given by {given})")
+    return inventory

@@ -84,10 +84,13 @@ for line in ev.read_text().splitlines() if ev.exists() else []:
     rec = json.loads(line)
     name = rec.pop("test").split("::")[-1]
     keep = {k: v for k, v in rec.items() if k not in ("servers", "samples", "nvidia_smi", "compute_apps", "clusters",
-                                                      "busy_poll_sample", "overlap_apps")}
+                                                      "busy_poll_sample", "overlap_apps", "by_worker")}
     print(f"- {name}: {json.dumps(keep)}")
     for s in rec.get("servers", []) or rec.get("shared", []):
         print(f"    {s['name']}: token {s['handle_gpus']} -> {s['uuid']} pid {s['pid']}")
+    for w, servers in (rec.get("by_worker") or {}).items():
+        for s in servers:
+            print(f"    {w} {s['name']}: token {s['handle_gpus']} -> {s['uuid']} pid {s['pid']}")
     for w, c in (rec.get("clusters") or {}).items():
         for s in c["servers"]:
             print(f"    {w} {s['name']}: token {s['handle_gpus']} -> {s['uuid']} pid {s['pid']}")

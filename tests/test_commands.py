@@ -8,16 +8,10 @@ gets its own side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``) and ``VLLM
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from pytest_pdserve import commands
 from pytest_pdserve.cluster import served_model_name
 from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
 from pytest_pdserve.extra_args import parse_extra_args
-from pytest_pdserve.inventory import simulated_inventory
-from pytest_pdserve.manager import ClusterManager
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.vllm_compat import Version
 
@@ -130,30 +124,3 @@ def test_cpu_vllm_uses_a_cpu_kv_buffer_and_the_simulator_gets_vllm_argv() -> Non
     s = build(ClusterSpec(), "decode", sim, session=defaults(platform="cpu"))
     assert list(s.argv[:5]) == ["python", "-m", "pytest_pdserve.sim", "serve", MODEL]
     assert "kv_buffer_device" not in s.argv[s.argv.index("--kv-transfer-config") + 1]
-
-
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        (ClusterSpec(), [["0"], ["1"]]),
-        (ClusterSpec(num_prefill=2, num_decode=2), [["0"], ["1"], ["2"], ["3"]]),
-        (ClusterSpec(prefill_tp=2, decode_tp=2), [["0", "1"], ["2", "3"]]),
-        (ClusterSpec(num_prefill=3, num_decode=1, decode_tp=4), [["0"], ["1"], ["2"], ["3", "4", "5", "6"]]),
-    ],
-    ids=["1x1", "2x2", "tp2-tp2", "3x1-tp4"],
-)
-def test_gpu_plan_for_nxm_and_tp_topologies(tmp_path: Path, spec: ClusterSpec, expected: list[list[str]]) -> None:
-    """Every server gets its own TP-sized, disjoint slice of the visible GPUs, as CUDA_VISIBLE_DEVICES."""
-    inventory = simulated_inventory("cuda", 8)
-    manager = ClusterManager(
-        engine_setup=lambda name: pytest.fail("no engine needed"),  # type: ignore[arg-type,return-value]
-        default_engine="sim", defaults=SessionDefaults(platform="cuda"), inventory=inventory,
-        log_dir=tmp_path / "logs", lease_dir=tmp_path / "leases",
-    )  # fmt: skip
-    lease, plan = manager._gpu_plan(spec, "t")
-    try:
-        devices = [inventory.child_env(positions).get("CUDA_VISIBLE_DEVICES", "") for positions in plan]
-        assert [d.split(",") for d in devices] == expected  # type: ignore[union-attr]
-    finally:
-        if lease is not None:
-            lease.release()

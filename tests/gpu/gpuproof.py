@@ -25,14 +25,14 @@ import httpx
 GPU_ENV = {"PDSERVE_SIM_GPU": "1"}
 
 
-def compute_apps():
-    # [pid, uuid] of every compute process nvidia-smi lists.
+def compute_apps(memory=False):
+    # [pid, uuid] (and used MiB with memory=True) of every compute process nvidia-smi lists.
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout
     rows = [[f.strip() for f in line.split(",")] for line in out.splitlines()]
-    return [[int(r[0]), r[1]] for r in rows if len(r) == 3 and r[0].isdigit()]
+    return [[int(r[0]), r[1], *([r[2]] if memory else [])] for r in rows if len(r) == 3 and r[0].isdigit()]
 
 
 def describe(cluster):
@@ -41,13 +41,16 @@ def describe(cluster):
     for s in (*cluster.prefill, *cluster.decode):
         sim = httpx.get(f"{s.url}/version", timeout=30, trust_env=False).json()["pdserve_sim"]
         device = sim.get("device") or {}
+        argv = list(s.command.argv) if s.command is not None else []
+        util = argv[argv.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in argv else None
         servers.append({
             "name": s.name, "url": s.url, "handle_gpus": list(s.gpus), "pid": sim["pid"],
             "uuid": device.get("uuid"), "device_name": device.get("name"), "cvd": sim["cuda_visible_devices"],
-            "ready_seconds": s.ready_seconds, "log": str(s.log_path),
+            "ready_seconds": s.ready_seconds, "log": str(s.log_path), "gpu_memory_utilization": util,
         })
     return {
         "servers": servers, "started_seconds": cluster.started_seconds, "apps": compute_apps(),
+        "apps_mib": compute_apps(memory=True),
         "wall": time.time(), "worker": os.environ.get("PYTEST_XDIST_WORKER", "master"),
         "caller_cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
@@ -81,6 +84,11 @@ class PhysicalGpus:
 
     raw: str
     uuids: list[str]
+
+    @property
+    def share_args(self) -> list[str]:
+        """``--pd-share-gpus`` on a one-GPU machine (both servers on it), nothing where each gets its own."""
+        return ["--pd-share-gpus"] if len(self.uuids) == 1 else []
 
     def by_token(self, token: str) -> str:
         """The UUID a ``CUDA_VISIBLE_DEVICES`` token names (an index or a full UUID)."""
@@ -142,6 +150,11 @@ class Inner:
         with (self.proof_dir / "inner-runs.log").open("a", encoding="utf-8") as fh:
             fh.write(f"\n===== {self.label} run {self.runs}: CUDA_VISIBLE_DEVICES={cvd!r} pytest {' '.join(args)}"
                      f" ({seconds:.1f}s)\n{output}\n")  # fmt: skip
+
+    @property
+    def last_log_dir(self) -> Path:
+        """The ``--pd-log-dir`` of the latest inner session (``pdserve.log`` and server logs)."""
+        return self.proof_dir / "logs" / f"{self.label}-{self.runs}"
 
     def read(self, name: str) -> dict[str, Any]:
         """What the inner test recorded under ``name``."""

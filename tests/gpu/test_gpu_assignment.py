@@ -76,11 +76,29 @@ def test_callers_reordered_visible_devices_are_honoured(
 
 
 @pytest.mark.gpus(2)
-def test_one_visible_gpu_skips_a_two_gpu_cluster_or_shares_it(
+def test_decode_gpu_id_alone_leases_another_gpu_for_prefill(
     inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
 ) -> None:
-    """``CUDA_VISIBLE_DEVICES=1``: a 1P x 1D cluster is skipped with the count; pinned to GPU 0 both share it."""
-    gpu1 = physical_gpus.uuids[1]
+    """``--pd-decode-gpu-ids=1`` alone: decode on GPU 1, prefill on a leased GPU of its own (GPU 0), not on all."""
+    gpu0, gpu1 = physical_gpus.uuids[:2]
+    inner.pytester.makepyfile(test_inner=CLUSTER_TEST)
+    result = inner.run("--pd-decode-gpu-ids=1")
+    result.assert_outcomes(passed=1)
+    info = inner.read("cluster")
+    prefill, decode = info["servers"]
+    assert check_server(prefill, info["apps"], physical_gpus) == gpu0
+    assert check_server(decode, info["apps"], physical_gpus) == gpu1
+    find_line(result.outlines, r"GPUs \[.*\] released after a [0-9.]+s gate")
+    evidence(servers=[{k: s[k] for k in ("name", "handle_gpus", "cvd", "uuid", "pid")} for s in (prefill, decode)])
+
+
+@pytest.mark.gpus(1)
+def test_one_visible_gpu_skips_a_two_gpu_cluster_naming_share_gpus(
+    inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
+) -> None:
+    """One GPU visible (the machine's last): a 1P x 1D cluster and ``gpus(2)`` skip, naming the count (and the
+    cluster's reason ``--pd-share-gpus``); ``gpus(1)`` runs."""
+    last = str(len(physical_gpus.uuids) - 1)
     inner.pytester.makepyfile(
         test_two="""
 import pytest
@@ -91,41 +109,74 @@ def test_cluster_needs_two(gpu_cluster):
 @pytest.mark.gpus(2)
 def test_marked_two():
     raise AssertionError("gpus(2) must skip with one GPU visible")
+
+@pytest.mark.gpus(1)
+def test_marked_one():
+    pass
 """
     )
-    result = inner.run("test_two.py", cvd="1")
-    result.assert_outcomes(skipped=2)
+    result = inner.run("test_two.py", cvd=last)
+    result.assert_outcomes(passed=1, skipped=2)
     factory_skip = find_line(result.outlines, r"SKIPPED .*cluster gpu needs 2 GPUs.*").group(0)
     assert "1 visible" in factory_skip, factory_skip
-    assert "CUDA_VISIBLE_DEVICES=1" in factory_skip, factory_skip
-    marker_skip = find_line(result.outlines, r"SKIPPED .*needs 2 GPUs, 1 visible: CUDA_VISIBLE_DEVICES=1").group(0)
+    assert f"CUDA_VISIBLE_DEVICES={last}" in factory_skip, factory_skip
+    assert "--pd-share-gpus" in factory_skip, factory_skip
+    marker_re = rf"SKIPPED .*needs 2 GPUs, 1 visible: CUDA_VISIBLE_DEVICES={last}"
+    marker_skip = find_line(result.outlines, marker_re).group(0)
+    find_line(result.outlines, r"PASSED .*test_marked_one|test_two.py::test_marked_one PASSED")
+    evidence(caller_cvd=last, factory_skip=factory_skip, marker_skip=marker_skip)
 
-    inner.pytester.makepyfile(test_shared=CLUSTER_TEST)
-    shared = inner.run("test_shared.py", "--pd-prefill-gpu-ids=0", "--pd-decode-gpu-ids=0", cvd="1")
-    shared.assert_outcomes(passed=1)
-    find_line(shared.outlines, r"servers share a GPU; starting them one after another")
+
+@pytest.mark.gpus(1)
+@pytest.mark.parametrize("form", ["index", "uuid"])
+def test_share_gpus_runs_both_servers_on_the_callers_one_gpu(
+    form: str, inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
+) -> None:
+    """``--pd-share-gpus`` with ``CUDA_VISIBLE_DEVICES`` naming one GPU (index or UUID): both servers on it,
+    started one after the other, each with ``--gpu-memory-utilization 0.4``, both listed by nvidia-smi."""
+    last = len(physical_gpus.uuids) - 1
+    uuid = physical_gpus.uuids[last]
+    cvd = str(last) if form == "index" else uuid
+    inner.pytester.makepyfile(test_inner=CLUSTER_TEST)
+    result = inner.run("--pd-share-gpus", cvd=cvd)
+    result.assert_outcomes(passed=1)
+    find_line(result.outlines, rf"pdserve: inventory cuda: 1 GPU \(CUDA_VISIBLE_DEVICES={cvd}\)")
+    find_line(result.outlines, r"pdserve: gpu: servers share a GPU; starting them one after another")
     info = inner.read("cluster")
-    for server in info["servers"]:
-        assert check_server(server, info["apps"], physical_gpus) == gpu1
+    prefill, decode = info["servers"]
+    for server in (prefill, decode):
+        assert check_server(server, info["apps"], physical_gpus) == uuid
+        assert server["handle_gpus"] == [cvd], server
+        assert server["gpu_memory_utilization"] == "0.4", server
+    assert prefill["pid"] != decode["pid"]
+    # Memory of both is on the one GPU: nvidia-smi lists each pid there with memory in use.
+    used = {pid: mib for pid, gpu, mib in info["apps_mib"] if gpu == uuid}
+    for server in (prefill, decode):
+        mib = used.get(server["pid"], "0")
+        assert mib.isdigit(), (server, info["apps_mib"])
+        assert int(mib) > 0, (server, info["apps_mib"])
+    gates = gate_seconds(result.outlines)
+    assert len(gates) == 1, result.outlines
     evidence(
-        caller_cvd="1", factory_skip=factory_skip, marker_skip=marker_skip,
-        shared=[{k: s[k] for k in ("name", "handle_gpus", "uuid", "pid", "ready_seconds")} for s in info["servers"]],
-        shared_ready_seconds=ready_seconds(shared.outlines),
+        caller_cvd=cvd, servers=[{k: s[k] for k in ("name", "handle_gpus", "cvd", "uuid", "pid", "ready_seconds",
+                                                      "gpu_memory_utilization")} for s in (prefill, decode)],
+        compute_apps=info["apps_mib"], ready_seconds=ready_seconds(result.outlines), teardown_gate_seconds=gates[0],
     )  # fmt: skip
 
 
 def test_gpu_count_markers_run_what_fits_and_skip_the_rest(
     inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
 ) -> None:
-    """``gpus(2)`` runs a cluster; ``gpus(n+1)`` and ``distributed(num_gpus=n+1)`` skip, naming the count."""
+    """``gpus(n)`` runs a cluster on the n visible GPUs (shared on one); ``gpus(n+1)`` and
+    ``distributed(num_gpus=n+1)`` skip, naming the count."""
     n = len(physical_gpus.uuids)
     inner.pytester.makepyfile(
         test_markers=f"""
 import pytest
 from gpuinner import describe, record
 
-@pytest.mark.gpus(2)
-def test_two(gpu_cluster):
+@pytest.mark.gpus({n})
+def test_fits(gpu_cluster):
     record("cluster", describe(gpu_cluster))
 
 @pytest.mark.gpus({n + 1})
@@ -137,14 +188,12 @@ def test_too_many_distributed():
     raise AssertionError("must be skipped")
 """
     )
-    result = inner.run()
-    if n < 2:
-        result.assert_outcomes(skipped=3)
-        return
+    result = inner.run(*physical_gpus.share_args)
     result.assert_outcomes(passed=1, skipped=2)
     reasons = [line for line in result.outlines if line.startswith("SKIPPED")]
     assert len(reasons) == 2, result.outlines
+    plural = "GPU" if n == 1 else "GPUs"
     assert all(f"needs {n + 1} GPUs, {n} visible" in r for r in reasons), reasons
     info = inner.read("cluster")
-    assert len({s["uuid"] for s in info["servers"]}) == 2, info["servers"]
-    evidence(visible=n, skips=reasons, passed=[line for line in result.outlines if "PASSED" in line])
+    assert len({s["uuid"] for s in info["servers"]}) == min(n, 2), info["servers"]
+    evidence(visible=f"{n} {plural}", skips=reasons, passed=[line for line in result.outlines if "PASSED" in line])

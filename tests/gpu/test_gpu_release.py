@@ -1,7 +1,12 @@
-"""GPUs go back only when nvidia-smi shows none of our processes on them; a SIGKILLed pytest leaves none behind."""
+"""GPUs go back only when nvidia-smi shows none of our processes on them; a SIGKILLed pytest leaves none behind.
+
+On a one-GPU machine every inner session runs with ``--pd-share-gpus`` (both servers on the GPU), so each proof
+holds there too.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +22,7 @@ from gpuproof import Inner, PhysicalGpus, gate_seconds
 from pytest_pdserve import leases
 from pytest_pdserve.inventory import gpu_processes
 
-pytestmark = [pytest.mark.cuda, pytest.mark.gpus(2)]
+pytestmark = [pytest.mark.cuda, pytest.mark.gpus(1)]
 
 #: How long the stand-in for a slow EngineCore keeps its GPU memory after the cluster is told to stop.
 LINGER_S = 3.0
@@ -26,7 +31,7 @@ GATE_TEST = f"""
 import os, subprocess, sys, time
 from pathlib import Path
 
-import pytest_pdserve.manager as cl
+import pytest_pdserve.gpu_plan as gpu_plan
 from gpuinner import GPU_ENV, compute_apps, describe, record
 from pytest_pdserve import leases
 from pytest_pdserve.fixtures import MANAGER
@@ -65,7 +70,7 @@ def test_gate(request, pd_cluster_factory, tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the GPU holder never got ready"
             time.sleep(0.05)
         polls, releases = [], []
-        real = cl.gpu_processes
+        real = gpu_plan.gpu_processes
 
         def recording():
             apps = real()
@@ -78,7 +83,7 @@ def test_gate(request, pd_cluster_factory, tmp_path, monkeypatch):
             releases.append({{"t": time.monotonic(), "keys": list(self.keys)}})
             release_now(self)
 
-        monkeypatch.setattr(cl, "gpu_processes", recording)
+        monkeypatch.setattr(gpu_plan, "gpu_processes", recording)
         monkeypatch.setattr(leases.GpuLease, "_release_now", recording_release)
         before = compute_apps()
         t_stop = time.monotonic()
@@ -102,7 +107,7 @@ def test_release_gate_waits_until_nvidia_smi_shows_none_of_our_pids(
     inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
 ) -> None:
     inner.pytester.makepyfile(test_gate=GATE_TEST)
-    result = inner.run()
+    result = inner.run(*physical_gpus.share_args)
     result.assert_outcomes(passed=1)
     g = inner.read("gate")
     servers = g["cluster"]["servers"]
@@ -159,12 +164,57 @@ def _live(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
+def _pids_with_env(name: str, value: str) -> list[int]:
+    """Processes (other than this one) whose environment has ``name=value``: what the inner session started."""
+    found = []
+    needle = f"{name}={value}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _watchdog_pids(pytest_pid: int) -> list[int]:
+    """Children of the inner pytest that run the plugin's watchdog (found by its command line, killed by pid)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == pytest_pid and "watchdog" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    "victims",
+    [
+        pytest.param(("pytest",), id="pytest"),
+        pytest.param(
+            ("watchdog", "pytest"), id="watchdog-then-pytest",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="issue 13 point 4: with the watchdog SIGKILLed first nothing supervises the servers; the "
+                "supervision fix makes this pass (then drop this mark)",
+            ),
+        ),
+    ],
+)  # fmt: skip
 def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
-    inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
+    victims: tuple[str, ...], inner: Inner, physical_gpus: PhysicalGpus, evidence: Any
 ) -> None:
     inner.pytester.makepyfile(test_orphan=ORPHAN_TEST)
     out = inner.results / "pytest-output.txt"
-    args = [sys.executable, "-m", "pytest", *inner.args("test_orphan.py")]
+    args = [sys.executable, "-m", "pytest", *inner.args("test_orphan.py", *physical_gpus.share_args)]
     with out.open("wb") as fh:
         proc = subprocess.Popen(args, cwd=inner.pytester.path, env=inner.env(None), stdout=fh, stderr=subprocess.STDOUT)
     info_path = inner.results / "orphan.json"
@@ -177,9 +227,17 @@ def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
         info = json.loads(info_path.read_text())
         servers = info["servers"]
         pids = {s["pid"] for s in servers}
-        uuids = [s["uuid"] for s in servers]
+        uuids = sorted({s["uuid"] for s in servers})  # one UUID when both servers share a GPU
         assert sorted([s["pid"], s["uuid"]] for s in servers) == sorted(a for a in info["apps"] if a[0] in pids)
+        killed = {}
+        if "watchdog" in victims:
+            watchdogs = _watchdog_pids(proc.pid)
+            assert len(watchdogs) == 1, f"expected one watchdog child of pytest {proc.pid}, found {watchdogs}"
+            os.kill(watchdogs[0], signal.SIGKILL)
+            killed["watchdog"] = watchdogs[0]
+            time.sleep(0.5)  # pytest lives on without its watchdog for a moment, as after a real crash of it
         os.kill(proc.pid, signal.SIGKILL)
+        killed["pytest"] = proc.pid
         t_kill = time.monotonic()
         proc.wait(timeout=30)
     finally:
@@ -188,32 +246,52 @@ def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
             proc.wait()
     t_gpu = t_procs = None
     samples: list[list[Any]] = []
-    deadline = t_kill + 60
-    while (t_gpu is None or t_procs is None) and time.monotonic() < deadline:
-        apps = gpu_processes()
-        now = time.monotonic()
-        left = [[a.pid, a.uuid] for a in apps or [] if a.pid in pids]
-        samples.append([round(now - t_kill, 3), left])
-        if t_gpu is None and apps is not None and not left:
-            t_gpu = now - t_kill
-        if t_procs is None and not any(_live(p) for p in pids):
-            t_procs = now - t_kill
-        time.sleep(0.1)
-    t_lease = None
-    while t_lease is None and time.monotonic() < deadline:
-        lease = leases.try_acquire_gpus(leases.DEFAULT_LEASE_DIR, uuids, len(uuids), contiguous=False)
-        if lease is not None:
-            t_lease = time.monotonic() - t_kill
-            lease.release()
-        else:
+    lease_free_while_alive: list[float] = []
+    deadline = t_kill + 30
+    try:
+        while (t_gpu is None or t_procs is None) and time.monotonic() < deadline:
+            apps = gpu_processes()
+            now = time.monotonic()
+            left = [[a.pid, a.uuid] for a in apps or [] if a.pid in pids]
+            samples.append([round(now - t_kill, 3), left])
+            if t_gpu is None and apps is not None and not left:
+                t_gpu = now - t_kill
+            if t_procs is None and not any(_live(p) for p in pids):
+                t_procs = now - t_kill
+            elif t_procs is None and len(lease_free_while_alive) < 3:
+                # No lease may be free while a server that holds it lives (another run would share the GPU).
+                probe = leases.try_acquire_gpus(leases.DEFAULT_LEASE_DIR, uuids, len(uuids), contiguous=False)
+                if probe is not None:
+                    probe.release()
+                    lease_free_while_alive.append(round(now - t_kill, 3))
             time.sleep(0.1)
+        t_lease = None
+        while t_lease is None and time.monotonic() < deadline:
+            lease = leases.try_acquire_gpus(leases.DEFAULT_LEASE_DIR, uuids, len(uuids), contiguous=False)
+            if lease is not None:
+                t_lease = time.monotonic() - t_kill
+                lease.release()
+            else:
+                time.sleep(0.1)
+    finally:
+        survivors = [p for p in pids if _live(p)]
+        for pid in survivors:  # never leave a server on the GPU for the tests after this one
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        for pid in _pids_with_env("PROOF_DIR", str(inner.results)):  # the proxy too, had it survived
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     inner.keep(args, None, time.monotonic() - t_kill, out.read_text())
     all_apps = [[a.pid, a.uuid] for a in gpu_processes() or [] if a.uuid in uuids]
     evidence(
-        server_pids=sorted(pids), uuids=uuids, kill_to_gpu_clear_s=t_gpu, kill_to_processes_gone_s=t_procs,
-        kill_to_lease_free_s=t_lease, apps_on_those_gpus_after=all_apps, samples=samples[:5] + samples[-2:],
+        killed=killed, server_pids=sorted(pids), uuids=uuids, kill_to_gpu_clear_s=t_gpu,
+        kill_to_processes_gone_s=t_procs, kill_to_lease_free_s=t_lease, lease_free_while_alive=lease_free_while_alive,
+        survivors_killed_by_the_test=survivors, apps_on_those_gpus_after=all_apps,
+        samples=samples[:5] + samples[-2:],
     )  # fmt: skip
-    assert t_gpu is not None, f"our pids still on the GPUs 60 s after SIGKILL: {samples[-1]}"
-    assert t_procs is not None, "server processes still alive 60 s after SIGKILL"
-    assert t_lease is not None, "the GPU lease was not free 60 s after SIGKILL"
+    assert t_procs is not None, f"server processes {survivors} still alive 30 s after SIGKILL of {victims}"
+    assert t_gpu is not None, f"our pids still on the GPUs 30 s after SIGKILL: {samples[-1]}"
+    assert not lease_free_while_alive, f"the GPU lease was free while a server lived (at {lease_free_while_alive} s)"
+    assert t_lease is not None, "the GPU lease was not free 30 s after SIGKILL"
+    assert t_procs < 5, f"servers lived {t_procs:.1f}s after SIGKILL (issue 13 promises none after 5 s)"
     assert t_gpu < 15, f"GPUs cleared only {t_gpu:.1f}s after SIGKILL"
