@@ -551,8 +551,6 @@ def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
     return pids
 
 
-
-
 class _Progress:
     """Throttled start-up progress: role, elapsed time, last log line; at most one line per role per 5 s."""
 
