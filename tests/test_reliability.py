@@ -114,9 +114,9 @@ def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -
     seconds = time.monotonic() - t0
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    # The second request fails at once (no hang) with the engine's error, and the report carries what the
-    # decode server and the proxy logged during that test.
-    assert "/v1/completions -> 500: " in out
+    # The second request fails at once (no hang) naming the dead server (health.py), with the engine's error
+    # from its log, and the report carries what the decode server and the proxy logged during that test.
+    assert "ServerDied: pdserve: decode-0 of cluster" in out
     assert "EngineCore encountered an issue" in out
     sections = out.split("pdserve decode-0 log (", 1)[1]
     assert '"POST /v1/completions HTTP/1.1" 500' in sections
