@@ -7,6 +7,7 @@ nothing measurable during collection; vllm and torch are never imported here.
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Generator
 
 import pytest
@@ -42,8 +43,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     if found is None:
         return
     target, message = found
-    if not explicit:
-        early_config.known_args_namespace.confcutdir = str(target)
+    if explicit:
+        # Loading vLLM's conftest may fail before any report header: say it now, on stderr.
+        sys.stderr.write(message + "\n")
+        return
+    early_config.known_args_namespace.confcutdir = str(target)
     early_config.stash[_CHECKOUT_NOTE] = message
 
 
