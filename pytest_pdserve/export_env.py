@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_pdserve.connector import parse_kv_connector_config
-from pytest_pdserve.presets import PresetResult, describe_config
+from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
 from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
 from pytest_pdserve.spec import ClusterSpec
@@ -49,6 +49,7 @@ class Exported:
     #: os.environ values before we exported (None: unset), restored at unconfigure.
     saved: dict[str, str | None] = field(default_factory=dict)
     baseline: dict[str, MetricsSnapshot] = field(default_factory=dict)
+    preset: str | None = None
 
 
 EXPORTED = pytest.StashKey[Exported]()
@@ -60,8 +61,9 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     result = None
     spec = ClusterSpec()
-    if cfg.preset is not None:
-        result = resolve_preset(cfg.preset, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
+    name = auto_preset(config.args) if cfg.preset == "auto" else cfg.preset
+    if name is not None:
+        result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
         spec = result.spec.with_(**{f: None for f in _SESSION_WINS if cfg.sources.get(f, "default") != "default"})
     if cfg.kv_connector_config is not None:
         spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
@@ -133,7 +135,7 @@ def start(config: pytest.Config) -> None:
         spec, result = session_spec(config)
     except ClusterSpecError as exc:
         raise pytest.UsageError(f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}") from None
-    exported = Exported(spec, notes=result.notes if result else ())
+    exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
     if cfg.export_env:
         path = Path(cfg.export_env).expanduser()
         exported.file = path if path.is_absolute() else config.invocation_params.dir / path
@@ -176,12 +178,11 @@ def header_lines(config: pytest.Config) -> list[str]:
     exported = config.stash.get(EXPORTED, None)
     if exported is None or exported.cluster is None:
         return []
-    cfg = config.stash[PDSERVE_CONFIG]
     lines = []
-    if cfg.preset is not None:
-        lines.append(f"pdserve: preset {cfg.preset}: {describe_config(exported.spec)}, block size "
+    if exported.preset is not None:
+        lines.append(f"pdserve: preset {exported.preset}: {describe_config(exported.spec)}, block size "
                      f"{exported.cluster.block_size}")  # fmt: skip
-    lines += [f"pdserve: preset {cfg.preset}: {note}" for note in exported.notes]
+    lines += [f"pdserve: preset {exported.preset}: {note}" for note in exported.notes]
     where = f" (also written to {exported.file})" if exported.file is not None else ""
     shown = " ".join(f"{k}={v}" for k, v in exported.variables.items())
     lines.append(f"pdserve: exported{where}: {shown}")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import PurePath
 from typing import Any
 
 from pytest_pdserve.cpu import fit_cpu_block_size
@@ -31,6 +32,8 @@ TOY_PROXY_PORT = 8192
 #: vLLM's default ``--block-size`` on CUDA (``CacheConfig``: 16 unless the backend needs another), the value
 #: run_edge_case_test.sh runs at because it passes no ``--block-size``.
 VLLM_DEFAULT_BLOCK_SIZE = 16
+#: max_position_embeddings of the tiny models tiny_model.py builds for real vLLM.
+TINY_MODEL_MAX_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class PresetResult:
     notes: tuple[str, ...] = ()
     #: Proxy port the module hard-codes (None: any leased port).
     proxy_port: int | None = None
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -264,9 +268,50 @@ def resolve(
     if preset is None:
         raise ClusterSpecError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     result = preset.build(os.environ if environ is None else environ, engine, platform)
+    spec = result.spec
+    if engine == "vllm" and spec.model is None and (spec.max_model_len or 0) > TINY_MODEL_MAX_LEN:
+        # The scripts' lengths are for real models; pdserve's tiny model declares 2048 positions, and vLLM
+        # refuses a longer --max-model-len unless told (the tiny model's rotary embedding has no real limit).
+        env = {**dict(spec.env), "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+        result = PresetResult(
+            spec.with_(env=env), result.exports,
+            (*result.notes, f"max model len {spec.max_model_len} on the tiny model (declares {TINY_MODEL_MAX_LEN}): "
+             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
+            result.proxy_port,
+        )  # fmt: skip
     if overrides:
         result = PresetResult(result.spec.with_(**overrides), result.exports, result.notes, result.proxy_port)
-    return result
+    return replace(result, name=name)
+
+
+#: ``--pd-preset auto``: the preset of the script that runs each module (test_accuracy.py: run_accuracy_test.sh,
+#: the general harness; its MultiConnector variant is vllm-multi-connector-accuracy, named explicitly).
+AUTO = {
+    "test_edge_cases.py": "vllm-edge-case",
+    "test_mamba_prefix_cache.py": "vllm-mamba-prefix-cache",
+    "test_multi_connector_edge_cases.py": "vllm-multi-connector-edge-case",
+    "test_accuracy.py": "vllm-accuracy",
+    "test_disagg_accuracy.py": "vllm-xpu-disagg",
+}
+
+
+def auto_preset(paths: Sequence[str]) -> str | None:
+    """The one preset the given test paths' modules need (``--pd-preset auto``); None when none is known.
+
+    :raises ClusterSpecError: the modules need different presets (one session has one cluster).
+    """
+    wanted = {}
+    for path in paths:
+        base = PurePath(path.split("::", 1)[0]).name
+        if base in AUTO:
+            wanted[AUTO[base]] = base
+    if len(wanted) > 1:
+        raise ClusterSpecError(
+            "--pd-preset auto: the modules need different presets ("
+            + ", ".join(f"{m}: {p}" for p, m in sorted(wanted.items()))
+            + "); run one pytest command per module"
+        )
+    return next(iter(wanted), None)
 
 
 def describe_config(spec: ClusterSpec) -> str:

@@ -204,8 +204,8 @@ def _preset(text: str) -> str:
     from pytest_pdserve.presets import PRESETS
 
     value = text.strip()
-    if value not in PRESETS:
-        raise SettingError(f"accepted values: {', '.join(PRESETS)}")
+    if value not in PRESETS and value != "auto":
+        raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
     return value
 
 
@@ -322,7 +322,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(=FILE also writes them as export lines)", _export_env, None, kind="optional", metavar="FILE"),
     Setting("preset", "Server configuration of one of vLLM's nixl_integration scripts for the session cluster: "
             "vllm-edge-case, vllm-mamba-prefix-cache, vllm-multi-connector-edge-case, "
-            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg", _preset, None, metavar="NAME"),
+            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the module names)", _preset,
+            None, metavar="NAME"),
     Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
             "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "
             "kv_connector_extra_config; pdserve sets kv_role", _kv_connector_config, None, metavar="JSON"),

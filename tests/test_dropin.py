@@ -25,7 +25,8 @@ def test_every_preset_resolves_on_every_engine() -> None:
             spec = presets.resolve(name, environ={}, engine=engine, platform=platform).spec
             assert spec.name == name
             if engine == "vllm" and platform == "cpu":
-                assert spec.block_size is not None and spec.block_size % 32 == 0, (name, spec.block_size)
+                assert spec.block_size is not None
+                assert spec.block_size % 32 == 0, (name, spec.block_size)
 
 
 def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_changes() -> None:
@@ -34,7 +35,8 @@ def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_cha
     cpu = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu")
     assert cpu.spec.block_size == 32
     assert cpu.notes == ("block size 32 instead of vLLM's default 16: vLLM's CPU backend takes only multiples of 32",)
-    assert presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cuda").spec.gpu_memory_utilization == 0.2
+    cuda = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cuda")
+    assert cuda.spec.gpu_memory_utilization == 0.2
 
 
 def test_fit_cpu_block_size_rounds_up_to_a_multiple_of_32() -> None:
@@ -158,8 +160,10 @@ def test_export_env_starts_the_session_cluster_before_collection(pytester: pytes
     pytester.makepyfile(test_mod=MODULE)
     result = _run(pytester, "--pd-export-env=out/env.sh", "--pd-preset=vllm-edge-case")
     result.assert_outcomes(passed=1)  # pd_cluster is the exported cluster (same ports)
-    result.stdout.fnmatch_lines(["*pdserve: cluster vllm-edge-case (sim, 1P x 1D) ready in*",
-                                 "*pdserve: exported (also written to *env.sh): PREFILL_HOST=127.0.0.1 PREFILL_PORT=*"])  # fmt: skip
+    result.stdout.fnmatch_lines([
+        "*pdserve: cluster vllm-edge-case (sim, 1P x 1D) ready in*",
+        "*pdserve: exported (also written to *env.sh): PREFILL_HOST=127.0.0.1 PREFILL_PORT=*",
+    ])  # fmt: skip
     lines = (pytester.path / "out" / "env.sh").read_text().splitlines()
     assert "export PREFILL_HOST=127.0.0.1" in lines
     assert "export BLOCK_SIZE=16" in lines
@@ -185,7 +189,8 @@ def test_a_cluster_that_cannot_start_is_one_error_not_one_per_module(pytester: p
     assert result.ret == 1
     out = result.stdout.str()
     assert out.count("the session cluster for --pd-export-env did not start") == 1, out
-    assert "ERROR collecting" not in out and "KeyError" not in out
+    assert "ERROR collecting" not in out
+    assert "KeyError" not in out
     assert "--no-such-flag" in out  # the server's own complaint, from its log tail
 
 
@@ -252,3 +257,10 @@ def test_an_explicit_confcutdir_is_left_alone_with_a_hint(pytester: pytest.Pytes
     out = result.stdout.str() + result.stderr.str()
     assert "No module named 'torch'" in out
     assert f"if collection fails there, pass --confcutdir={nixl}" in out
+
+
+def test_auto_preset_is_picked_from_the_module_names() -> None:
+    assert presets.auto_preset(["x/test_edge_cases.py::test_edge_cases", "-q"]) == "vllm-edge-case"
+    assert presets.auto_preset(["tests/test_other.py"]) is None
+    with pytest.raises(ClusterSpecError, match="need different presets"):
+        presets.auto_preset(["test_edge_cases.py", "test_mamba_prefix_cache.py"])

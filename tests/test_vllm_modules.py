@@ -193,3 +193,19 @@ def test_disagg_accuracy_flow_on_real_vllm(pytester: pytest.Pytester, vllm_modul
     result = run_module(pytester, vllm_modules, "../test_flow.py", "vllm-xpu-disagg", "vllm",
                         f"--pd-vllm-executable={exe}")  # fmt: skip
     result.assert_outcomes(passed=1)
+
+
+def test_the_drop_in_conftest_of_docs_migrating(pytester: pytest.Pytester, vllm_modules: Path) -> None:
+    """docs/migrating.md's conftest.py in vLLM's directory: the bare module command runs its script's cluster."""
+    text = (REPO / "docs" / "migrating.md").read_text()
+    section = text[text.index("## A conftest.py vLLM could drop into") :]
+    start = section.index("```python\n") + len("```python\n")
+    shutil.copytree(vllm_modules, pytester.path / "nixl_integration", dirs_exist_ok=True)
+    (pytester.path / "nixl_integration" / "conftest.py").write_text(section[start : section.index("\n```", start)])
+    result = pytester.runpytest_subprocess(
+        "nixl_integration/test_edge_cases.py", "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}",
+        "-p", "no:cacheprovider", timeout=600,
+    )  # fmt: skip
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*pdserve: preset vllm-edge-case: NixlConnector, block size 16*"])
+    assert session_hits(result, "decode-0") > 0
