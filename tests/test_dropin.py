@@ -22,6 +22,10 @@ from pytest_pdserve.spec import ClusterSpec
 def test_every_preset_resolves_on_every_engine() -> None:
     for name in presets.PRESETS:
         for engine, platform in (("sim", "cpu"), ("vllm", "cpu"), ("vllm", "cuda")):
+            if "multi-connector" in name and (engine, platform) == ("vllm", "cpu"):
+                with pytest.raises(ClusterSpecError, match="no OffloadingConnector CPU tier"):
+                    presets.resolve(name, environ={}, engine=engine, platform=platform)
+                continue
             spec = presets.resolve(name, environ={}, engine=engine, platform=platform).spec
             assert spec.name == name
             if engine == "vllm" and platform == "cpu":
@@ -34,7 +38,14 @@ def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_cha
     assert (sim.spec.block_size, sim.spec.max_model_len, sim.notes) == (16, 8192, ())
     cpu = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu")
     assert cpu.spec.block_size == 32
-    assert cpu.notes == ("block size 32 instead of vLLM's default 16: vLLM's CPU backend takes only multiples of 32",)
+    assert cpu.notes == (
+        "block size 32 instead of vLLM's default 16: vLLM's CPU backend takes only multiples of 32",
+        "max model len 8192 on the tiny model (declares 2048): VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+    )
+    assert dict(cpu.spec.env) == {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    named = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu", model="some/model")
+    assert named.spec.model == "some/model"
+    assert dict(named.spec.env) == {}  # a real model's own length limit applies
     cuda = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cuda")
     assert cuda.spec.gpu_memory_utilization == 0.2
 
@@ -83,7 +94,8 @@ def test_bad_preset_input_is_named(name: str, env: dict[str, str], match: str) -
 def test_cluster_spec_preset_takes_overrides() -> None:
     spec = ClusterSpec.preset("vllm-mamba-prefix-cache", engine="vllm", platform="cpu", max_model_len=2048)
     assert (spec.model_kind, spec.max_model_len, spec.enable_prefix_caching) == ("nemotronh", 2048, True)
-    assert dict(spec.env) == {"VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+    assert dict(spec.env) == {"VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
+                              "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ connector
