@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -108,10 +109,10 @@ def bash_way(modules: Path, module: str, preset: str, before: float, after: floa
         time.sleep(5)  # "Wait for the proxy to start"
         env = clean_env(PREFILL_PORT=str(ports["prefill"]), DECODE_PORT=str(ports["decode"]),
                         PROXY_PORT=str(proxy_port), BLOCK_SIZE="128")  # fmt: skip
-        t_module = time.monotonic()
-        subprocess.run([sys.executable, "-m", "pytest", "-s", "-v", "-p", "no:pdserve", "-p", "no:cacheprovider",
-                        str(modules / module)], env=env, cwd=work, stdout=subprocess.DEVNULL, check=False)  # fmt: skip
-        module_s = time.monotonic() - t_module
+        argv = [sys.executable, "-m", "pytest", "-s", "-v", "-p", "no:pdserve", "-p", "no:cacheprovider",
+                str(modules / module)]  # fmt: skip
+        out = subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True, check=False)
+        module_s = pytest_seconds(out.stdout)
     finally:
         for p in procs:
             os.killpg(p.pid, signal.SIGTERM)
@@ -121,50 +122,63 @@ def bash_way(modules: Path, module: str, preset: str, before: float, after: floa
     return time.monotonic() - t0, module_s
 
 
-def plugin_way(modules: Path, module: str, preset: str, work: Path) -> float:
+def pytest_seconds(stdout: str) -> float:
+    """The ``in 12.34s`` of pytest's last line: from pytest's session start (after the plugin's cluster start,
+    which runs in an earlier sessionstart hook) to the end of the tests: the module's own run."""
+    match = re.findall(r" in ([\d.]+)s", stdout)
+    if not match:
+        raise RuntimeError(f"no pytest summary line in:\n{stdout[-2000:]}")
+    return float(match[-1])
+
+
+def plugin_way(modules: Path, module: str, preset: str, work: Path) -> tuple[float, float]:
     t0 = time.monotonic()
-    subprocess.run(
+    out = subprocess.run(
         [sys.executable, "-m", "pytest", str(modules / module), "--pd-engine=sim", "--pd-export-env",
          f"--pd-preset={preset}", f"--pd-lease-dir={work / 'leases'}", "-p", "no:cacheprovider", "-q"],
-        env=clean_env(), cwd=work, stdout=subprocess.DEVNULL, check=False,
+        env=clean_env(), cwd=work, capture_output=True, text=True, check=False,
     )  # fmt: skip
-    return time.monotonic() - t0
+    return time.monotonic() - t0, pytest_seconds(out.stdout)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     modules = fetch_modules()
     rounds = 1 if quick else 3
-    times: dict[str, dict[str, list[float]]] = {m: {"bash": [], "plugin": [], "module": []} for m, *_ in MODULES}
+    times: dict[str, dict[str, list[float]]] = {
+        m: {"bash": [], "plugin": [], "bash_module": [], "plugin_module": [], "bash_harness": [], "plugin_harness": []}
+        for m, *_ in MODULES
+    }
     with tempfile.TemporaryDirectory(prefix="bench-bash-way-") as tmp:
         work = Path(tmp)
         local = work / "nixl_integration"
         shutil.copytree(modules, local)  # outside the repo, so its pyproject/conftest do not apply
         for _ in range(rounds):
             for module, preset, before, after in MODULES:
-                wall, module_s = bash_way(local, module, preset, before, after, work)
-                times[module]["bash"].append(wall)
-                times[module]["module"].append(module_s)
-                times[module]["plugin"].append(plugin_way(local, module, preset, work))
+                for way, (wall, module_s) in (("bash", bash_way(local, module, preset, before, after, work)),
+                                              ("plugin", plugin_way(local, module, preset, work))):  # fmt: skip
+                    times[module][way].append(wall)
+                    times[module][f"{way}_module"].append(module_s)
+                    times[module][f"{way}_harness"].append(wall - module_s)
     stats = {m: {k: summary(v) for k, v in t.items()} for m, t in times.items()}
     bash_total = sum(s["bash"]["median"] for s in stats.values())
     plugin_total = sum(s["plugin"]["median"] for s in stats.values())
-    module_total = sum(s["module"]["median"] for s in stats.values())
+    bash_h = sum(s["bash_harness"]["median"] for s in stats.values())
+    plugin_h = sum(s["plugin_harness"]["median"] for s in stats.values())
 
-    def harness(bash: float, plugin: float, module: float) -> str:
-        # Everything but the module's own run (its sleeps and requests are the same on both sides).
-        return f"{(bash - module) / max(plugin - module, 1e-3):.1f}x ({bash - module:.1f} vs {plugin - module:.1f} s)"
+    def row(name: str, bash: float, plugin: float, bh: float, ph: float, bm: str, pm: str) -> list[str]:
+        return [name, f"{bash:.1f} s", f"{plugin:.1f} s", f"{bash / plugin:.2f}x", f"{bm} / {pm}",
+                f"{bh:.1f} s", f"{ph:.1f} s", f"{bh / ph:.1f}x"]
 
-    rows = [[m, f"{s['bash']['median']:.1f} s", f"{s['plugin']['median']:.1f} s",
-             f"{s['bash']['median'] / s['plugin']['median']:.2f}x", f"{s['module']['median']:.1f} s",
-             harness(s["bash"]["median"], s["plugin"]["median"], s["module"]["median"])]
-            for m, s in stats.items()]  # fmt: skip
-    rows.append(["all three", f"{bash_total:.1f} s", f"{plugin_total:.1f} s", f"{bash_total / plugin_total:.2f}x",
-                 f"{module_total:.1f} s", harness(bash_total, plugin_total, module_total)])  # fmt: skip
+    rows = [row(m, s["bash"]["median"], s["plugin"]["median"], s["bash_harness"]["median"],
+                s["plugin_harness"]["median"], f"{s['bash_module']['median']:.1f}",
+                f"{s['plugin_module']['median']:.1f} s") for m, s in stats.items()]  # fmt: skip
+    rows.append(row("all three", bash_total, plugin_total, bash_h, plugin_h, "", ""))
     print_table(f"bash way vs plugin, simulator ({rounds} round(s), medians)",
-                ["module", "bash way", "plugin", "wall ratio", "module itself", "harness ratio"], rows)  # fmt: skip
+                ["module", "bash wall", "plugin wall", "wall ratio", "module run bash/plugin", "bash harness",
+                 "plugin harness", "harness ratio"], rows)  # fmt: skip
     result = {"rounds": rounds, "times": times, "stats": stats, "ratio_total": bash_total / plugin_total,
               "ratios": {m: s["bash"]["median"] / s["plugin"]["median"] for m, s in stats.items()},
-              "harness_ratio_total": (bash_total - module_total) / max(plugin_total - module_total, 1e-3)}  # fmt: skip
+              "harness_ratio_total": bash_h / plugin_h}  # fmt: skip
     write_result("bash_way", result)
     return result
 
