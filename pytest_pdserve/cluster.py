@@ -1,7 +1,7 @@
 """The objects tests get: a running (or attached) P/D cluster and its servers.
 
 `PDCluster` is what ``pd_cluster`` gives a test; `ServerHandle` is one of its servers (prefill, decode
-or proxy) with URL, httpx clients, log and metrics. `EngineSetup` and `ClusterUnavailable` are shared
+or proxy) with URL, httpx clients, log and metrics. `EngineSetup` is shared
 by the fixtures and the manager. Who starts, shares and stops clusters lives in `manager.py`; attach
 mode (servers someone else started) in `attach.py`. Both build on this module, which imports neither
 (no import cycle).
@@ -19,7 +19,7 @@ import httpx
 
 from pytest_pdserve import vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
-from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
 from pytest_pdserve.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
@@ -36,12 +36,10 @@ class EngineSetup:
 
     info: EngineInfo
     platform_env: Mapping[str, str] = field(default_factory=dict)
+    #: ``vllm serve`` flags this platform needs (before the user's extra args, so theirs win).
+    platform_args: tuple[str, ...] = ()
     #: Default model for a spec without one (the tiny model for real vLLM); None = simulator names.
     model_resolver: Callable[[ClusterSpec], str] | None = None
-
-
-class ClusterUnavailable(PDServeError):
-    """The machine cannot host this cluster (too few GPUs, or none free and gpu_wait=skip): a skip, not a failure."""
 
 
 @dataclass
@@ -62,6 +60,8 @@ class ServerHandle:
     ports: ServerPorts | None = None
     gpus: tuple[str, ...] = ()
     ready_seconds: float | None = None
+    #: The cluster's liveness verdict, shared by its servers' clients (set by PDCluster).
+    health: ClusterHealth | None = field(default=None, repr=False)
     _client: httpx.Client | None = field(default=None, repr=False)
 
     @property
@@ -90,11 +90,17 @@ class ServerHandle:
         """A reusable httpx client with ``base_url`` set and the API key sent."""
         if self._client is None or self._client.is_closed:
             # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
-            self._client = httpx.Client(base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False)
+            # The guarded transport turns a server that died under a test into one clear error (health.py).
+            transport = GuardedTransport(self.health, self.name) if self.health is not None else None
+            self._client = httpx.Client(
+                base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False, transport=transport
+            )
         return self._client
 
     def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
         """A new `httpx.AsyncClient` for this server; the caller closes it."""
+        if self.health is not None and "transport" not in kwargs:
+            kwargs["transport"] = AsyncGuardedTransport(self.health, self.name)
         return httpx.AsyncClient(
             base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False, **kwargs
         )
@@ -151,6 +157,16 @@ class PDCluster:
     vllm_version: str | None = None
     started_seconds: float = 0.0
     _stopped: bool = field(default=False, repr=False)
+    #: Whether a server died under a test (health.py); every client of the cluster shares it.
+    health: ClusterHealth = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.health = ClusterHealth(self.spec.name, self.servers)
+        for server in self.servers:
+            server.health = self.health
+            if server._client is not None:  # made before the cluster existed (readiness): rebuild it guarded
+                server._client.close()
+                server._client = None
 
     @property
     def url(self) -> str:

@@ -107,6 +107,7 @@ def build_server_command(
     defaults: SessionDefaults,
     gpu_env: Mapping[str, str | None],
     platform_env: Mapping[str, str] | None = None,
+    platform_args: tuple[str, ...] = (),
     host: str = "127.0.0.1",
 ) -> ServerCommand:
     """Build one server's argv and env. Pure: same inputs, same output (tested against vLLM's argparse)."""
@@ -138,6 +139,8 @@ def build_server_command(
     elif spec.enable_prefix_caching is False:
         argv.append("--no-enable-prefix-caching")
     argv += vllm_compat.mamba_cache_mode_args(spec.mamba_cache_mode, engine.version)
+    # The platform's flags (cpu.py: --dtype float32) come before every user source, so a user's flag wins.
+    argv += platform_args
     if defaults.api_key is not None:
         argv += ["--api-key", defaults.api_key]
     argv += defaults.vllm_serve_extra_args

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CPU_BLOCK_MULTIPLE", "CPU_BLOCK_SIZE", "cpu_server_args", "cpu_server_env", "fit_cpu_block_size"]
+__all__ = [
+    "CPU_BLOCK_MULTIPLE",
+    "CPU_BLOCK_SIZE",
+    "CPU_DTYPE",
+    "cpu_server_args",
+    "cpu_server_env",
+    "fit_cpu_block_size",
+]
 
 #: vLLM's CPU attention backend supports only 128-token KV blocks.
 CPU_BLOCK_SIZE = 128
+#: The dtype every CPU server runs in (see :func:`cpu_server_args`).
+CPU_DTYPE = "float32"
 
 
 def cpu_server_env(session_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str, str]:
@@ -44,11 +53,20 @@ def cpu_server_env(session_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[st
 def cpu_server_args() -> list[str]:
     """Extra ``vllm serve`` flags the CPU platform needs beyond the common P/D argv.
 
-    Currently none: the tiny models are saved as float32 and vLLM's ``auto`` dtype serves them fine on CPU,
-    and the block size is set by the command builder (it must be :data:`CPU_BLOCK_SIZE`). Kept as the one
-    place to add such flags.
+    ``--dtype float32``: vLLM's ``auto`` dtype serves a float32 checkpoint as bfloat16 on CPU, and for bfloat16
+    with a block size that is a multiple of 32 its CPU attention picks the AMX kernel whenever the host CPU has
+    ``amx_tile`` (``cpu_attn.py::_get_attn_isa``). On Linux a process may execute AMX tile instructions only after
+    asking the kernel for them (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); vLLM 0.32's CPU worker
+    never asks, so the first AMX attention call dies with SIGILL (``Worker proc VllmWorker-0 died unexpectedly
+    (exit code: -4)``). Prefill survives by luck: oneDNN's AMX GEMM on a many-token prompt asks first. A P/D
+    decode server whose first work is a 1-token step after a KV pull does not, and dies (issue 12; measured on an
+    Intel Xeon with AMX, never on the AMD hosts without it). float32 uses vLLM's portable vector kernel on every
+    x86 host, so CI on AMD and on Intel runs the same kernels, and it is the checkpoint's own dtype (no
+    downcast). The CPU tweaks plugin also asks for AMX in every vLLM process, for users who pass
+    ``--dtype bfloat16`` (a later ``--dtype`` in the extra args wins). The block size is set by the command
+    builder (it must be a multiple of 32 on CPU).
     """
-    return []
+    return ["--dtype", CPU_DTYPE]
 
 
 #: vLLM's CPU attention backend takes any block size that is a multiple of 32

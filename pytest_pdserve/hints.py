@@ -37,6 +37,14 @@ def _h(key: str, pattern: str, text: str) -> Hint:
 #: Checked in this order; the first match wins.
 HINTS: tuple[Hint, ...] = (
     _h(
+        "sigill",
+        r"died unexpectedly \(exit code: -4\)|Illegal instruction",
+        "a vLLM process died of SIGILL: it ran a CPU instruction this machine does not allow. On CPU hosts with "
+        "AMX, vLLM's bfloat16 attention does so without asking Linux for AMX first; pytest-pdserve serves CPU "
+        "clusters in float32 (pytest_pdserve/cpu.py) and its vllm-nixl-cpu-tweaks plugin asks for AMX: check "
+        "that the plugin is installed in vLLM's environment and that no --dtype bfloat16 is in the extra args",
+    ),
+    _h(
         "port-in-use",
         r"Address already in use|EADDRINUSE|\[Errno 98\]",
         "a port the server needs is taken (HTTP port, VLLM_PORT window or NIXL side channel): a previous "

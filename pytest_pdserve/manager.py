@@ -38,14 +38,13 @@ from pytest_pdserve import commands, leases
 from pytest_pdserve.attach import ROLES, attach, attach_mismatch
 from pytest_pdserve.cluster import (
     SIM_DEFAULT_MODELS,
-    ClusterUnavailable,
     EngineSetup,
     PDCluster,
     ServerHandle,
     served_model_name,
 )
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
-from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout, PDServeError
+from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, LeaseTimeout, PDServeError, ServerDied
 from pytest_pdserve.inventory import Inventory, gpu_processes
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
@@ -139,6 +138,8 @@ class ClusterManager:
         self._watchdog: Watchdog | None = None
         self._running: dict[ClusterSpec, _Running] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
+        #: Servers that died under a test, one per cluster (health.py), for the end-of-run summary.
+        self.deaths: list[ServerDied] = []
         self._lock = threading.RLock()
         self._counter = 0
         #: ``--pd-proxy-port``: the proxy of these specs listens on the given port (leased like any other).
@@ -408,6 +409,7 @@ class ClusterManager:
                 cmd = commands.build_server_command(
                     spec=spec, role=role, index=index, model=model, ports=ports, engine=setup.info,
                     defaults=self.defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
+                    platform_args=setup.platform_args,
                 )  # fmt: skip
                 log_path = self.log_dir / f"{label}-{cmd.name}.log"
                 self._write_header(log_path, cmd)
@@ -555,6 +557,8 @@ class ClusterManager:
     # ------------------------------------------------------------------ stop
 
     def _teardown(self, running: _Running) -> None:
+        if running.cluster.health.died is not None:
+            self.deaths.append(running.cluster.health.died)  # for the terminal summary
         for s in running.cluster.servers:
             s.close()
         self._cleanup(running.label, running.processes, running.gpu_lease, running.port_leases)

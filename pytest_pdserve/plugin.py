@@ -13,7 +13,14 @@ from collections.abc import Generator
 import pytest
 
 from pytest_pdserve import export_env, logs
-from pytest_pdserve.fixtures import CURRENT_ITEM, pd_cluster, pd_cluster_factory, stop_manager
+from pytest_pdserve.fixtures import (
+    CURRENT_ITEM,
+    MANAGER,
+    fail_if_cluster_died,
+    pd_cluster,
+    pd_cluster_factory,
+    stop_manager,
+)
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.settings import (
     PDSERVE_CONFIG,
@@ -93,22 +100,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """``--pd-export-env``: what the session cluster's caches did (a vacuous pass shows hits 0)."""
-    for line in export_env.summary_lines(terminalreporter.config):
-        terminalreporter.write_line(line)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip items whose ``cuda``/``rocm``/``gpus``/``distributed`` markers cannot be met."""
     apply_skips(config, items)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Remember the running test (to pause pytest-timeout while a cluster starts) and where logs end."""
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    """Remember the running test (to pause pytest-timeout while a cluster starts) and where logs end;
+    after its fixtures, fail it at once if a cluster it got died under an earlier test."""
     item.config.stash[CURRENT_ITEM] = item
     logs.record_offsets(item)
+    yield
+    fail_if_cluster_died(item)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -119,6 +123,16 @@ def pytest_runtest_makereport(
     report = yield
     logs.attach_sections(item, report)
     return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Say which cluster died under the tests, once, at the end (each failing test has the full reason); with
+    ``--pd-export-env``, what the session cluster's caches did (a vacuous pass shows hits 0)."""
+    manager = config.stash.get(MANAGER, None)
+    for death in manager.deaths if manager is not None else ():
+        terminalreporter.write_line(f"pdserve: {death.summary()}", red=True, bold=True)
+    for line in export_env.summary_lines(config):
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

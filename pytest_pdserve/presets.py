@@ -233,10 +233,10 @@ def _xpu_disagg(environ: Mapping[str, str], engine: str, platform: str) -> Prese
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 64), engine, platform, "BLOCK_SIZE", notes)
     env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "200"}  # fmt: skip
-    # float16 as the script asks, except on the CPU backend, whose kernels want bfloat16/float32 ("auto").
+    # float16 as the script asks, except on the CPU backend, where pdserve runs float32 (cpu.cpu_server_args).
     extra = ("--dtype", "float16") if platform != "cpu" else ()
-    if platform == "cpu":
-        notes.append("dtype auto instead of the script's float16 on the CPU backend")
+    if platform == "cpu" and engine == "vllm":
+        notes.append("dtype float32 (pdserve's CPU dtype) instead of the script's float16")
     spec = ClusterSpec(
         name="vllm-xpu-disagg", model=_model(environ, "MODEL_NAME"), block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 1024),

@@ -48,12 +48,14 @@ __all__ = [
     "Version",
     "attention_backend_env",
     "installed_vllm_version",
+    "interpreter_vllm_version",
     "kv_roles",
     "mamba_cache_mode_args",
+    "shebang_python",
     "supports_attention_backend_flag",
 ]
 
-#: The newest vLLM whose flags this module knows; used when the version can't be read.
+#: The newest vLLM whose flags this module knows (the simulator speaks it).
 LATEST_KNOWN = Version("0.33.0")
 KV_ROLES_SINCE = Version("0.23.0")
 ATTENTION_BACKEND_FLAG_SINCE = Version("0.13.0")
@@ -138,7 +140,7 @@ def installed_vllm_version(vllm_executable: str) -> Version | None:
 
 @functools.lru_cache(maxsize=32)
 def _cached_version(executable: str, _mtime_ns: int) -> Version | None:
-    python = _shebang_python(Path(executable))
+    python = shebang_python(Path(executable))
     if python is None:
         return None
     found = _version_from_site_packages(python)
@@ -147,7 +149,7 @@ def _cached_version(executable: str, _mtime_ns: int) -> Version | None:
     return _version_from_interpreter(python)
 
 
-def _shebang_python(executable: Path) -> Path | None:
+def shebang_python(executable: Path) -> Path | None:
     """The interpreter of a pip console script (``#!/venv/bin/python``), or None."""
     try:
         with executable.open("rb") as f:
@@ -164,6 +166,11 @@ def _shebang_python(executable: Path) -> Path | None:
         return Path(found) if found else None
     # pip writes "#!/bin/sh" + an exec line for very long paths; the fallback below doesn't cover that.
     return Path(parts[0]) if "python" in Path(parts[0]).name else None
+
+
+def interpreter_vllm_version(python: Path) -> Version | None:
+    """The vLLM version installed for interpreter ``python`` (``python -m vllm...`` engines), or None."""
+    return _version_from_site_packages(python) or _version_from_interpreter(python)
 
 
 def _site_packages_dirs(python: Path) -> Iterator[Path]:

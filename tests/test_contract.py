@@ -66,6 +66,27 @@ def post(server: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def test_first_request_is_pd_and_no_engine_dies(cluster: PDCluster) -> None:
+    """The cluster's very first request goes through P/D (first in this module on purpose).
+
+    Issue 12: on real vLLM for CPU, a bfloat16 decode server whose first work was a 1-token step after a KV pull
+    died with SIGILL (AMX without the kernel's permission); any direct request to decode first hid it, as this
+    module's route checks did. So nothing may reach a server before this test.
+    """
+    body = {"model": cluster.model, "prompt": prompt_with_tokens(cluster, 203, seed=12), "max_tokens": 16,
+            "temperature": 0, "logprobs": 2}  # fmt: skip
+    response = cluster.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["usage"]["completion_tokens"] == 16
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.process is not None
+        assert server.process.returncode is None, f"{server.name} exited"
+        log = server.read_log()
+        assert "died unexpectedly" not in log, f"{server.name}: {log[-2000:]}"
+        if cluster.engine == "vllm" and cluster.platform == "cpu":
+            assert "dtype=torch.float32" in log, f"{server.name} does not serve float32 (cpu.py)"
+
+
 def test_routes(cluster: PDCluster) -> None:
     for server in (*cluster.prefill, *cluster.decode):
         assert server.client.get("/health").status_code == 200

@@ -45,8 +45,53 @@ def test_cpu_server_env_rejects_bad_kv_space_naming_it(tmp_path: Path, bad: obje
 
 
 def test_cpu_server_args_and_block_size() -> None:
-    assert cpu.cpu_server_args() == []
+    # float32: vLLM's bfloat16 CPU attention uses AMX, which killed decode workers with SIGILL (issue 12).
+    assert cpu.cpu_server_args() == ["--dtype", "float32"]
     assert cpu.CPU_BLOCK_SIZE == 128
+
+
+def test_cpu_dtype_reaches_the_server_argv_before_user_args() -> None:
+    """The platform's --dtype is in every CPU server's argv, and a user's --dtype (later) wins in argparse."""
+    from pytest_pdserve import commands, vllm_compat
+    from pytest_pdserve.spec import ClusterSpec
+
+    engine = commands.EngineInfo("vllm", ("vllm",), vllm_compat.LATEST_KNOWN)
+    ports = commands.ServerPorts(http=20000, side_channel=20001, vllm_port=20002)
+    cmd = commands.build_server_command(
+        spec=ClusterSpec(decode_extra_args=("--dtype", "bfloat16")), role="decode", index=0, model="m", ports=ports,
+        engine=engine, defaults=commands.SessionDefaults(), gpu_env={}, platform_args=tuple(cpu.cpu_server_args()),
+    )  # fmt: skip
+    argv = list(cmd.argv)
+    dtypes = [argv[i + 1] for i, a in enumerate(argv) if a == "--dtype"]
+    assert dtypes == ["float32", "bfloat16"]
+
+
+_AMX_PROBE = r"""
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+def tiledata_permitted():
+    perm = ctypes.c_ulong(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(perm)) == 0  # ARCH_GET_XCOMP_PERM
+    return bool(perm.value >> 18 & 1)                           # XFEATURE_XTILEDATA
+before = tiledata_permitted()
+import vllm_nixl_cpu_tweaks as t
+t.register()
+print(before, tiledata_permitted())
+"""
+
+
+def test_plugin_asks_linux_for_amx_in_every_vllm_process() -> None:
+    """Without AMX permission vLLM's bfloat16 CPU attention dies with SIGILL; register() asks for it."""
+    flags = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    if " amx_tile" not in flags:
+        pytest.skip("this CPU has no amx_tile (nothing to ask for)")
+    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
+    env = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")  # the NIXL half is tested below
+    out = subprocess.run([sys.executable, "-c", _AMX_PROBE, str(src)], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True"]  # a fresh process lacks it; the plugin got it
 
 
 def test_cpu_module_is_light() -> None:

@@ -33,6 +33,7 @@ def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Pat
     result.stdout.fnmatch_lines(["*SKIPPED*rocm*needs platform rocm*"])
 
 
+@pytest.mark.timeout(1800)  # the inner session starts real P/D pairs on 2 cores: minutes, bounded by its own 1500 s
 def test_examples_pass_on_real_vllm(pytester: pytest.Pytester, tmp_path: Path) -> None:
     executable = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
     if not resolve_engine("vllm", executable, python=sys.executable)[2]:

