@@ -166,8 +166,16 @@ def run(quick: bool = False) -> dict[str, Any]:
     plugin_h = sum(s["plugin_harness"]["median"] for s in stats.values())
 
     def row(name: str, bash: float, plugin: float, bh: float, ph: float, bm: str, pm: str) -> list[str]:
-        return [name, f"{bash:.1f} s", f"{plugin:.1f} s", f"{bash / plugin:.2f}x", f"{bm} / {pm}",
-                f"{bh:.1f} s", f"{ph:.1f} s", f"{bh / ph:.1f}x"]
+        return [
+            name,
+            f"{bash:.1f} s",
+            f"{plugin:.1f} s",
+            f"{bash / plugin:.2f}x",
+            f"{bm} / {pm}",
+            f"{bh:.1f} s",
+            f"{ph:.1f} s",
+            f"{bh / ph:.1f}x",
+        ]
 
     rows = [row(m, s["bash"]["median"], s["plugin"]["median"], s["bash_harness"]["median"],
                 s["plugin_harness"]["median"], f"{s['bash_module']['median']:.1f}",
