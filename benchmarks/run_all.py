@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import bench_bash_way
 import bench_collection
 import bench_proxy
 import bench_startup
@@ -30,6 +31,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "proxy": bench_proxy.run,
     "xdist": bench_xdist.run,
     "teardown": bench_teardown.run,
+    "bash_way": bench_bash_way.run,
 }
 
 
@@ -102,6 +104,14 @@ def targets(results: dict[str, dict[str, Any]]) -> list[list[str]]:
                 f"6 teardown, {name}: all gone (pytest exit)",
                 f"{t[name]['all_gone']['median']:.2f} s ({t[name]['pytest_exit']['median']:.2f} s)", "-", "",
             ])  # fmt: skip
+    if "bash_way" in results:
+        b = results["bash_way"]
+        r = b["ratio_total"]
+        rows.append(["7 vLLM's modules: bash way / plugin, wall (sim)", f"{r:.2f}x", ">= 3x", verdict(r >= 3)])
+        h = b["harness_ratio_total"]
+        rows.append(["7   harness only (wall minus the module's own run)", f"{h:.1f}x", "-", ""])
+        for module, ratio in b["ratios"].items():
+            rows.append([f"7   {module}", f"{ratio:.2f}x", "-", ""])
     return rows
 
 

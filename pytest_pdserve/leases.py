@@ -565,3 +565,22 @@ def acquire_port_span(
         # point (after it, bases restart at ``low`` and do not contain the busy port).
         i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
     raise LeaseTimeout(f"no {width} adjacent free ports in {low}-{high} (leased or bound by others)")
+
+
+def acquire_fixed_port(lease_dir: Path, port: int, *, purpose: str = "") -> PortLease:
+    """Lease exactly ``port`` (``--pd-proxy-port``: modules that hard-code the proxy at 8192).
+
+    :raises LeaseTimeout: the port is leased by another pdserve run (the message names it) or bound by a
+        process outside pdserve.
+    """
+    _port_range(port, port)
+    lease_dir = ensure_lease_dir(lease_dir)
+    path = lease_dir / f"port-{port}.lock"
+    fd = _try_lock(path)
+    if fd is None:
+        raise LeaseTimeout(f"port {port} is taken: leased by {_describe_holder(path)} (another pdserve session)")
+    if not _bind_free(port):
+        _unlock(fd, path)
+        raise LeaseTimeout(f"port {port} is taken: another process (not pdserve) is bound to it")
+    _write_holder(path, purpose)
+    return PortLease((port,), [path], [fd])

@@ -45,7 +45,7 @@ from pytest_pdserve.cluster import (
 )
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.effective import effective
-from pytest_pdserve.errors import ClusterUnavailable, PDServeError, ServerDied
+from pytest_pdserve.errors import ClusterUnavailable, LeaseTimeout, PDServeError, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
@@ -145,6 +145,8 @@ class ClusterManager:
         self.deaths: list[ServerDied] = []
         self._lock = threading.RLock()
         self._counter = 0
+        #: ``--pd-proxy-port``: the proxy of these specs listens on the given port (leased like any other).
+        self.proxy_ports: dict[ClusterSpec, int] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -369,7 +371,9 @@ class ClusterManager:
                 processes.append(proc)
             # The proxy starts together with the servers (it needs only their URLs), so its own start-up
             # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
-            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases, hold=False)
+            proxy = self._prepare_proxy(
+                label, handles, watchdog, processes, port_leases, hold=False, port=self.proxy_ports.get(spec)
+            )
             holds += [(f"{label}-ports-{lease.base}", lease.fds) for lease in port_leases]
 
             def hold_leases() -> None:
@@ -446,10 +450,17 @@ class ClusterManager:
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
         hold: bool = True,
+        port: int | None = None,
     ) -> ServerHandle:
-        """Lease the proxy's port and build its process (not started): its argv needs only the servers' URLs."""
+        """Lease the proxy's port (``port`` exactly, when given) and build its process (not started)."""
         low, high = self.port_range
-        lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
+        if port is not None:
+            try:
+                lease = leases.acquire_fixed_port(self.lease_dir, port, purpose=f"{label} proxy")
+            except LeaseTimeout as exc:
+                raise PDServeError(f"--pd-proxy-port {port}: {exc}; free it or choose another port") from None
+        else:
+            lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
         port_leases.append(lease)
         if hold:
             watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)

@@ -7,11 +7,12 @@ nothing measurable during collection; vllm and torch are never imported here.
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Generator
 
 import pytest
 
-from pytest_pdserve import logs
+from pytest_pdserve import export_env, logs
 from pytest_pdserve.fixtures import (
     CURRENT_ITEM,
     MANAGER,
@@ -36,6 +37,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+_CHECKOUT_NOTE = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """Inside a vLLM checkout without torch/vllm: keep pytest from loading vLLM's tests/conftest.py."""
+    from pytest_pdserve.vllm_checkout import confcutdir_for
+
+    given = early_config.invocation_params.args
+    explicit = any(a == "--noconftest" or a.split("=", 1)[0] == "--confcutdir" for a in given)
+    found = confcutdir_for(args, early_config.invocation_params.dir, explicit)
+    if found is None:
+        return
+    target, message = found
+    if explicit:
+        # Loading vLLM's conftest may fail before any report header: say it now, on stderr.
+        sys.stderr.write(message + "\n")
+        return
+    early_config.known_args_namespace.confcutdir = str(target)
+    early_config.stash[_CHECKOUT_NOTE] = message
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Register markers, resolve the settings (usage error on bad input), start GPU detection."""
@@ -44,6 +67,12 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # `pytest --help` must work even when a setting is bad
     config.stash[PDSERVE_CONFIG] = resolve(config)
     start_inventory_detection(config)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """``--pd-export-env``: start the session cluster before collection and export its addresses."""
+    if PDSERVE_CONFIG in session.config.stash:
+        export_env.start(session.config)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -66,6 +95,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
             f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
         )
+    lines += export_env.header_lines(config)
+    if _CHECKOUT_NOTE in config.stash:
+        lines.append(config.stash[_CHECKOUT_NOTE])
     return [redact(line) for line in lines]  # URL passwords, the API key
 
 
@@ -95,15 +127,19 @@ def pytest_runtest_makereport(
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """Say which cluster died under the tests, once, at the end (each failing test has the full reason)."""
+    """Say which cluster died under the tests, once, at the end (each failing test has the full reason); with
+    ``--pd-export-env``, what the session cluster's caches did (a vacuous pass shows hits 0)."""
     manager = config.stash.get(MANAGER, None)
     for death in manager.deaths if manager is not None else ():
         terminalreporter.write_line(f"pdserve: {death.summary()}", red=True, bold=True)
+    for line in export_env.summary_lines(config):
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Stop every cluster this process started, even if the session fixture never finalised."""
     stop_manager(config)
+    export_env.restore(config)
 
 
 __all__ = ["pd_cluster", "pd_cluster_factory"]

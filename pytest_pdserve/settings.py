@@ -234,9 +234,49 @@ def _simulate(text: str) -> str:
     return text.strip()
 
 
+def _export_env(text: str) -> str | None:
+    # "" = export into the environment only; a path = also write `export` lines there; None = off.
+    value = text.strip()
+    if value.lower() in ("1", "true", "yes", "on"):
+        return ""
+    if value.lower() in ("0", "false", "no", "off"):
+        return None
+    return value
+
+
+def _preset(text: str) -> str:
+    from pytest_pdserve.presets import PRESETS
+
+    value = text.strip()
+    if value not in PRESETS and value != "auto":
+        raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
+    return value
+
+
+def _kv_connector_config(text: str) -> str:
+    from pytest_pdserve.connector import parse_kv_connector_config
+    from pytest_pdserve.errors import ClusterSpecError
+
+    try:
+        parse_kv_connector_config(text)
+    except ClusterSpecError as exc:
+        raise SettingError(str(exc)) from None
+    return text.strip()
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise SettingError("expected a port number in 1-65535, e.g. 8192")
+    return value
+
+
 # --------------------------------------------------------------------------- the table
 
-Kind = Literal["value", "bool", "append"]
+Kind = Literal["value", "bool", "append", "optional"]
 
 
 @dataclass(frozen=True)
@@ -332,6 +372,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode_urls", "Attach to a running decode server instead of starting one (repeatable)",
             _urls, (), kind="append", cli="--pd-decode-url", metavar="URL"),
     Setting("proxy_url", "Attach to a running P/D proxy", _url, None, cli="--pd-proxy-url", metavar="URL"),
+    Setting("export_env", "Start the session cluster before collection and export PREFILL_HOST/PORT, "
+            "DECODE_HOST/PORT, PROXY_HOST/PORT, TEST_MODEL, BLOCK_SIZE, ... for vLLM's own test modules "
+            "(=FILE also writes them as export lines)", _export_env, None, kind="optional", metavar="FILE"),
+    Setting("preset", "Server configuration of one of vLLM's nixl_integration scripts for the session cluster: "
+            "vllm-edge-case, vllm-mamba-prefix-cache, vllm-multi-connector-edge-case, "
+            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the module names)", _preset,
+            None, metavar="NAME"),
+    Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
+            "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "
+            "kv_connector_extra_config; pdserve sets kv_role", _kv_connector_config, None, metavar="JSON"),
+    Setting("proxy_port", "Port the session cluster's proxy listens on (leased; for modules that hard-code "
+            "8192)", _port, None, metavar="N"),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -368,6 +420,11 @@ class PDServeConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     proxy_url: str | None
+    export_env: str | None
+    """None: off; "": export into os.environ; a path: also write `export` lines there."""
+    preset: str | None
+    kv_connector_config: str | None
+    proxy_port: int | None
     resolved_engine: str
     """``vllm`` or ``sim``."""
     engine_reason: str
@@ -403,6 +460,9 @@ def add_options(parser: pytest.Parser) -> None:
                             help=s.help + tail)  # fmt: skip
         elif s.kind == "append":
             group.addoption(s.flag, dest=s.dest, default=None, action="append", metavar=s.metavar,
+                            help=s.help + tail)  # fmt: skip
+        elif s.kind == "optional":  # `--flag` alone or `--flag=VALUE`
+            group.addoption(s.flag, dest=s.dest, default=None, nargs="?", const="1", metavar=s.metavar,
                             help=s.help + tail)  # fmt: skip
         else:
             group.addoption(s.flag, dest=s.dest, default=None, metavar=s.metavar, help=s.help + tail)

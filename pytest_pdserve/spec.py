@@ -240,3 +240,14 @@ class ClusterSpec:
         }
         base.update(overrides)
         return cls(**base)
+
+    @classmethod
+    def preset(cls, name: str, /, *, engine: str = "sim", platform: str = "cpu", **overrides: Any) -> ClusterSpec:
+        """The server configuration of one of vLLM's nixl_integration scripts (``"vllm-edge-case"``, ...).
+
+        ``engine``/``platform`` say where it runs (vLLM's CPU backend gets a block size it can take); the
+        environment variables the script honours are read from ``os.environ``. See `pytest_pdserve.presets`.
+        """
+        from pytest_pdserve.presets import resolve
+
+        return resolve(name, engine=engine, platform=platform, **overrides).spec

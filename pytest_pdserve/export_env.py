@@ -1,0 +1,217 @@
+"""``--pd-export-env``: the session cluster, started before collection, described in environment variables.
+
+vLLM's own P/D modules (``tests/v1/kv_connector/nixl_integration/test_*.py``) read ``PREFILL_PORT`` & co. at
+import time, before any fixture exists. With ``--pd-export-env`` the plugin starts the session cluster (the
+settings plus ``--pd-preset``) in ``pytest_sessionstart``, through the same `ClusterManager` the fixtures use
+(same start-up timeout, progress lines, watchdog and teardown at ``pytest_unconfigure``), and puts its
+addresses into ``os.environ``; ``--pd-export-env=FILE`` also writes them as ``export`` lines.
+
+Under pytest-xdist every worker starts and exports its own cluster (workers import the modules, the
+controller does not); the controller starts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_pdserve.connector import parse_kv_connector_config
+from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
+from pytest_pdserve.presets import resolve as resolve_preset
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
+from pytest_pdserve.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from pytest_pdserve.cluster import PDCluster
+    from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot
+
+#: Session settings that, when given explicitly, beat the preset's value (the spec field is cleared, so the
+#: command builder falls back to the session setting).
+_SESSION_WINS = ("model", "attention_backend", "block_size", "max_model_len", "gpu_memory_utilization")
+
+
+@dataclass
+class Exported:
+    """What ``--pd-export-env`` started and exported (``config.stash[EXPORTED]``)."""
+
+    spec: ClusterSpec
+    cluster: PDCluster | None = None
+    variables: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    file: Path | None = None
+    #: os.environ values before we exported (None: unset), restored at unconfigure.
+    saved: dict[str, str | None] = field(default_factory=dict)
+    baseline: dict[str, MetricsSnapshot] = field(default_factory=dict)
+    preset: str | None = None
+
+
+EXPORTED = pytest.StashKey[Exported]()
+
+
+def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
+    """The session cluster's spec: ``--pd-preset`` (if any), explicit session settings over it, then the
+    session connector (``--pd-kv-connector-config``). ``pd_cluster`` and ``--pd-export-env`` both use it."""
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    result = None
+    spec = ClusterSpec()
+    name = auto_preset(config.args) if cfg.preset == "auto" else cfg.preset
+    if name is not None:
+        result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
+        spec = result.spec.with_(**{f: None for f in _SESSION_WINS if cfg.sources.get(f, "default") != "default"})
+    if cfg.kv_connector_config is not None:
+        spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
+    return spec, result
+
+
+def session_proxy_port(cfg: PDServeConfig, result: PresetResult | None) -> int | None:
+    """``--pd-proxy-port``, else the port the preset's module hard-codes (8192), else None (leased)."""
+    if cfg.proxy_port is not None:
+        return cfg.proxy_port
+    return result.proxy_port if result is not None else None
+
+
+def is_xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput")
+
+
+def variables(cluster: PDCluster, max_model_len: int | None, extra: Mapping[str, str]) -> dict[str, str]:
+    """The variables vLLM's modules and scripts read, for one running cluster."""
+    import httpx
+
+    def host(url: str) -> str:
+        return str(httpx.URL(url).host)
+
+    p, d = cluster.prefill, cluster.decode
+    out = {
+        "PREFILL_HOST": host(p[0].url), "PREFILL_PORT": str(p[0].port),
+        "DECODE_HOST": host(d[0].url), "DECODE_PORT": str(d[0].port),
+        "PROXY_HOST": host(cluster.proxy.url), "PROXY_PORT": str(cluster.proxy.port),
+        "PREFILL_HOSTS": ",".join(host(s.url) for s in p), "PREFILL_PORTS": ",".join(str(s.port) for s in p),
+        "DECODE_HOSTS": ",".join(host(s.url) for s in d), "DECODE_PORTS": ",".join(str(s.port) for s in d),
+        # test_accuracy.py / test_spec_decode_acceptance.py: TEST_MODEL; run_xpu_disagg / spec decode: the rest.
+        "TEST_MODEL": cluster.model, "MODEL_NAME": cluster.model, "SERVER_HOST": host(d[0].url),
+        "BLOCK_SIZE": str(cluster.block_size),
+    }  # fmt: skip
+    if max_model_len is not None:
+        out["MAX_MODEL_LEN"] = str(max_model_len)
+    out.update({k: v for k, v in extra.items() if k not in out})
+    if extra.get("SLEEP_WAKE") == "1":
+        out["SLEEP_WAKE_URLS"] = ",".join(s.url for s in (*p, *d))
+    return out
+
+
+def _export(exported: Exported) -> None:
+    for key, value in exported.variables.items():
+        exported.saved.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
+    if exported.file is not None:
+        exported.file.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
+        exported.file.write_text("# written by pytest-pdserve --pd-export-env\n" + "\n".join(lines) + "\n")
+
+
+def start(config: pytest.Config) -> None:
+    """``pytest_sessionstart``: start the session cluster and export it (a no-op without ``--pd-export-env``).
+
+    A cluster that cannot start stops the run with one message (``pytest.exit``), before any module is
+    imported; pytest_unconfigure still stops whatever was started.
+    """
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    if cfg.export_env is None or is_xdist_controller(config):
+        return
+    from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
+    from pytest_pdserve.fixtures import get_manager
+
+    where = cfg.source_of("export_env")
+    try:
+        spec, result = session_spec(config)
+    except ClusterSpecError as exc:
+        raise pytest.UsageError(f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}") from None
+    exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
+    if cfg.export_env:
+        path = Path(cfg.export_env).expanduser()
+        exported.file = path if path.is_absolute() else config.invocation_params.dir / path
+    config.stash[EXPORTED] = exported
+    tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
+    manager = get_manager(config, tmp_path_factory)
+    port = session_proxy_port(cfg, result)
+    if port is not None:
+        manager.proxy_ports[spec] = port
+    failure = None
+    try:
+        cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+    except (ClusterUnavailable, PDServeError) as exc:
+        failure = str(exc)
+    if failure is not None:
+        pytest.exit(f"pdserve: the session cluster for {where} did not start: {failure}", returncode=1)
+    exported.cluster = cluster
+    max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
+    exported.variables = variables(cluster, max_len, result.exports if result else {})
+    _export(exported)
+    with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
+        exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
+
+
+def restore(config: pytest.Config) -> None:
+    """``pytest_unconfigure``: put the environment back as it was (in-process pytester runs share it)."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None:
+        return
+    for key, value in exported.saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    exported.saved.clear()
+
+
+def header_lines(config: pytest.Config) -> list[str]:
+    """Report-header lines: what was exported (and where), the preset and what it adapted."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None or exported.cluster is None:
+        return []
+    lines = []
+    if exported.preset is not None:
+        lines.append(f"pdserve: preset {exported.preset}: {describe_config(exported.spec)}, block size "
+                     f"{exported.cluster.block_size}")  # fmt: skip
+    lines += [f"pdserve: preset {exported.preset}: {note}" for note in exported.notes]
+    where = f" (also written to {exported.file})" if exported.file is not None else ""
+    shown = " ".join(f"{k}={v}" for k, v in exported.variables.items())
+    lines.append(f"pdserve: exported{where}: {shown}")
+    return lines
+
+
+def summary_lines(config: pytest.Config) -> list[str]:
+    """Terminal-summary lines: each server's prefix-cache hits and KV received during the session.
+
+    So a module that passed without exercising the cache (e.g. vLLM's test_edge_cases.py at a block size
+    larger than its prompts) shows ``hits 0`` instead of looking like a real pass.
+    """
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None or exported.cluster is None or not exported.baseline:
+        return []
+    parts = []
+    for server in (*exported.cluster.prefill, *exported.cluster.decode):
+        base = exported.baseline.get(server.name)
+        try:
+            delta = server.metrics() - base if base is not None else None
+        except Exception:
+            delta = None
+        if delta is None:
+            continue
+        hits = _get(delta, "vllm:prefix_cache_hits_total")
+        external = _get(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        parts.append(f"{server.name} prefix-cache hits {hits:g} tokens, external_kv_transfer {external:g} tokens")
+    return [f"pdserve: during this session: {'; '.join(parts)}"] if parts else []
+
+
+def _get(delta: MetricsDelta, name: str, **labels: str) -> float:
+    value = delta.get(name, **labels)
+    return 0.0 if value is None else value
