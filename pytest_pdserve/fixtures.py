@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
+from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
 from pytest_pdserve.spec import ClusterSpec
 
@@ -47,15 +46,14 @@ def worker_id(config: pytest.Config) -> str:
 
 
 def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp; private (0700)."""
+    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp.
+
+    Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
+    """
     cfg = config.stash[PDSERVE_CONFIG]
     base = cfg.log_dir if cfg.log_dir is not None else tmp_path_factory.getbasetemp() / "pdserve-logs"
     path = base / worker_id(config) if worker_id(config) != "master" else base
-    path.mkdir(parents=True, exist_ok=True)
-    for p in {base, path}:
-        # Logs carry prompts, API keys in argv are redacted, but still: private to the user.
-        os.chmod(p, stat.S_IRWXU)
-    return path
+    return ensure_dir(path, LOG_DIR_MODE)
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:

@@ -35,12 +35,15 @@ import os
 import random
 import re
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
-from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout, PDServeError
+from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
+from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -65,51 +68,103 @@ _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
 
 
 def ensure_lease_dir(lease_dir: Path) -> Path:
-    """Create ``lease_dir`` (and its parent) world-writable and sticky (mode 1777, like /tmp).
+    """Create ``lease_dir`` (and missing parents) world-writable and sticky (mode 1777, like /tmp).
 
-    :raises PDServeError: the directory exists but we cannot create files in it.
+    Only directories created here get that mode (:mod:`pytest_pdserve.paths`): an existing directory is
+    used as it is, never chmodded.
+
+    :raises PathError: a component is not a directory, or we cannot create files in it.
     """
-    lease_dir = Path(lease_dir)
-    for d in (lease_dir.parent, lease_dir):
-        try:
-            d.mkdir(mode=0o1777, exist_ok=True)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise PDServeError(f"cannot create lease directory {d}: {exc} (set --pd-lease-dir)") from exc
-        with contextlib.suppress(OSError):  # only the owner may chmod; umask stripped bits on mkdir
-            if d.stat().st_uid == os.geteuid():
-                d.chmod(0o1777)
-    if not os.access(lease_dir, os.W_OK | os.X_OK):
-        raise PDServeError(
-            f"lease directory {lease_dir} is not writable by uid {os.geteuid()}; ask its owner to "
-            f"`chmod 1777 {lease_dir}`, or choose another one with --pd-lease-dir / $PDSERVE_LEASE_DIR"
-        )
-    return lease_dir
+    try:
+        return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
+    except PathError as exc:
+        raise PathError(
+            f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "
+            "--pd-lease-dir / $PDSERVE_LEASE_DIR / pdserve_lease_dir"
+        ) from None
+
+
+class _Foreign(Exception):
+    """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
+
+
+#: Foreign entries seen by this process: path -> why. Such a GPU or port counts as busy, named in messages.
+_FOREIGN: dict[Path, str] = {}
+
+
+def _foreign(path: Path, why: str) -> _Foreign:
+    if _FOREIGN.get(path) != why:
+        log.warning("pdserve: %s is not a pdserve lock file (%s); treating that GPU/port as busy", path, why)
+        _FOREIGN[path] = why
+    return _Foreign(why)
+
+
+def _open_regular(path: Path, *, create: bool) -> int:
+    """Open ``path`` read-write without following a symlink or blocking on a fifo; it must be a regular file.
+
+    :raises FileNotFoundError: it does not exist (and ``create`` is False).
+    :raises FileExistsError: ``create`` is True and it exists.
+    :raises _Foreign: it exists but is not a regular file we may lock (the reason names what it is).
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    if create:
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o666)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _foreign(path, "a symbolic link") from None
+        if exc.errno == errno.EISDIR:
+            raise _foreign(path, "a directory") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise _foreign(path, f"not writable by uid {os.geteuid()}") from None
+        raise _foreign(path, f"cannot be opened: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _foreign(path, "a fifo" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+    why = ""
+    if st.st_nlink > 1:
+        why = f"a file with {st.st_nlink} hard links"  # writing to it would write to some other file
+    elif st.st_uid != os.geteuid() and stat.S_IMODE(st.st_mode) & 0o666 != 0o666:
+        # Ours are 0666 so every user can lock them; root could open this one anyway, but nobody else could.
+        why = f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o} (pdserve's lock files are 0666)"
+    if why:
+        os.close(fd)
+        raise _foreign(path, why)
+    return fd
 
 
 def _open_shared(path: Path) -> int:
-    """Open (creating if needed) a file in a sticky shared dir; mode 0666 so other users can lock it."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    """Open (creating if needed) a lock file in a sticky shared dir; mode 0666 so other users can lock it.
+
+    :raises _Foreign: the entry is not a regular file we can lock.
+    """
     for _ in range(10):
         try:
-            return os.open(path, flags)
+            return _open_regular(path, create=False)
         except FileNotFoundError:
             pass
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = _open_regular(path, create=True)
         except FileExistsError:
             continue  # lost a creation race: open the winner's file
         with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # the umask stripped group/other write
+            os.fchmod(fd, 0o666)  # the umask stripped group/other write (our own new file)
         return fd
-    raise PDServeError(f"cannot open lease file {path}: it keeps appearing and disappearing")
+    raise _foreign(path, "it keeps appearing and disappearing")
 
 
 def _try_lock(path: Path) -> int | None:
-    """Non-blocking exclusive flock; returns the fd holding it, or None if someone else holds it."""
+    """Non-blocking exclusive flock; returns the fd holding it, or None if it is busy (held by someone
+    else, or not a lock file of ours at all)."""
     for _ in range(10):
-        fd = _open_shared(path)
+        try:
+            fd = _open_shared(path)
+        except _Foreign:
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -124,6 +179,7 @@ def _try_lock(path: Path) -> int | None:
         except FileNotFoundError:
             same = False
         if same:
+            _FOREIGN.pop(path, None)
             return fd
         os.close(fd)
     return None
@@ -168,19 +224,28 @@ def _write_holder(lock_path: Path, purpose: str) -> None:
             os.write(fd, json.dumps(info).encode())
         finally:
             os.close(fd)
-    except (OSError, PDServeError) as exc:  # diagnostics only
+    except (OSError, _Foreign) as exc:  # diagnostics only
         log.debug("could not write lease holder info for %s: %s", lock_path, exc)
 
 
 def _describe_holder(lock_path: Path) -> str:
+    foreign = _FOREIGN.get(lock_path)
+    if foreign is not None:
+        return f"not a pdserve lock file: {lock_path} is {foreign}"
     try:
-        info = json.loads(lock_path.with_suffix(".json").read_text())
+        fd = _open_regular(lock_path.with_suffix(".json"), create=False)
+    except (OSError, _Foreign):
+        return "an unknown holder"
+    try:
+        info = json.loads(os.read(fd, 4096))  # bounded: a planted file could be huge
         desc = f"pid {info['pid']}"
         if info.get("purpose"):
             desc += f" ({info['purpose']})"
         return desc + f" since {info.get('since', '?')}"
     except (OSError, ValueError, KeyError, TypeError):
         return "an unknown holder"
+    finally:
+        os.close(fd)
 
 
 class _Lease:
@@ -202,6 +267,19 @@ class _Lease:
         for path, fd in zip(self._paths, self._fds, strict=True):
             _unlock(fd, path)
         self._fds = []
+
+    def release(self) -> float:
+        """Hand the lease back (idempotent); returns seconds spent in a release gate (none here: 0.0)."""
+        self._release_now()
+        return 0.0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
 
 
 class GpuLease(_Lease):
@@ -252,14 +330,6 @@ class GpuLease(_Lease):
         self._release_now()
         return time.monotonic() - t0
 
-    def __enter__(self) -> GpuLease:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
     def __repr__(self) -> str:
         return f"<GpuLease positions={self.positions} keys={self.keys} held={self.held}>"
 
@@ -278,18 +348,6 @@ class PortLease(_Lease):
     def base(self) -> int:
         """The first (lowest) port; for spans, what ``VLLM_PORT`` / the side-channel base is set to."""
         return self.ports[0]
-
-    def release(self) -> None:
-        """Hand the ports back (idempotent)."""
-        self._release_now()
-
-    def __enter__(self) -> PortLease:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"<PortLease ports={self.ports} held={self.held}>"

@@ -1,0 +1,251 @@
+"""Hostile and careless input against paths, leases and supervision (issue 13), on real pytest sessions.
+
+Every case runs a real inner pytest (``pytester``, in a subprocess) against real simulator processes. The
+kill cases SIGKILL pytest, the watchdog, the proxy (and combinations) and then check, within a bounded wait,
+that no process the inner session started is alive and that every lease can be taken again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from _pdsession import Inner, live_procs, unheld_locks, wait_for
+
+from pytest_pdserve.leases import acquire_ports, try_acquire_gpus
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+SIM_GPU = "GPU-sim-0000-0000-0000-{:012d}"
+
+UP = """
+def test_up(pd_cluster, pdinfo):
+    pdinfo(pd_cluster)
+    pd_cluster.complete("hello " * 10, max_tokens=2)
+"""
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
+    return Inner(pytester, monkeypatch)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _run(inner: Inner, *args: str, timeout: float = 120) -> pytest.RunResult:
+    """An inner session with only ``args`` (no lease/log dir of the Inner helper: the case gives its own)."""
+    return inner.pytester.runpytest_subprocess("--pd-engine=sim", "-p", "no:cacheprovider", *args, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def test_ini_lease_dir_in_the_project_keeps_the_project_root_mode(inner: Inner) -> None:
+    root = inner.pytester.path
+    root.chmod(0o755)
+    inner.pytester.makeini("[pytest]\npdserve_lease_dir = .leases\n")
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-log-dir={inner.log_dir}")
+    result.assert_outcomes(passed=1)
+    assert _mode(root) == 0o755, oct(_mode(root))  # was 1777: anyone could drop a conftest.py here
+    assert _mode(root / ".leases") == 0o1777  # created by the plugin: shared
+    unheld_locks(root / ".leases")
+
+
+def test_lease_dir_under_home_keeps_home_mode(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = inner.pytester.path / "home"
+    home.mkdir(mode=0o750)
+    home.chmod(0o750)
+    monkeypatch.setenv("HOME", str(home))
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, "--pd-lease-dir=~/x/leases", f"--pd-log-dir={inner.log_dir}")
+    result.assert_outcomes(passed=1)
+    assert _mode(home) == 0o750
+    assert _mode(home / "x") == 0o1777 and _mode(home / "x" / "leases") == 0o1777  # both created here
+
+
+@pytest.mark.parametrize("setting", ["lease", "log"])
+def test_a_regular_file_as_directory_is_a_usage_error(inner: Inner, setting: str) -> None:
+    target = inner.pytester.path / "afile"
+    target.write_text("data")
+    target.chmod(0o640)
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-{setting}-dir={target}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = result.stderr.str()
+    assert f"--pd-{setting}-dir" in out and f"{target} is a regular file, not a directory" in out, out
+    assert "Traceback" not in out
+    assert _mode(target) == 0o640 and target.read_text() == "data"
+
+
+def test_a_file_as_a_parent_is_a_usage_error(inner: Inner) -> None:
+    (inner.pytester.path / "afile").write_text("")
+    result = _run(inner, f"--pd-log-dir={inner.pytester.path / 'afile' / 'logs'}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "afile is a regular file, not a directory" in result.stderr.str()
+
+
+def test_existing_log_dir_keeps_its_mode(inner: Inner) -> None:
+    logs = inner.pytester.path / "ci-logs"
+    logs.mkdir()
+    logs.chmod(0o755)
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-log-dir={logs}", f"--pd-lease-dir={inner.lease_dir}")
+    result.assert_outcomes(passed=1)
+    assert _mode(logs) == 0o755, oct(_mode(logs))  # was 0700
+    assert list(logs.glob("*-prefill-0.log"))
+
+
+def test_missing_log_dir_parents_are_created_private(inner: Inner) -> None:
+    logs = inner.pytester.path / "a" / "b" / "logs"
+    root_mode = _mode(inner.pytester.path)
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-log-dir={logs}", f"--pd-lease-dir={inner.lease_dir}")
+    result.assert_outcomes(passed=1)
+    assert [_mode(p) for p in (logs.parent.parent, logs.parent, logs)] == [0o700] * 3
+    assert _mode(inner.pytester.path) == root_mode  # the existing ancestor is not touched
+
+
+@pytest.mark.parametrize("path", ["/proc/1", "/proc/1/pdserve-logs"], ids=["existing", "missing"])
+def test_unwritable_log_dir_is_a_usage_error(inner: Inner, path: str) -> None:
+    # /proc/1 is a directory nobody, root included, can create files in: a real unwritable directory.
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-log-dir={path}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = result.stderr.str()
+    assert "--pd-log-dir" in out and "not writable by uid" in out, out
+    assert "PermissionError" not in out and "Traceback" not in out
+
+
+def test_lease_dir_through_a_symlink_owned_by_someone_else(inner: Inner) -> None:
+    """A symlinked component (another user's) is followed, and neither the link's target nor its parent changes."""
+    target = inner.pytester.path / "shared"
+    target.mkdir()
+    target.chmod(0o755)
+    link = inner.pytester.path / "link"
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, f"--pd-lease-dir={link / 'leases'}", f"--pd-log-dir={inner.log_dir}")
+    result.assert_outcomes(passed=1)
+    assert _mode(target) == 0o755
+    assert _mode(target / "leases") == 0o1777
+    assert link.is_symlink()
+
+
+def test_dangling_symlink_as_lease_dir_is_a_usage_error(inner: Inner) -> None:
+    link = inner.pytester.path / "gone"
+    link.symlink_to(inner.pytester.path / "nowhere")
+    result = _run(inner, f"--pd-lease-dir={link}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"{link} is a dangling symbolic link" in result.stderr.str()
+
+
+# ------------------------------------------------------------------------------- planted lease entries
+
+
+def _plant(lease_dir: Path, name: str, kind: str) -> Path:
+    path = lease_dir / name
+    if kind == "dir":
+        path.mkdir()
+    elif kind == "symlink":
+        path.symlink_to("/etc/passwd")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "foreign-0644":  # another user's file we may not write
+        path.write_text("")
+        path.chmod(0o644)
+        os.chown(path, 65534, 65534)
+    elif kind == "foreign-0666":  # another user's file anyone may lock: a lock file like ours
+        path.write_text("")
+        path.chmod(0o666)
+        os.chown(path, 65534, 65534)
+    return path
+
+
+def test_planted_entries_named_like_gpu_locks_are_skipped(inner: Inner) -> None:
+    inner.lease_dir.mkdir()
+    inner.lease_dir.chmod(0o1777)
+    kinds = ["dir", "symlink", "fifo", "foreign-0644"]
+    for i, kind in enumerate(kinds):
+        _plant(inner.lease_dir, f"gpu-{SIM_GPU.format(i)}.lock", kind)
+    inner.pytester.makepyfile(UP)
+    result = inner.run("--pd-simulate-gpus=6")
+    result.assert_outcomes(passed=1)
+    [info] = inner.infos()
+    used = {s["cvd"] for s in info["servers"] if s["name"] != "proxy"}  # type: ignore[attr-defined]
+    assert used == {"4", "5"}, used  # the GPUs behind the planted entries were treated as busy
+    for i, kind in enumerate(kinds):  # nothing planted was changed or removed
+        path = inner.lease_dir / f"gpu-{SIM_GPU.format(i)}.lock"
+        assert os.path.lexists(path), kind
+    assert Path("/etc/passwd").stat().st_size > 0
+
+
+def test_planted_entries_on_every_gpu_are_named_in_the_timeout(inner: Inner) -> None:
+    inner.lease_dir.mkdir()
+    _plant(inner.lease_dir, f"gpu-{SIM_GPU.format(0)}.lock", "dir")
+    _plant(inner.lease_dir, f"gpu-{SIM_GPU.format(1)}.lock", "symlink")
+    inner.pytester.makepyfile(UP)
+    result = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=1")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "IsADirectoryError" not in out and "OSError" not in out
+    assert f"gpu-{SIM_GPU.format(0)}.lock is a directory" in out, out[-3000:]
+    assert f"gpu-{SIM_GPU.format(1)}.lock is a symbolic link" in out
+    assert "gave up waiting for" in out
+
+
+def test_planted_port_entries_are_skipped(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+    low = 21000 + (os.getpid() % 500) * 8
+    inner.lease_dir.mkdir()
+    kinds = ["dir", "symlink", "fifo", "foreign-0644"]
+    planted = {low + i: _plant(inner.lease_dir, f"port-{low + i}.lock", kinds[i % 4]) for i in range(40)}
+    # A holder-info file pointing at an endless device must not be read to its end.
+    (inner.lease_dir / f"port-{low + 40}.json").symlink_to("/dev/zero")
+    monkeypatch.setenv("PDSERVE_PORT_RANGE", f"{low}-{low + 119}")
+    inner.pytester.makepyfile(UP)
+    result = inner.run()
+    result.assert_outcomes(passed=1)
+    [info] = inner.infos()
+    from _pdsession import cluster_resources
+
+    _, used = cluster_resources(info)
+    assert not used & set(planted), sorted(used & set(planted))
+    assert all(os.path.lexists(p) for p in planted.values())
+
+
+def test_foreign_0666_lock_file_is_an_ordinary_lock(tmp_path: Path) -> None:
+    """Another user's 0666 lock file in the shared dir is what sharing looks like: it is locked, not refused."""
+    tmp_path.chmod(0o1777)
+    _plant(tmp_path, f"gpu-{SIM_GPU.format(0)}.lock", "foreign-0666")
+    lease = try_acquire_gpus(tmp_path, [SIM_GPU.format(0)], 1)
+    assert lease is not None
+    lease.release()
+
+
+def test_every_port_planted_gives_a_lease_timeout_not_an_oserror(tmp_path: Path) -> None:
+    for port in range(22000, 22004):
+        _plant(tmp_path, f"port-{port}.lock", "dir")
+    with pytest.raises(Exception, match="only 0 of 1 ports free") as exc:
+        acquire_ports(tmp_path, 1, low=22000, high=22003)
+    assert not isinstance(exc.value, OSError)
+
+
+def test_hard_linked_holder_file_is_never_written(tmp_path: Path) -> None:
+    """A ``.json`` holder file hard-linked to a victim file must not be truncated (we may run as root)."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    lease_dir = tmp_path / "leases"
+    lease_dir.mkdir()
+    os.link(victim, lease_dir / f"gpu-{SIM_GPU.format(0)}.json")
+    lease = try_acquire_gpus(lease_dir, [SIM_GPU.format(0)], 1)
+    assert lease is not None
+    lease.release()
+    assert victim.read_text() == "precious"
