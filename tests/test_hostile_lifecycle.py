@@ -8,14 +8,11 @@ that no process the inner session started is alive and that every lease can be t
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import stat
-import time
 from pathlib import Path
 
 import pytest
-from _pdsession import Inner, live_procs, unheld_locks, wait_for
+from _pdsession import Inner, unheld_locks
 
 from pytest_pdserve.leases import acquire_ports, try_acquire_gpus
 
@@ -68,7 +65,8 @@ def test_lease_dir_under_home_keeps_home_mode(inner: Inner, monkeypatch: pytest.
     result = _run(inner, "--pd-lease-dir=~/x/leases", f"--pd-log-dir={inner.log_dir}")
     result.assert_outcomes(passed=1)
     assert _mode(home) == 0o750
-    assert _mode(home / "x") == 0o1777 and _mode(home / "x" / "leases") == 0o1777  # both created here
+    assert _mode(home / "x") == 0o1777
+    assert _mode(home / "x" / "leases") == 0o1777
 
 
 @pytest.mark.parametrize("setting", ["lease", "log"])
@@ -80,9 +78,11 @@ def test_a_regular_file_as_directory_is_a_usage_error(inner: Inner, setting: str
     result = _run(inner, f"--pd-{setting}-dir={target}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     out = result.stderr.str()
-    assert f"--pd-{setting}-dir" in out and f"{target} is a regular file, not a directory" in out, out
+    assert f"--pd-{setting}-dir" in out, out
+    assert f"{target} is a regular file, not a directory" in out, out
     assert "Traceback" not in out
-    assert _mode(target) == 0o640 and target.read_text() == "data"
+    assert _mode(target) == 0o640
+    assert target.read_text() == "data"
 
 
 def test_a_file_as_a_parent_is_a_usage_error(inner: Inner) -> None:
@@ -120,8 +120,10 @@ def test_unwritable_log_dir_is_a_usage_error(inner: Inner, path: str) -> None:
     result = _run(inner, f"--pd-log-dir={path}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     out = result.stderr.str()
-    assert "--pd-log-dir" in out and "not writable by uid" in out, out
-    assert "PermissionError" not in out and "Traceback" not in out
+    assert "--pd-log-dir" in out, out
+    assert "not writable by uid" in out, out
+    assert "PermissionError" not in out
+    assert "Traceback" not in out
 
 
 def test_lease_dir_through_a_symlink_owned_by_someone_else(inner: Inner) -> None:
@@ -196,7 +198,8 @@ def test_planted_entries_on_every_gpu_are_named_in_the_timeout(inner: Inner) -> 
     result = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=1")
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
-    assert "IsADirectoryError" not in out and "OSError" not in out
+    assert "IsADirectoryError" not in out
+    assert "OSError" not in out
     assert f"gpu-{SIM_GPU.format(0)}.lock is a directory" in out, out[-3000:]
     assert f"gpu-{SIM_GPU.format(1)}.lock is a symbolic link" in out
     assert "gave up waiting for" in out
