@@ -44,6 +44,7 @@ from typing import Self
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
 from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
+from pytest_pdserve.proctree import read_stat
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -199,20 +200,11 @@ def _unlock(fd: int, path: Path) -> None:
         os.close(fd)
 
 
-def _self_starttime() -> int:
-    try:
-        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
-            data = fh.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _write_holder(lock_path: Path, purpose: str) -> None:
     info = {
         "pid": os.getpid(),
         "pgid": os.getpgrp(),
-        "starttime": _self_starttime(),
+        "starttime": me.starttime if (me := read_stat(os.getpid())) is not None else 0,
         "uid": os.geteuid(),
         "purpose": purpose,
         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -151,6 +151,7 @@ class ClusterManager:
         """
         with self._lock:
             if spec in self._running:
+                self._watch()  # a watchdog that died meanwhile is replaced (it sweeps by run token)
                 running = self._running[spec]
                 running.last_used = time.monotonic()
                 return running.cluster
@@ -273,11 +274,18 @@ class ClusterManager:
             # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
                 self.run_token,
-                grace=min(self.shutdown_timeout, 10.0),
+                grace=self._orphan_grace(),
                 log_path=self.log_dir / "watchdog.log",
                 wait=False,
             )
         return self._watchdog
+
+    def _orphan_grace(self) -> float:
+        """SIGTERM-to-SIGKILL grace of the watchdog and the guards, who stop servers when pytest is dead.
+
+        At most 3 s, so that no server is alive 5 s after pytest died, even one that ignores SIGTERM.
+        """
+        return min(self.shutdown_timeout, 3.0)
 
     def _gpu_plan(self, spec: ClusterSpec, label: str) -> tuple[leases.GpuLease | None, list[list[int]]]:
         """Positions (in the inventory) for each server, in order P0..Pn, D0..Dm; and the lease held."""
@@ -414,7 +422,7 @@ class ClusterManager:
                     cmd.name, cmd.argv, self._child_env(cmd.env), log_path,
                     health_url=f"{url}/health", models_url=f"{url}/v1/models",
                     model_id=served_model_name(cmd.argv, model),
-                    api_key=self.defaults.api_key, run_token=self.run_token,
+                    api_key=self.defaults.api_key, run_token=self.run_token, guard_grace=self._orphan_grace(),
                 )  # fmt: skip
                 tokens = tuple(self.inventory.gpus[p].token for p in positions)
                 handles.append(
@@ -430,7 +438,9 @@ class ClusterManager:
                 for name, fds in holds:
                     watchdog.hold(name, fds)
 
-            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog, hold_leases)
+            # Every process of the cluster holds every lease fd of it: a lease frees only when its servers are gone.
+            fds = [fd for lease in [gpu_lease, *port_leases] if lease is not None for fd in lease.fds]
+            self._start_servers(spec, [*handles, proxy], plan, t0, watchdog, hold_leases, fds)
             n_p = spec.num_prefill
             backend = spec.attention_backend if spec.attention_backend is not None else self.defaults.attention_backend
             cluster = PDCluster(
@@ -461,6 +471,7 @@ class ClusterManager:
         t0: float,
         watchdog: Watchdog,
         after_spawn: Callable[[], None] = lambda: None,
+        inherit_fds: Sequence[int] = (),
     ) -> None:
         deadline = t0 + self.startup_timeout
         shared = _shares_gpu(plan)
@@ -475,7 +486,7 @@ class ClusterManager:
                 batch = [h, proxy] if (i == 0 and proxy is not None) else [h]
                 for b in batch:
                     assert b.process is not None
-                    b.process.start()
+                    b.process.start(inherit_fds)
                     watchdog.watch(b.process.pid or 0, b.process.pgid or 0)
                 if i == 0:
                     after_spawn()
@@ -485,7 +496,7 @@ class ClusterManager:
             return
         for h in handles:  # spawn all first: every server's start-up begins at once
             assert h.process is not None
-            h.process.start()
+            h.process.start(inherit_fds)
         for h in handles:
             assert h.process is not None
             watchdog.watch(h.process.pid or 0, h.process.pgid or 0)
@@ -517,7 +528,7 @@ class ClusterManager:
         log_path = self.log_dir / f"{label}-proxy.log"
         proc = ServerProcess(
             "proxy", argv, self._child_env({}), log_path, health_url=f"{url}{health}",
-            api_key=self.defaults.api_key, run_token=self.run_token,
+            api_key=self.defaults.api_key, run_token=self.run_token, guard_grace=self._orphan_grace(),
         )  # fmt: skip
         processes.append(proc)
         return ServerHandle("proxy", 0, url, self.defaults.api_key, log_path, proc, None, ServerPorts(port, 0, 0))
@@ -534,7 +545,7 @@ class ClusterManager:
         """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
         proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
         assert proxy.process is not None
-        proxy.process.start()
+        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
         watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
         proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report))[
             "proxy"
@@ -595,7 +606,7 @@ def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:
 
 def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
     """Every pid we started (servers and their descendants), read before stopping them."""
-    from pytest_pdserve.watchdog import RUN_TOKEN_ENV, pids_with_env
+    from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 
     pids = {p.pid for p in processes if p.pid is not None}
     with contextlib.suppress(OSError):

@@ -7,13 +7,17 @@ that no process the inner session started is alive and that every lease can be t
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
-from _pdsession import Inner, unheld_locks
+from _pdsession import Inner, live_procs, unheld_locks, wait_for
 
+from pytest_pdserve.commands import VLLM_PORT_WINDOW
 from pytest_pdserve.leases import acquire_ports, try_acquire_gpus
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -252,3 +256,186 @@ def test_hard_linked_holder_file_is_never_written(tmp_path: Path) -> None:
     assert lease is not None
     lease.release()
     assert victim.read_text() == "precious"
+
+
+# ------------------------------------------------------------------------------ kills, in every order
+
+#: Servers ignore SIGTERM and leave setsid "EngineCore"/"Worker" sleepers behind: only SIGKILL ends them, and
+#: only a sweep by env token finds the sleepers. The test waits until $GO_FILE exists (the outer test's cue to
+#: end the session normally), bounded.
+HOLD = """
+import os, time
+from pathlib import Path
+from pytest_pdserve.spec import ClusterSpec
+
+def test_up(pd_cluster_factory, pdinfo):
+    env = {"PDSERVE_SIM_SPAWN_WORKERS": "2", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}
+    cluster = pd_cluster_factory(ClusterSpec(env=env))
+    pdinfo(cluster)
+    go = Path(os.environ["GO_FILE"])
+    for _ in range(3000):
+        if go.exists():
+            break
+        time.sleep(0.02)
+"""
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _helpers(inner: Inner, module: str) -> list[int]:
+    """Live marked processes running ``pytest_pdserve.<module>`` (the watchdog, the guards)."""
+    needle = f"from pytest_pdserve.{module} import main".encode()
+    return [pid for pid in live_procs(inner.mark) if needle in _cmdline(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _alive(pid), 5.0, f"pid {pid} gone after SIGKILL")
+
+
+def _held_while_alive(inner: Inner, locks: list[Path], server_pids: list[int], timeout: float) -> float:
+    """Wait until every marked process is gone; meanwhile, no lease may be free while a server lives.
+
+    Returns the seconds it took. Each round tries every lock file non-blockingly: one that can be taken while a
+    server is alive is a lease handed out under a running server.
+    """
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not live_procs(inner.mark):
+            return time.monotonic() - t0
+        if any(_alive(p) for p in server_pids):
+            for path in locks:
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue  # released and removed by its holder: only after its servers stopped (see below)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                finally:
+                    os.close(fd)  # closing drops a lock we got
+                alive = [p for p in server_pids if _alive(p)]
+                raise AssertionError(f"lease {path.name} was free while servers {alive} were alive")
+        time.sleep(0.02)
+    raise AssertionError(f"still alive after {timeout}s: {live_procs(inner.mark)}")
+
+
+KILL_ORDERS = [
+    ("pytest",),
+    ("watchdog",),
+    ("watchdog", "pytest"),
+    ("pytest", "watchdog"),
+    ("proxy",),
+    ("proxy", "pytest"),
+    ("watchdog", "proxy", "pytest"),
+]
+
+
+@pytest.mark.parametrize("order", KILL_ORDERS, ids=["-then-".join(o) for o in KILL_ORDERS])
+def test_sigkill_in_any_order_leaves_no_server_and_no_lease_held_early(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, order: tuple[str, ...]
+) -> None:
+    go = inner.pytester.path / "go"
+    monkeypatch.setenv("GO_FILE", str(go))
+    inner.pytester.makepyfile(HOLD)
+    with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
+        info = inner.wait_info()
+        servers = {s["name"]: s["pid"] for s in info["servers"]}  # type: ignore[attr-defined]
+        [watchdog] = _helpers(inner, "watchdog")
+        assert len(_helpers(inner, "supervise")) == 3, "one guard per server"
+        locks = sorted(inner.lease_dir.glob("*.lock"))
+        assert len(locks) == 2 + 2 * (1 + 1 + VLLM_PORT_WINDOW) + 1, locks  # GPUs, HTTP, NIXL, VLLM_PORT, proxy
+        victims = {"pytest": proc.pid, "watchdog": watchdog, "proxy": servers["proxy"]}
+        for name in order:
+            _kill(victims[name])
+        if "pytest" not in order:
+            go.touch()  # the session ends normally, with its own teardown
+            proc.wait(60)
+        seconds = _held_while_alive(inner, locks, [p for n, p in servers.items() if n != "proxy"], 5.0)
+    print(f"SIGKILL {' then '.join(order)} -> everything gone in {seconds:.2f}s")
+    inner.assert_clean([info])
+    for key in ("0", "1"):  # every GPU can be leased again
+        lease = try_acquire_gpus(inner.lease_dir, [SIM_GPU.format(int(key))], 1)
+        assert lease is not None, key
+        lease.release()
+
+
+def test_pytest_killed_during_cluster_start(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_up(pd_cluster_factory):
+            pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "30", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}))
+        """
+    )
+    with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
+        wait_for(lambda: len(_helpers(inner, "supervise")) == 3, 60, "servers and guards spawned")
+        [watchdog] = _helpers(inner, "watchdog")
+        _kill(watchdog)  # and the watchdog first: only the guards are left to stop the starting servers
+        _kill(proc.pid)
+        seconds = inner.gone_within(5.0)
+    print(f"SIGKILL watchdog then pytest during start-up -> everything gone in {seconds:.2f}s")
+    unheld_locks(inner.lease_dir)
+
+
+def test_pytest_killed_during_teardown(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_up(pd_cluster_factory, pdinfo):
+            pdinfo(pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_IGNORE_SIGTERM": "1"})))
+        """
+    )
+    # A 3 s shutdown timeout: teardown sits in the SIGTERM grace, where pytest is killed.
+    with inner.popen("--pd-shutdown-timeout=3", "--pd-simulate-gpus=2") as proc:
+        info = inner.wait_info()
+        time.sleep(1.0)  # the test has returned; teardown is waiting for servers that ignore SIGTERM
+        assert proc.poll() is None
+        [watchdog] = _helpers(inner, "watchdog")
+        _kill(proc.pid)
+        _kill(watchdog)
+        seconds = inner.gone_within(5.0)
+    print(f"SIGKILL pytest then watchdog during teardown -> everything gone in {seconds:.2f}s")
+    inner.assert_clean([info])
+
+
+def test_forked_child_of_pytest_does_not_keep_servers_alive(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that forks a long-lived helper: the fork inherits pytest's fds, but not the lifeline."""
+    go = inner.pytester.path / "go"
+    monkeypatch.setenv("GO_FILE", str(go))
+    inner.pytester.makepyfile(
+        HOLD.replace(
+            "    pdinfo(cluster)\n",
+            "    child = os.fork()\n    if child == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+            "    pdinfo(cluster, child=child)\n",
+        )
+    )
+    with inner.popen("--pd-shutdown-timeout=1") as proc:
+        info = inner.wait_info()
+        child = int(info["child"])  # type: ignore[call-overload]
+        [watchdog] = _helpers(inner, "watchdog")
+        try:
+            _kill(watchdog)
+            _kill(proc.pid)
+            servers = [s["pid"] for s in info["servers"]]  # type: ignore[attr-defined]
+            wait_for(lambda: not any(_alive(p) for p in servers), 5.0, "servers gone while the fork lives")
+            assert _alive(child)
+        finally:
+            os.kill(child, signal.SIGKILL)
+        inner.gone_within(5.0)
