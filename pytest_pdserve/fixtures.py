@@ -237,10 +237,36 @@ class _Factory:
         return _get_cluster(self._request, spec)
 
     def stop(self, spec: ClusterSpec) -> None:
-        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory)."""
+        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory).
+
+        The next request for it, ``pd_cluster`` included, starts a fresh one: a stopped cluster is never handed out.
+        """
         manager = self._request.config.stash.get(MANAGER, None)
-        if manager is not None:
-            manager.stop(spec)
+        if manager is None:
+            return
+        stopped = manager.stop(spec)
+        if stopped is not None:
+            forget_fixture_value(self._request, "pd_cluster", stopped)
+
+
+def forget_fixture_value(request: pytest.FixtureRequest, name: str, value: object) -> bool:
+    """Make pytest run fixture ``name`` again next time, if it cached ``value``; returns whether it did.
+
+    pytest caches a session fixture's value for the whole session and has no public way to drop it, so this
+    uses ``FixtureDef.finish`` (what pytest itself calls to tear a fixture down) through the fixture manager.
+    Isolated here and tested (tests/test_hostile_lifecycle.py): should pytest's internals change, it warns
+    and the stopped cluster's own errors remain.
+    """
+    try:
+        defs = request._fixturemanager.getfixturedefs(name, request.node) or ()
+        for fixturedef in defs:
+            cached = fixturedef.cached_result
+            if cached is not None and cached[0] is value:
+                fixturedef.finish(request)  # type: ignore[arg-type]  # a SubRequest at run time
+                return True
+    except Exception as exc:  # pytest internals moved: keep the stop, lose only the re-run
+        log.warning("pdserve: could not make pytest forget the stopped %s fixture value: %r", name, exc)
+    return False
 
 
 @pytest.fixture(scope="session")

@@ -233,12 +233,15 @@ class ClusterManager:
         """Clusters that are up now."""
         return [r.cluster for r in self._running.values()]
 
-    def stop(self, spec: ClusterSpec) -> None:
-        """Stop one cluster (no-op if it is not running)."""
+    def stop(self, spec: ClusterSpec) -> PDCluster | None:
+        """Stop one cluster (no-op if it is not running); returns the stopped cluster, so that whoever handed
+        it out can forget it (a later ``get`` of the same spec starts a fresh one)."""
         with self._lock:
             running = self._running.pop(spec, None)
-        if running is not None:
-            self._teardown(running)
+        if running is None:
+            return None
+        self._teardown(running)
+        return running.cluster
 
     def stop_all(self) -> None:
         """Stop every cluster, then the watchdog. Safe to call twice."""

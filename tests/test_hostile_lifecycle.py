@@ -439,3 +439,53 @@ def test_forked_child_of_pytest_does_not_keep_servers_alive(inner: Inner, monkey
         finally:
             os.kill(child, signal.SIGKILL)
         inner.gone_within(5.0)
+
+
+# ------------------------------------------------------------------------------------ stopped clusters
+
+
+def test_pd_cluster_after_factory_stop_is_a_fresh_cluster(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_a(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="a")
+            pd_cluster.complete("hello " * 10, max_tokens=2)
+
+        def test_b(pd_cluster_factory):
+            pd_cluster_factory.stop(ClusterSpec())
+
+        def test_c(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="c")
+            assert pd_cluster.proxy.process.alive
+            pd_cluster.complete("hello " * 10, max_tokens=2)  # was: httpx.ConnectError on the stopped proxy
+
+        def test_d(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="d")  # shared again until the next stop
+        """
+    )
+    result = inner.run("-p", "no:randomly")
+    result.assert_outcomes(passed=4)
+    by_step = {i["step"]: i for i in inner.infos()}
+    pids = {step: {s["pid"] for s in i["servers"]} for step, i in by_step.items()}  # type: ignore[attr-defined]
+    assert not pids["a"] & pids["c"], "test_c got the stopped cluster"
+    assert pids["c"] == pids["d"]
+    inner.assert_clean(list(by_step.values()))
+
+
+def test_factory_after_stop_starts_a_fresh_cluster_too(inner: Inner) -> None:
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve.spec import ClusterSpec
+
+        def test_a(pd_cluster_factory):
+            spec = ClusterSpec(num_decode=2)
+            first = pd_cluster_factory(spec)
+            pd_cluster_factory.stop(spec)
+            again = pd_cluster_factory(spec)
+            assert again is not first
+            again.complete("hello " * 10, max_tokens=2)
+        """
+    )
+    inner.run().assert_outcomes(passed=1)
