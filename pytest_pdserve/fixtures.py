@@ -169,30 +169,43 @@ def stop_manager(config: pytest.Config) -> None:
         manager.stop_all()
 
 
+#: The settings pytest-timeout armed the current test's timer with (seen through its public hooks, below).
+TIMEOUT_ARMED = pytest.StashKey[Any]()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Observe (not handle: returns None) pytest-timeout arming a test's timer, to re-arm it after a pause."""
+    item.stash[TIMEOUT_ARMED] = settings
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    """Observe pytest-timeout's timer being cancelled."""
+    with contextlib.suppress(KeyError):
+        del item.stash[TIMEOUT_ARMED]
+
+
 @contextlib.contextmanager
 def timeout_paused(config: pytest.Config) -> Iterator[None]:
     """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
 
     Otherwise a session-scoped start is billed to whichever test first asks for the cluster
-    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up.
+    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up. Only pytest-timeout's
+    public hooks are used: the settings are those it armed the timer with (none when ``func_only`` defers the
+    timer to the test call, where no cluster starts).
     """
     item = config.stash.get(CURRENT_ITEM, None)
-    timeout_plugin = config.pluginmanager.get_plugin("timeout")
-    if item is None or timeout_plugin is None:
+    settings = item.stash.get(TIMEOUT_ARMED, None) if item is not None else None
+    if item is None or settings is None:
         yield
         return
     hook = config.pluginmanager.hook
-    settings = None
-    with contextlib.suppress(Exception):  # a private helper of pytest-timeout: degrade to "not paused"
-        settings = timeout_plugin._get_item_settings(item)
-    armed = settings is not None and settings.timeout and settings.timeout > 0 and not settings.func_only
-    if armed:
-        hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_cancel_timer(item=item)
     try:
         yield
     finally:
-        if armed:
-            hook.pytest_timeout_set_timer(item=item, settings=settings)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:

@@ -12,7 +12,14 @@ from collections.abc import Generator
 import pytest
 
 from pytest_pdserve import logs
-from pytest_pdserve.fixtures import CURRENT_ITEM, pd_cluster, pd_cluster_factory, stop_manager
+from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
+    CURRENT_ITEM,
+    pd_cluster,
+    pd_cluster_factory,
+    pytest_timeout_cancel_timer,
+    pytest_timeout_set_timer,
+    stop_manager,
+)
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.settings import (
     PDSERVE_CONFIG,
@@ -88,4 +95,4 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     stop_manager(config)
 
 
-__all__ = ["pd_cluster", "pd_cluster_factory"]
+__all__ = ["pd_cluster", "pd_cluster_factory", "pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]
