@@ -162,6 +162,13 @@ def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory)
     return config.stash[MANAGER]
 
 
+def ensure_watchdog(config: pytest.Config) -> None:
+    """Before each test: a watchdog that died (killed, OOM) is replaced while our clusters run."""
+    manager = config.stash.get(MANAGER, None)
+    if manager is not None:
+        manager.ensure_watchdog()
+
+
 def stop_manager(config: pytest.Config) -> None:
     """Stop every cluster of this process (pytest_unconfigure; also the session fixture's teardown)."""
     manager = config.stash.get(MANAGER, None)

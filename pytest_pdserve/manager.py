@@ -151,7 +151,7 @@ class ClusterManager:
         """
         with self._lock:
             if spec in self._running:
-                self._watch()  # a watchdog that died meanwhile is replaced (it sweeps by run token)
+                self.ensure_watchdog()
                 running = self._running[spec]
                 running.last_used = time.monotonic()
                 return running.cluster
@@ -228,6 +228,12 @@ class ClusterManager:
         cluster.started_seconds = time.monotonic() - t0
         self.report(cluster.describe())
         return _Running(cluster, processes, None, port_leases, "attached")
+
+    def ensure_watchdog(self) -> None:
+        """Start the watchdog again if it died while clusters run (it sweeps by run token: no state to pass)."""
+        with self._lock:
+            if self._running:
+                self._watch()
 
     def running(self) -> list[PDCluster]:
         """Clusters that are up now."""

@@ -14,6 +14,7 @@ import pytest
 from pytest_pdserve import logs
 from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
     CURRENT_ITEM,
+    ensure_watchdog,
     pd_cluster,
     pd_cluster_factory,
     pytest_timeout_cancel_timer,
@@ -77,6 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Remember the running test (to pause pytest-timeout while a cluster starts) and where logs end."""
     item.config.stash[CURRENT_ITEM] = item
+    ensure_watchdog(item.config)
     logs.record_offsets(item)
 
 

@@ -489,3 +489,40 @@ def test_factory_after_stop_starts_a_fresh_cluster_too(inner: Inner) -> None:
         """
     )
     inner.run().assert_outcomes(passed=1)
+
+
+def test_a_dead_watchdog_is_started_again(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GO_FILE", str(inner.pytester.path / "go"))
+    inner.pytester.makepyfile(
+        """
+        import os, time
+        from pathlib import Path
+
+        def _wait(name):
+            for _ in range(3000):
+                if Path(os.environ["GO_FILE"] + name).exists():
+                    return
+                time.sleep(0.02)
+
+        def test_a(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="a")
+            _wait("a")
+
+        def test_b(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="b")
+            _wait("b")
+        """
+    )
+    with inner.popen("--pd-shutdown-timeout=1") as proc:
+        inner.wait_info()
+        [first] = _helpers(inner, "watchdog")
+        _kill(first)
+        (inner.pytester.path / "goa").touch()
+        wait_for(lambda: len(inner.infos()) == 2, 60, "test_b got the cluster")
+        [second] = _helpers(inner, "watchdog")
+        assert second != first
+        _kill(proc.pid)
+        inner.gone_within(5.0)
+    wd_log = (inner.log_dir / "watchdog.log").read_text()
+    assert f"pdserve-watchdog[{second}]" in wd_log, wd_log  # the new one swept the servers (by run token)
+    assert "cleaning up" in wd_log
