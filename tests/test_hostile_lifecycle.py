@@ -60,17 +60,20 @@ def test_ini_lease_dir_in_the_project_keeps_the_project_root_mode(inner: Inner) 
     unheld_locks(root / ".leases")
 
 
-def test_lease_dir_under_home_keeps_home_mode(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lease_dir", ["~/leases", "~/x/leases"])
+def test_lease_dir_under_home_keeps_home_mode(inner: Inner, monkeypatch: pytest.MonkeyPatch, lease_dir: str) -> None:
     home = inner.pytester.path / "home"
     home.mkdir(mode=0o750)
     home.chmod(0o750)
     monkeypatch.setenv("HOME", str(home))
     inner.pytester.makepyfile(UP)
-    result = _run(inner, "--pd-lease-dir=~/x/leases", f"--pd-log-dir={inner.log_dir}")
+    result = _run(inner, f"--pd-lease-dir={lease_dir}", f"--pd-log-dir={inner.log_dir}")
     result.assert_outcomes(passed=1)
-    assert _mode(home) == 0o750
-    assert _mode(home / "x") == 0o1777
-    assert _mode(home / "x" / "leases") == 0o1777
+    assert _mode(home) == 0o750, oct(_mode(home))  # was 1777 for ~/leases: the lease code chmodded the parent
+    created = Path(lease_dir.replace("~", str(home)))
+    while created != home:  # every directory the plugin created, and only those, is shared
+        assert _mode(created) == 0o1777, created
+        created = created.parent
 
 
 @pytest.mark.parametrize("setting", ["lease", "log"])
