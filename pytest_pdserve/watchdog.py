@@ -6,8 +6,8 @@ pytest's process group does not kill them mid-teardown), which means nobody else
 either, and a leaked ``vllm serve`` keeps its GPU memory for the next run.
 
 So pytest starts one small stdlib-only process per pytest process (``Watchdog.start``), in its own
-session, connected by a ``SOCK_SEQPACKET`` socket pair. pytest tells it which process groups and run
-tokens to watch. When pytest dies the kernel closes pytest's end, the watchdog reads EOF and:
+session, connected by a ``SOCK_SEQPACKET`` socket pair. It gets the run token at start; pytest tells it
+which process groups to watch. When pytest dies the kernel closes pytest's end, the watchdog reads EOF and:
 
 1. SIGTERMs every watched process group and every process whose environment carries a watched
    ``PDSERVE_RUN_TOKEN`` (this finds descendants that called ``setsid`` and left the group);
@@ -28,7 +28,7 @@ exits, which is not parent death when the watchdog was started from a helper thr
 The watchdog is one of two supervisors: it inherits the write end of pytest's lifeline
 (:mod:`pytest_pdserve.supervise`), so when it dies *and* pytest dies, each server's guard stops its
 server. Killing and finding process trees lives in :mod:`pytest_pdserve.proctree`; this module imports
-only the standard library and that, so it runs under ``python -I``.
+only the standard library and that, so it runs under ``python -I -S``.
 """
 
 from __future__ import annotations
