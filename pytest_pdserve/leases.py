@@ -11,8 +11,11 @@ registry to repair. That makes leases safe across xdist workers, concurrent pyte
   hands one of them to some random ``connect()`` or ``bind(0)`` while we are not listening yet (NIXL
   binds its side channel only after model load). Each port is flock-leased *and* checked free by
   binding it, which skips ports held by services that know nothing about our leases.
-* ``lease.fds`` can be handed to the watchdog (``Watchdog.hold``) so a lease outlives a SIGKILLed
-  pytest until the watchdog has killed the servers that used it.
+* ``lease.fds`` are inherited by the servers that use the lease (``ServerProcess.start(inherit_fds=)``)
+  and handed to the watchdog (``Watchdog.hold``), so a lease outlives a SIGKILLed pytest until every
+  server that used it is gone.
+* The lock files themselves (safe open in a shared dir, holder info, entries that are not ours and
+  therefore count as busy) are :mod:`pytest_pdserve.lockfiles`.
 * ``<key>.json`` next to each lock records the holder (pid, pgid, start time, purpose) for
   diagnostics only; the lock is the truth. Both files are removed on release (while still locked,
   and a new holder checks it locked the inode that is still linked), so the directory does not fill
@@ -26,16 +29,11 @@ and an open sequence that works in a shared sticky directory (``fs.protected_reg
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
-import json
 import logging
-import os
 import random
 import re
 import socket
-import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -43,8 +41,8 @@ from types import TracebackType
 from typing import Self
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
+from pytest_pdserve.lockfiles import describe_holder, try_lock, unlock, write_holder
 from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
-from pytest_pdserve.proctree import read_stat
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -85,161 +83,6 @@ def ensure_lease_dir(lease_dir: Path) -> Path:
         ) from None
 
 
-class _Foreign(Exception):
-    """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
-
-
-#: Foreign entries seen by this process: path -> why. Such a GPU or port counts as busy, named in messages.
-_FOREIGN: dict[Path, str] = {}
-
-
-def _foreign(path: Path, why: str) -> _Foreign:
-    if _FOREIGN.get(path) != why:
-        log.warning("pdserve: %s is not a pdserve lock file (%s); treating that GPU/port as busy", path, why)
-        _FOREIGN[path] = why
-    return _Foreign(why)
-
-
-def _open_regular(path: Path, *, create: bool) -> int:
-    """Open ``path`` read-write without following a symlink or blocking on a fifo; it must be a regular file.
-
-    :raises FileNotFoundError: it does not exist (and ``create`` is False).
-    :raises FileExistsError: ``create`` is True and it exists.
-    :raises _Foreign: it exists but is not a regular file we may lock (the reason names what it is).
-    """
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    if create:
-        flags |= os.O_CREAT | os.O_EXCL
-    try:
-        fd = os.open(path, flags, 0o666)
-    except (FileNotFoundError, FileExistsError):
-        raise
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _foreign(path, "a symbolic link") from None
-        if exc.errno == errno.EISDIR:
-            raise _foreign(path, "a directory") from None
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            raise _foreign(path, f"not writable by uid {os.geteuid()}") from None
-        raise _foreign(path, f"cannot be opened: {exc.strerror or exc}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _foreign(path, "a fifo" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
-    why = ""
-    if st.st_nlink > 1:
-        why = f"a file with {st.st_nlink} hard links"  # writing to it would write to some other file
-    elif st.st_uid != os.geteuid() and stat.S_IMODE(st.st_mode) & 0o666 != 0o666:
-        # Ours are 0666 so every user can lock them; root could open this one anyway, but nobody else could.
-        why = f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o} (pdserve's lock files are 0666)"
-    if why:
-        os.close(fd)
-        raise _foreign(path, why)
-    return fd
-
-
-def _open_shared(path: Path) -> int:
-    """Open (creating if needed) a lock file in a sticky shared dir; mode 0666 so other users can lock it.
-
-    :raises _Foreign: the entry is not a regular file we can lock.
-    """
-    for _ in range(10):
-        try:
-            return _open_regular(path, create=False)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = _open_regular(path, create=True)
-        except FileExistsError:
-            continue  # lost a creation race: open the winner's file
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # the umask stripped group/other write (our own new file)
-        return fd
-    raise _foreign(path, "it keeps appearing and disappearing")
-
-
-def _try_lock(path: Path) -> int | None:
-    """Non-blocking exclusive flock; returns the fd holding it, or None if it is busy (held by someone
-    else, or not a lock file of ours at all)."""
-    for _ in range(10):
-        try:
-            fd = _open_shared(path)
-        except _Foreign:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise
-        # The previous holder unlinks the file on release; if that happened between our open and our
-        # flock we locked an orphaned inode that nobody else will ever look at: retry on the new file.
-        try:
-            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            _FOREIGN.pop(path, None)
-            return fd
-        os.close(fd)
-    return None
-
-
-def _unlock(fd: int, path: Path) -> None:
-    """Release a lock taken by :func:`_try_lock` and remove its files (they would pile up otherwise)."""
-    # Unlink *while still locked* so a waiter that opened the old inode notices (see _try_lock).
-    # Another user's file in the sticky dir cannot be unlinked (EPERM): it simply stays.
-    for victim in (path.with_suffix(".json"), path):
-        with contextlib.suppress(OSError):
-            os.unlink(victim)
-    # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def _write_holder(lock_path: Path, purpose: str) -> None:
-    info = {
-        "pid": os.getpid(),
-        "pgid": os.getpgrp(),
-        "starttime": me.starttime if (me := read_stat(os.getpid())) is not None else 0,
-        "uid": os.geteuid(),
-        "purpose": purpose,
-        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    try:
-        fd = _open_shared(lock_path.with_suffix(".json"))
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(info).encode())
-        finally:
-            os.close(fd)
-    except (OSError, _Foreign) as exc:  # diagnostics only
-        log.debug("could not write lease holder info for %s: %s", lock_path, exc)
-
-
-def _describe_holder(lock_path: Path) -> str:
-    foreign = _FOREIGN.get(lock_path)
-    if foreign is not None:
-        return f"not a pdserve lock file: {lock_path} is {foreign}"
-    try:
-        fd = _open_regular(lock_path.with_suffix(".json"), create=False)
-    except (OSError, _Foreign):
-        return "an unknown holder"
-    try:
-        info = json.loads(os.read(fd, 4096))  # bounded: a planted file could be huge
-        desc = f"pid {info['pid']}"
-        if info.get("purpose"):
-            desc += f" ({info['purpose']})"
-        return desc + f" since {info.get('since', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "an unknown holder"
-    finally:
-        os.close(fd)
-
-
 class _Lease:
     def __init__(self, paths: list[Path], fds: list[int]) -> None:
         self._paths = paths
@@ -257,7 +100,7 @@ class _Lease:
 
     def _release_now(self) -> None:
         for path, fd in zip(self._paths, self._fds, strict=True):
-            _unlock(fd, path)
+            unlock(fd, path)
         self._fds = []
 
     def release(self) -> float:
@@ -375,7 +218,7 @@ def _try_gpus(
             return True
         if pos in busy:
             return False
-        fd = _try_lock(paths[pos])
+        fd = try_lock(paths[pos])
         if fd is None:
             busy.add(pos)
             return False
@@ -397,7 +240,7 @@ def _try_gpus(
                 lock(p)
             return None, sorted(busy)
         for pos in chosen:
-            _write_holder(paths[pos], purpose)
+            write_holder(paths[pos], purpose)
         lease = GpuLease(
             chosen, tuple(keys[p] for p in chosen), [paths[p] for p in chosen], [held[p] for p in chosen], 0.0
         )
@@ -405,7 +248,7 @@ def _try_gpus(
     finally:
         for pos, fd in held.items():
             if chosen is None or pos not in chosen:
-                _unlock(fd, paths[pos])
+                unlock(fd, paths[pos])
 
 
 def _validate_gpu_request(keys: Sequence[str], count: int) -> None:
@@ -484,7 +327,7 @@ def acquire_gpus(
 
 
 def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:
-    holders = ", ".join(f"{keys[p]} by {_describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
+    holders = ", ".join(f"{keys[p]} by {describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
     what = f"{count} free{' adjacent' if contiguous and count > 1 else ''} GPU(s)"
     if len(busy) == len(keys):
         return f"pdserve: waiting for {what} (all {len(keys)} leased: {holders})"
@@ -532,13 +375,13 @@ def _port_range(low: int, high: int | None) -> tuple[int, int]:
 
 def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
     path = lease_dir / f"port-{port}.lock"
-    fd = _try_lock(path)
+    fd = try_lock(path)
     if fd is None:
         return None
     if not _bind_free(port):
-        _unlock(fd, path)
+        unlock(fd, path)
         return None
-    _write_holder(path, purpose)
+    write_holder(path, purpose)
     return fd
 
 
@@ -572,7 +415,7 @@ def acquire_ports(
                     [fds[j] for j in order],
                 )
     for port, fd in zip(ports, fds, strict=True):
-        _unlock(fd, lease_dir / f"port-{port}.lock")
+        unlock(fd, lease_dir / f"port-{port}.lock")
     raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
 
 
@@ -610,7 +453,7 @@ def acquire_port_span(
                 fds,
             )
         for port, fd in zip(range(base, base + width), fds, strict=False):
-            _unlock(fd, lease_dir / f"port-{port}.lock")
+            unlock(fd, lease_dir / f"port-{port}.lock")
         # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
         # point (after it, bases restart at ``low`` and do not contain the busy port).
         i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
