@@ -253,6 +253,10 @@ class ServerProcess:
             )  # fmt: skip
         except OSError as exc:
             log.warning("%s: could not start its guard (the watchdog still covers pytest's death): %s", self.name, exc)
+            return
+        # Niced: on a busy machine its start-up must not slow the servers' (it waits idle, and acts rarely).
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, self._guard.pid, 10)
 
     def poll_ready(self, client: httpx.Client | None = None) -> bool:
         """One readiness check: alive, ``/health`` 200, ``/v1/models`` lists the model.
