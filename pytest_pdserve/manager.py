@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ from pytest_pdserve.errors import ClusterSpecError, PDServeError
 from pytest_pdserve.inventory import Inventory, gpu_processes
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
+from pytest_pdserve.supervise import start_guard
 from pytest_pdserve.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ class ClusterManager:
         self.run_token = new_run_token()
         self.port_range = port_range_from_env()
         self._watchdog: Watchdog | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
         self._running: dict[ClusterSpec, _Running] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
         self._lock = threading.RLock()
@@ -230,7 +233,7 @@ class ClusterManager:
         return _Running(cluster, processes, None, port_leases, "attached")
 
     def ensure_watchdog(self) -> None:
-        """Start the watchdog again if it died while clusters run (it sweeps by run token: no state to pass)."""
+        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token)."""
         with self._lock:
             if self._running:
                 self._watch()
@@ -259,6 +262,11 @@ class ClusterManager:
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
+        if self._guard is not None:  # nothing left to guard; it would exit with this process anyway
+            self._guard.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._guard.wait(5)
+            self._guard = None
 
     # ------------------------------------------------------------------ start
 
@@ -279,6 +287,9 @@ class ClusterManager:
         return SIM_DEFAULT_MODELS[spec.model_kind]
 
     def _watch(self) -> Watchdog:
+        if self._guard is None or self._guard.poll() is not None:
+            # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
+            self._guard = start_guard(self.run_token, self._orphan_grace(), self.log_dir / "guard.log")
         if self._watchdog is None or not self._watchdog.alive:
             # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
@@ -431,7 +442,7 @@ class ClusterManager:
                     cmd.name, cmd.argv, self._child_env(cmd.env), log_path,
                     health_url=f"{url}/health", models_url=f"{url}/v1/models",
                     model_id=served_model_name(cmd.argv, model),
-                    api_key=self.defaults.api_key, run_token=self.run_token, guard_grace=self._orphan_grace(),
+                    api_key=self.defaults.api_key, run_token=self.run_token,
                 )  # fmt: skip
                 tokens = tuple(self.inventory.gpus[p].token for p in positions)
                 handles.append(
@@ -537,7 +548,7 @@ class ClusterManager:
         log_path = self.log_dir / f"{label}-proxy.log"
         proc = ServerProcess(
             "proxy", argv, self._child_env({}), log_path, health_url=f"{url}{health}",
-            api_key=self.defaults.api_key, run_token=self.run_token, guard_grace=self._orphan_grace(),
+            api_key=self.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
         return ServerHandle("proxy", 0, url, self.defaults.api_key, log_path, proc, None, ServerPorts(port, 0, 0))

@@ -33,15 +33,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 from urllib.parse import urlsplit
 
 import httpx
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
 from pytest_pdserve.hints import hint_for
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, read_stat, terminate
-from pytest_pdserve.supervise import guard_argv, lifeline
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -115,8 +113,6 @@ class ServerProcess:
     :param model_id: the served model name that ``models_url`` must list.
     :param api_key: sent as ``Authorization: Bearer`` on readiness requests (vLLM ``--api-key``).
     :param run_token: the session/cluster token the watchdog sweeps (:func:`new_run_token`).
-    :param guard_grace: SIGTERM-to-SIGKILL grace of the server's guard, which stops it when pytest and the
-        watchdog are both gone (:mod:`pytest_pdserve.supervise`).
     """
 
     def __init__(
@@ -131,7 +127,6 @@ class ServerProcess:
         model_id: str | None = None,
         api_key: str | None = None,
         run_token: str,
-        guard_grace: float = 5.0,
     ) -> None:
         if isinstance(argv, str) or not argv:
             raise ValueError(f"{name}: argv must be a non-empty list of strings, got {argv!r}")
@@ -144,7 +139,6 @@ class ServerProcess:
         self.models_url = models_url
         self.model_id = model_id
         self.run_token = run_token
-        self.guard_grace = guard_grace
         self.server_token = f"{run_token}.{name}.{uuid.uuid4().hex[:8]}"
         self.env: dict[str, str] = dict(env)
         self.env[RUN_TOKEN_ENV] = run_token
@@ -155,7 +149,6 @@ class ServerProcess:
         self._ready_at: float | None = None
         self._waiting_for = "the process to start"
         self._stop_report: StopReport | None = None
-        self._guard: subprocess.Popen[bytes] | None = None
 
     # ---------------------------------------------------------------- state
 
@@ -200,7 +193,7 @@ class ServerProcess:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, inherit_fds: Sequence[int] = ()) -> ServerProcess:
-        """Spawn the server, then its guard (:mod:`pytest_pdserve.supervise`). Returns self.
+        """Spawn the server. Returns self.
 
         :param inherit_fds: fds the server itself keeps open (lease locks: a lease held by the server is
             free only once the server is gone, whoever else dies first).
@@ -214,7 +207,6 @@ class ServerProcess:
             host, port = _host_port(self.health_url)
             if _answers(host, port):
                 raise PortInUse(port, self.name)
-        life_fd = lifeline()[0]
         with open(self.log_path, "ab") as log_fh:
             # The API key stays out of the log: its tail ends up in error messages and progress lines.
             shown = " ".join("***" if i and self.argv[i - 1] == "--api-key" else a for i, a in enumerate(self.argv))
@@ -230,33 +222,11 @@ class ServerProcess:
                 close_fds=True,
                 pass_fds=tuple(inherit_fds),
             )
-            self._start_guard(log_fh, life_fd, inherit_fds)
         # The child has its own copy of the log fd; ours is closed by the with-block.
         self._started_at = time.monotonic()
         _live.add(self)
         log.info("started %s pid=%s log=%s", self.name, self._popen.pid, self.log_path)
         return self
-
-    def _start_guard(self, log_fh: IO[bytes], life_fd: int, inherit_fds: Sequence[int]) -> None:
-        """The guard stops the server if pytest and the watchdog both die; best effort (the watchdog remains)."""
-        assert self._popen is not None
-        info = read_stat(self._popen.pid)
-        if info is None:
-            return  # already gone (and reaped by nobody yet: a zombie still has a stat) - nothing to guard
-        # Without our tokens: sweeps must not target the guard (it ends with its server by itself).
-        env = {k: v for k, v in self.env.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
-        argv = guard_argv(self._popen.pid, info.starttime, life_fd, self.guard_grace, self.server_token)
-        try:
-            self._guard = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, close_fds=True, pass_fds=(life_fd, *inherit_fds),
-            )  # fmt: skip
-        except OSError as exc:
-            log.warning("%s: could not start its guard (the watchdog still covers pytest's death): %s", self.name, exc)
-            return
-        # Niced: on a busy machine its start-up must not slow the servers' (it waits idle, and acts rarely).
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, self._guard.pid, 10)
 
     def poll_ready(self, client: httpx.Client | None = None) -> bool:
         """One readiness check: alive, ``/health`` 200, ``/v1/models`` lists the model.
@@ -371,13 +341,6 @@ class ServerProcess:
             popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             errors.append(f"pid {popen.pid} not reaped within 10 s of SIGKILL (D state?)")
-        if self._guard is not None:
-            try:  # it exits on its own once the server is gone; reap it (bounded)
-                self._guard.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                errors.append(f"guard pid {self._guard.pid} still running 5 s after its server; killed")
-                self._guard.kill()
-                self._guard.wait(timeout=5)
         for msg in errors:
             log.warning("%s: %s", self.name, msg)
         self._stop_report = StopReport(

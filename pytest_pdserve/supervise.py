@@ -1,27 +1,19 @@
-"""Every server gets a guard process, so that no single death breaks supervision.
+"""The guard: a second supervisor, so that no single death (nor pytest's *and* the watchdog's) breaks supervision.
 
-Who can stop a server: ``ServerProcess.stop`` (pytest), the watchdog (when pytest dies), and the server's
-guard (when pytest *and* the watchdog are gone). The guard exists because either of the first two can be
-SIGKILLed, in any order: SIGKILL the watchdog, then pytest, and before the guard nobody was left.
+Who can stop a server: ``ServerProcess.stop`` (pytest), the watchdog (when pytest dies) and the guard (when
+pytest *and* the watchdog are gone). The guard exists because either of the first two can be SIGKILLed, in
+any order: SIGKILL the watchdog, then pytest, and before the guard nobody was left to stop the servers.
 
 * **The lifeline.** One pipe per pytest process (:func:`lifeline`). pytest holds the write end, and so does
   the watchdog (inherited at its start); nobody ever writes to it. Its read end reaches EOF exactly when
   every holder of a write end is dead. Forked children of pytest close their copy (``register_at_fork``),
   so a forked test helper cannot keep it open.
-* **Leases.** The server is spawned with the lease fds of its cluster (``ServerProcess.start(inherit_fds=)``),
-  and so is its guard: **a lease is free only when the server (and its guard) are gone**, whoever dies first.
-* **The guard** (``python -I -S``, stdlib only, ~10 MB) is started right after its server, in its own
-  session, without the run/server tokens in its environment (sweeps do not target it; it ends with its
-  server). It waits, on a pidfd of the server and on the lifeline, for one of two things:
-
-  - the server exited: the guard exits, after sweeping the server's escaped descendants
-    (``PDSERVE_SERVER_TOKEN``) if the lifeline is dead too;
-  - EOF on the lifeline (pytest and the watchdog are both dead): it SIGTERMs the server and every process
-    carrying the server's token, waits the grace (``min(--pd-shutdown-timeout, 10 s)``), SIGKILLs what is
-    left, then exits.
-
-The server is spawned directly by pytest, as before (the guard starts beside it, off the start-up's
-critical path), so it stays a direct child of pytest with its own session and process group.
+* **The guard** (one per pytest process, ``python -I -S``, stdlib only, niced) holds only the read end. It
+  sleeps in ``select`` until EOF, then SIGTERMs every process carrying the run token (``PDSERVE_RUN_TOKEN``:
+  every server and every descendant, ``setsid`` or not), waits the grace (``min(--pd-shutdown-timeout, 3 s)``),
+  SIGKILLs what is left and exits. pytest stops it at the end of a normal session.
+* **Leases** do not depend on any supervisor: the servers inherit their cluster's lease fds
+  (``ServerProcess.start(inherit_fds=)``), so a lease is free only once the servers holding it are gone.
 """
 
 from __future__ import annotations
@@ -30,18 +22,15 @@ import contextlib
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from pytest_pdserve.proctree import (
-    SERVER_TOKEN_ENV,
-    isolated_argv,
-    read_stat,
-    terminate,
-)
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, terminate
 
-__all__ = ["guard_argv", "lifeline", "main"]
+__all__ = ["lifeline", "main", "start_guard"]
 
 _LIFELINE: tuple[int, int] | None = None
 
@@ -63,70 +52,58 @@ def lifeline() -> tuple[int, int]:
     return _LIFELINE
 
 
-def guard_argv(server_pid: int, starttime: int, lifeline_fd: int, grace: float, server_token: str) -> list[str]:
-    """argv of the guard of one server (pass ``lifeline_fd`` and the lease fds in ``pass_fds``)."""
-    return [
-        *isolated_argv("pytest_pdserve.supervise"),
-        str(server_pid), str(starttime), str(lifeline_fd), repr(float(grace)), server_token,
-    ]  # fmt: skip
-
-
 def _say(msg: str) -> None:
     with contextlib.suppress(OSError):
         sys.stderr.write(f"{time.strftime('%H:%M:%S')} pdserve-guard[{os.getpid()}] {msg}\n")
         sys.stderr.flush()
 
 
-def _dead(fd: int) -> bool:
-    """Whether ``fd`` (a pidfd or the lifeline, both only ever readable at the end) is readable now."""
-    readable, _, _ = select.select([fd], [], [], 0)
-    return bool(readable)
+def start_guard(run_token: str, grace: float, log_path: Path | None) -> subprocess.Popen[bytes]:
+    """Start the guard of this pytest process: it sweeps ``PDSERVE_RUN_TOKEN=run_token`` once the lifeline dies.
+
+    Own session (a Ctrl-C to pytest's group is not for it); niced (its start-up must not slow the servers';
+    it waits idle and acts rarely); without our tokens in its environment (no sweep targets it).
+    """
+    read_fd = lifeline()[0]
+    env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
+    out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            [*isolated_argv("pytest_pdserve.supervise"), run_token, str(read_fd), repr(float(grace))],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, close_fds=True, pass_fds=(read_fd,),
+        )  # fmt: skip
+    finally:
+        if not isinstance(out, int):
+            out.close()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
+    return proc
 
 
-def _same_process(pid: int, starttime: int) -> bool:
-    info = read_stat(pid)
-    return info is not None and info.live and info.starttime == starttime
-
-
-def _sweep(server_pid: int, starttime: int, token: str, grace: float, why: str) -> None:
-    extra = {server_pid: starttime} if _same_process(server_pid, starttime) else {}
-    _say(f"{why}: stopping server pid {server_pid} and every process with its token (grace {grace:.1f}s)")
-    res = terminate([], env=[(SERVER_TOKEN_ENV, token)], extra=extra, grace=grace, kill_wait=10.0)
-    _say(f"done in {res.total_seconds:.2f}s: killed={res.killed} swept={list(res.swept)} left={list(res.remaining)}")
-
-
-def _guard(server_pid: int, starttime: int, lifeline_fd: int, grace: float, token: str) -> int:
+def _guard(token: str, lifeline_fd: int, grace: float) -> int:
     for sig in (signal.SIGINT, signal.SIGHUP):  # a terminal's signals are not for us
         signal.signal(sig, signal.SIG_IGN)
-    try:
-        server_fd = os.pidfd_open(server_pid)  # readable once the server has exited (Linux >= 5.3)
-    except (OSError, AttributeError):
-        server_fd = None
-    if not _same_process(server_pid, starttime):  # gone before we looked: the pidfd may name a newcomer
-        server_fd = None
-        if _dead(lifeline_fd):
-            _sweep(server_pid, starttime, token, 0.0, "server gone and nobody supervises it")
-        return 0
-    for _ in range(100_000_000):  # ends on one of the events below; the count only bounds a logic error
-        watched = [lifeline_fd] if server_fd is None else [lifeline_fd, server_fd]
-        readable, _, _ = select.select(watched, [], [], 0.2)
-        if lifeline_fd in readable:
-            _sweep(server_pid, starttime, token, grace, "pytest and the watchdog are gone")
-            return 0
-        if (server_fd is not None and server_fd in readable) or not _same_process(server_pid, starttime):
-            if _dead(lifeline_fd):
-                _sweep(server_pid, starttime, token, 0.0, "server gone and nobody supervises it")
-            return 0
-    return 1
+    # Nobody ever writes to the lifeline: it becomes readable only at EOF, when every write end is closed.
+    for _ in range(100_000_000):  # bounded only against a logic error
+        readable, _, _ = select.select([lifeline_fd], [], [], 3600)
+        if readable:
+            break
+    res = terminate([], env=[(RUN_TOKEN_ENV, token)], grace=grace, kill_wait=10.0)
+    if res.swept:  # after a normal session there is nothing to do, and nothing to say
+        _say(
+            f"pytest and the watchdog are gone: stopped {list(res.swept)} in {res.total_seconds:.2f}s "
+            f"(grace {grace:.1f}s, killed={res.killed}, left={list(res.remaining)})"
+        )
+    return 0 if not res.remaining else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Guard entry point: ``SERVER_PID STARTTIME LIFELINE_FD GRACE SERVER_TOKEN`` (no argparse: it is slow to
-    import, and the guard starts next to every server)."""
+    """Guard entry point: ``RUN_TOKEN LIFELINE_FD GRACE`` (no argparse: it is slow to import)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        pid, starttime, fd, grace, token = args
-        return _guard(int(pid), int(starttime), int(fd), float(grace), token)
+        token, fd, grace = args
+        return _guard(token, int(fd), float(grace))
     except ValueError as exc:
-        _say(f"usage: SERVER_PID STARTTIME LIFELINE_FD GRACE SERVER_TOKEN; got {args!r} ({exc})")
+        _say(f"usage: RUN_TOKEN LIFELINE_FD GRACE; got {args!r} ({exc})")
         return 2

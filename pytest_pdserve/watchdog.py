@@ -123,10 +123,14 @@ class Watchdog:
         # and knows the token, so servers started meanwhile are swept even if this process dies first.
         return wd
 
-    def _await_hello(self) -> None:
+    def _await_hello(self, timeout: float = _READY_TIMEOUT) -> None:
+        """Check the child's hello, waiting up to ``timeout``; with 0, return at once if it has not come yet
+        (commands sent meanwhile queue up in the socket: the child reads them after its hello)."""
         if not self._hello_pending:
             return
-        ready, _, _ = select.select([self._sock], [], [], _READY_TIMEOUT)
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready and timeout == 0 and self._proc.poll() is None:
+            return
         hello = self._sock.recv(64) if ready else b""
         if hello != b"ready":
             with contextlib.suppress(OSError):
@@ -158,7 +162,8 @@ class Watchdog:
         if self._closed:
             return
         try:
-            self._await_hello()
+            # Not blocking on the hello: the servers' readiness loop must not wait for our start-up.
+            self._await_hello(timeout=0)
             if fds:
                 socket.send_fds(self._sock, [line.encode()], list(fds))
             else:

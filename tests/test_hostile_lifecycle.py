@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import stat
 import time
@@ -296,6 +297,11 @@ def _helpers(inner: Inner, module: str) -> list[int]:
     return [pid for pid in live_procs(inner.mark) if needle in _cmdline(pid)]
 
 
+def _servers(inner: Inner) -> list[int]:
+    """Live marked simulator and proxy processes."""
+    return [p for p in live_procs(inner.mark) if re.search(rb"-m\0pytest_pdserve\.(sim|proxy)\0", _cmdline(p))]
+
+
 def _alive(pid: int) -> bool:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -345,6 +351,8 @@ KILL_ORDERS = [
     ("proxy",),
     ("proxy", "pytest"),
     ("watchdog", "proxy", "pytest"),
+    ("guard", "pytest"),
+    ("guard",),
 ]
 
 
@@ -359,10 +367,10 @@ def test_sigkill_in_any_order_leaves_no_server_and_no_lease_held_early(
         info = inner.wait_info()
         servers = {s["name"]: s["pid"] for s in info["servers"]}  # type: ignore[attr-defined]
         [watchdog] = _helpers(inner, "watchdog")
-        assert len(_helpers(inner, "supervise")) == 3, "one guard per server"
+        [guard] = _helpers(inner, "supervise")  # one per pytest process
         locks = sorted(inner.lease_dir.glob("*.lock"))
         assert len(locks) == 2 + 2 * (1 + 1 + VLLM_PORT_WINDOW) + 1, locks  # GPUs, HTTP, NIXL, VLLM_PORT, proxy
-        victims = {"pytest": proc.pid, "watchdog": watchdog, "proxy": servers["proxy"]}
+        victims = {"pytest": proc.pid, "watchdog": watchdog, "guard": guard, "proxy": servers["proxy"]}
         for name in order:
             _kill(victims[name])
         if "pytest" not in order:
@@ -387,7 +395,7 @@ def test_pytest_killed_during_cluster_start(inner: Inner) -> None:
         """
     )
     with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
-        wait_for(lambda: len(_helpers(inner, "supervise")) == 3, 60, "servers and guards spawned")
+        wait_for(lambda: len(_servers(inner)) == 3 and _helpers(inner, "supervise"), 60, "servers spawned")
         [watchdog] = _helpers(inner, "watchdog")
         _kill(watchdog)  # and the watchdog first: only the guards are left to stop the starting servers
         _kill(proc.pid)
