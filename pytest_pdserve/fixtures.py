@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
+from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory, short_source
 from pytest_pdserve.spec import ClusterSpec
@@ -47,15 +46,14 @@ def worker_id(config: pytest.Config) -> str:
 
 
 def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp; private (0700)."""
+    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp.
+
+    Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
+    """
     cfg = config.stash[PDSERVE_CONFIG]
     base = cfg.log_dir if cfg.log_dir is not None else tmp_path_factory.getbasetemp() / "pdserve-logs"
     path = base / worker_id(config) if worker_id(config) != "master" else base
-    path.mkdir(parents=True, exist_ok=True)
-    for p in {base, path}:
-        # Logs carry prompts, API keys in argv are redacted, but still: private to the user.
-        os.chmod(p, stat.S_IRWXU)
-    return path
+    return ensure_dir(path, LOG_DIR_MODE)
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
@@ -119,6 +117,13 @@ def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory)
     return config.stash[MANAGER]
 
 
+def ensure_watchdog(config: pytest.Config) -> None:
+    """Before each test: a watchdog that died (killed, OOM) is replaced while our clusters run."""
+    manager = config.stash.get(MANAGER, None)
+    if manager is not None:
+        manager.ensure_watchdog()
+
+
 def stop_manager(config: pytest.Config) -> None:
     """Stop every cluster of this process (pytest_unconfigure; also the session fixture's teardown)."""
     manager = config.stash.get(MANAGER, None)
@@ -126,30 +131,43 @@ def stop_manager(config: pytest.Config) -> None:
         manager.stop_all()
 
 
+#: The settings pytest-timeout armed the current test's timer with (seen through its public hooks, below).
+TIMEOUT_ARMED = pytest.StashKey[Any]()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Observe (not handle: returns None) pytest-timeout arming a test's timer, to re-arm it after a pause."""
+    item.stash[TIMEOUT_ARMED] = settings
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    """Observe pytest-timeout's timer being cancelled."""
+    with contextlib.suppress(KeyError):
+        del item.stash[TIMEOUT_ARMED]
+
+
 @contextlib.contextmanager
 def timeout_paused(config: pytest.Config) -> Iterator[None]:
     """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
 
     Otherwise a session-scoped start is billed to whichever test first asks for the cluster
-    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up.
+    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up. Only pytest-timeout's
+    public hooks are used: the settings are those it armed the timer with (none when ``func_only`` defers the
+    timer to the test call, where no cluster starts).
     """
     item = config.stash.get(CURRENT_ITEM, None)
-    timeout_plugin = config.pluginmanager.get_plugin("timeout")
-    if item is None or timeout_plugin is None:
+    settings = item.stash.get(TIMEOUT_ARMED, None) if item is not None else None
+    if item is None or settings is None:
         yield
         return
     hook = config.pluginmanager.hook
-    settings = None
-    with contextlib.suppress(Exception):  # a private helper of pytest-timeout: degrade to "not paused"
-        settings = timeout_plugin._get_item_settings(item)
-    armed = settings is not None and settings.timeout and settings.timeout > 0 and not settings.func_only
-    if armed:
-        hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_cancel_timer(item=item)
     try:
         yield
     finally:
-        if armed:
-            hook.pytest_timeout_set_timer(item=item, settings=settings)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
@@ -205,10 +223,36 @@ class _Factory:
         return _get_cluster(self._request, spec)
 
     def stop(self, spec: ClusterSpec) -> None:
-        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory)."""
+        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory).
+
+        The next request for it, ``pd_cluster`` included, starts a fresh one: a stopped cluster is never handed out.
+        """
         manager = self._request.config.stash.get(MANAGER, None)
-        if manager is not None:
-            manager.stop(spec)
+        if manager is None:
+            return
+        stopped = manager.stop(spec)
+        if stopped is not None:
+            forget_fixture_value(self._request, "pd_cluster", stopped)
+
+
+def forget_fixture_value(request: pytest.FixtureRequest, name: str, value: object) -> bool:
+    """Make pytest run fixture ``name`` again next time, if it cached ``value``; returns whether it did.
+
+    pytest caches a session fixture's value for the whole session and has no public way to drop it, so this
+    uses ``FixtureDef.finish`` (what pytest itself calls to tear a fixture down) through the fixture manager.
+    Isolated here and tested (tests/test_hostile_lifecycle.py): should pytest's internals change, it warns
+    and the stopped cluster's own errors remain.
+    """
+    try:
+        defs = request._fixturemanager.getfixturedefs(name, request.node) or ()
+        for fixturedef in defs:
+            cached = fixturedef.cached_result
+            if cached is not None and cached[0] is value:
+                fixturedef.finish(request)  # type: ignore[arg-type]  # a SubRequest at run time
+                return True
+    except Exception as exc:  # pytest internals moved: keep the stop, lose only the re-run
+        log.warning("pdserve: could not make pytest forget the stopped %s fixture value: %r", name, exc)
+    return False
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,11 @@ registry to repair. That makes leases safe across xdist workers, concurrent pyte
   hands one of them to some random ``connect()`` or ``bind(0)`` while we are not listening yet (NIXL
   binds its side channel only after model load). Each port is flock-leased *and* checked free by
   binding it, which skips ports held by services that know nothing about our leases.
-* ``lease.fds`` can be handed to the watchdog (``Watchdog.hold``) so a lease outlives a SIGKILLed
-  pytest until the watchdog has killed the servers that used it.
+* ``lease.fds`` are inherited by the servers that use the lease (``ServerProcess.start(inherit_fds=)``)
+  and handed to the watchdog (``Watchdog.hold``), so a lease outlives a SIGKILLed pytest until every
+  server that used it is gone.
+* The lock files themselves (safe open in a shared dir, holder info, entries that are not ours and
+  therefore count as busy) are :mod:`pytest_pdserve.lockfiles`.
 * ``<key>.json`` next to each lock records the holder (pid, pgid, start time, purpose) for
   diagnostics only; the lock is the truth. Both files are removed on release (while still locked,
   and a new holder checks it locked the inode that is still linked), so the directory does not fill
@@ -26,12 +29,8 @@ and an open sequence that works in a shared sticky directory (``fs.protected_reg
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
-import json
 import logging
-import os
 import random
 import re
 import socket
@@ -39,8 +38,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout, PDServeError
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
+    from typing import Self
+
+from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
+from pytest_pdserve.lockfiles import describe_holder, try_lock, unlock, write_holder
+from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -65,122 +70,20 @@ _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
 
 
 def ensure_lease_dir(lease_dir: Path) -> Path:
-    """Create ``lease_dir`` (and its parent) world-writable and sticky (mode 1777, like /tmp).
+    """Create ``lease_dir`` (and missing parents) world-writable and sticky (mode 1777, like /tmp).
 
-    :raises PDServeError: the directory exists but we cannot create files in it.
+    Only directories created here get that mode (:mod:`pytest_pdserve.paths`): an existing directory is
+    used as it is, never chmodded.
+
+    :raises PathError: a component is not a directory, or we cannot create files in it.
     """
-    lease_dir = Path(lease_dir)
-    for d in (lease_dir.parent, lease_dir):
-        try:
-            d.mkdir(mode=0o1777, exist_ok=True)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise PDServeError(f"cannot create lease directory {d}: {exc} (set --pd-lease-dir)") from exc
-        with contextlib.suppress(OSError):  # only the owner may chmod; umask stripped bits on mkdir
-            if d.stat().st_uid == os.geteuid():
-                d.chmod(0o1777)
-    if not os.access(lease_dir, os.W_OK | os.X_OK):
-        raise PDServeError(
-            f"lease directory {lease_dir} is not writable by uid {os.geteuid()}; ask its owner to "
-            f"`chmod 1777 {lease_dir}`, or choose another one with --pd-lease-dir / $PDSERVE_LEASE_DIR"
-        )
-    return lease_dir
-
-
-def _open_shared(path: Path) -> int:
-    """Open (creating if needed) a file in a sticky shared dir; mode 0666 so other users can lock it."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    for _ in range(10):
-        try:
-            return os.open(path, flags)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue  # lost a creation race: open the winner's file
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o666)  # the umask stripped group/other write
-        return fd
-    raise PDServeError(f"cannot open lease file {path}: it keeps appearing and disappearing")
-
-
-def _try_lock(path: Path) -> int | None:
-    """Non-blocking exclusive flock; returns the fd holding it, or None if someone else holds it."""
-    for _ in range(10):
-        fd = _open_shared(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise
-        # The previous holder unlinks the file on release; if that happened between our open and our
-        # flock we locked an orphaned inode that nobody else will ever look at: retry on the new file.
-        try:
-            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)
-    return None
-
-
-def _unlock(fd: int, path: Path) -> None:
-    """Release a lock taken by :func:`_try_lock` and remove its files (they would pile up otherwise)."""
-    # Unlink *while still locked* so a waiter that opened the old inode notices (see _try_lock).
-    # Another user's file in the sticky dir cannot be unlinked (EPERM): it simply stays.
-    for victim in (path.with_suffix(".json"), path):
-        with contextlib.suppress(OSError):
-            os.unlink(victim)
-    # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def _self_starttime() -> int:
     try:
-        with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
-            data = fh.read()
-        return int(data[data.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _write_holder(lock_path: Path, purpose: str) -> None:
-    info = {
-        "pid": os.getpid(),
-        "pgid": os.getpgrp(),
-        "starttime": _self_starttime(),
-        "uid": os.geteuid(),
-        "purpose": purpose,
-        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    try:
-        fd = _open_shared(lock_path.with_suffix(".json"))
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(info).encode())
-        finally:
-            os.close(fd)
-    except (OSError, PDServeError) as exc:  # diagnostics only
-        log.debug("could not write lease holder info for %s: %s", lock_path, exc)
-
-
-def _describe_holder(lock_path: Path) -> str:
-    try:
-        info = json.loads(lock_path.with_suffix(".json").read_text())
-        desc = f"pid {info['pid']}"
-        if info.get("purpose"):
-            desc += f" ({info['purpose']})"
-        return desc + f" since {info.get('since', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "an unknown holder"
+        return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
+    except PathError as exc:
+        raise PathError(
+            f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "
+            "--pd-lease-dir / $PDSERVE_LEASE_DIR / pdserve_lease_dir"
+        ) from None
 
 
 class _Lease:
@@ -200,8 +103,21 @@ class _Lease:
 
     def _release_now(self) -> None:
         for path, fd in zip(self._paths, self._fds, strict=True):
-            _unlock(fd, path)
+            unlock(fd, path)
         self._fds = []
+
+    def release(self) -> float:
+        """Hand the lease back (idempotent); returns seconds spent in a release gate (none here: 0.0)."""
+        self._release_now()
+        return 0.0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
 
 
 class GpuLease(_Lease):
@@ -252,14 +168,6 @@ class GpuLease(_Lease):
         self._release_now()
         return time.monotonic() - t0
 
-    def __enter__(self) -> GpuLease:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
     def __repr__(self) -> str:
         return f"<GpuLease positions={self.positions} keys={self.keys} held={self.held}>"
 
@@ -278,18 +186,6 @@ class PortLease(_Lease):
     def base(self) -> int:
         """The first (lowest) port; for spans, what ``VLLM_PORT`` / the side-channel base is set to."""
         return self.ports[0]
-
-    def release(self) -> None:
-        """Hand the ports back (idempotent)."""
-        self._release_now()
-
-    def __enter__(self) -> PortLease:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"<PortLease ports={self.ports} held={self.held}>"
@@ -325,7 +221,7 @@ def _try_gpus(
             return True
         if pos in busy:
             return False
-        fd = _try_lock(paths[pos])
+        fd = try_lock(paths[pos])
         if fd is None:
             busy.add(pos)
             return False
@@ -347,7 +243,7 @@ def _try_gpus(
                 lock(p)
             return None, sorted(busy)
         for pos in chosen:
-            _write_holder(paths[pos], purpose)
+            write_holder(paths[pos], purpose)
         lease = GpuLease(
             chosen, tuple(keys[p] for p in chosen), [paths[p] for p in chosen], [held[p] for p in chosen], 0.0
         )
@@ -355,7 +251,7 @@ def _try_gpus(
     finally:
         for pos, fd in held.items():
             if chosen is None or pos not in chosen:
-                _unlock(fd, paths[pos])
+                unlock(fd, paths[pos])
 
 
 def _validate_gpu_request(keys: Sequence[str], count: int) -> None:
@@ -434,7 +330,7 @@ def acquire_gpus(
 
 
 def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:
-    holders = ", ".join(f"{keys[p]} by {_describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
+    holders = ", ".join(f"{keys[p]} by {describe_holder(_gpu_path(lease_dir, keys[p]))}" for p in busy)
     what = f"{count} free{' adjacent' if contiguous and count > 1 else ''} GPU(s)"
     if len(busy) == len(keys):
         return f"pdserve: waiting for {what} (all {len(keys)} leased: {holders})"
@@ -482,13 +378,13 @@ def _port_range(low: int, high: int | None) -> tuple[int, int]:
 
 def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
     path = lease_dir / f"port-{port}.lock"
-    fd = _try_lock(path)
+    fd = try_lock(path)
     if fd is None:
         return None
     if not _bind_free(port):
-        _unlock(fd, path)
+        unlock(fd, path)
         return None
-    _write_holder(path, purpose)
+    write_holder(path, purpose)
     return fd
 
 
@@ -522,7 +418,7 @@ def acquire_ports(
                     [fds[j] for j in order],
                 )
     for port, fd in zip(ports, fds, strict=True):
-        _unlock(fd, lease_dir / f"port-{port}.lock")
+        unlock(fd, lease_dir / f"port-{port}.lock")
     raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
 
 
@@ -560,7 +456,7 @@ def acquire_port_span(
                 fds,
             )
         for port, fd in zip(range(base, base + width), fds, strict=False):
-            _unlock(fd, lease_dir / f"port-{port}.lock")
+            unlock(fd, lease_dir / f"port-{port}.lock")
         # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
         # point (after it, bases restart at ``low`` and do not contain the busy port).
         i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
@@ -576,11 +472,11 @@ def acquire_fixed_port(lease_dir: Path, port: int, *, purpose: str = "") -> Port
     _port_range(port, port)
     lease_dir = ensure_lease_dir(lease_dir)
     path = lease_dir / f"port-{port}.lock"
-    fd = _try_lock(path)
+    fd = try_lock(path)
     if fd is None:
-        raise LeaseTimeout(f"port {port} is taken: leased by {_describe_holder(path)} (another pdserve session)")
+        raise LeaseTimeout(f"port {port} is taken: leased by {describe_holder(path)} (another pdserve session)")
     if not _bind_free(port):
-        _unlock(fd, path)
+        unlock(fd, path)
         raise LeaseTimeout(f"port {port} is taken: another process (not pdserve) is bound to it")
-    _write_holder(path, purpose)
+    write_holder(path, purpose)
     return PortLease((port,), [path], [fd])

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,7 @@ from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.spec import ClusterSpec
+from pytest_pdserve.supervise import start_guard
 from pytest_pdserve.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class ClusterManager:
         self.run_token = new_run_token()
         self.port_range = port_range_from_env()
         self._watchdog: Watchdog | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
         self._running: dict[ClusterSpec, _Running] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
         #: Servers that died under a test, one per cluster (health.py), for the end-of-run summary.
@@ -157,6 +160,7 @@ class ClusterManager:
         """
         with self._lock:
             if spec in self._running:
+                self.ensure_watchdog()
                 running = self._running[spec]
                 running.last_used = time.monotonic()
                 return running.cluster
@@ -235,16 +239,25 @@ class ClusterManager:
         self.report(cluster.describe())
         return _Running(cluster, processes, None, port_leases, "attached")
 
+    def ensure_watchdog(self) -> None:
+        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token)."""
+        with self._lock:
+            if self._running:
+                self._watch()
+
     def running(self) -> list[PDCluster]:
         """Clusters that are up now."""
         return [r.cluster for r in self._running.values()]
 
-    def stop(self, spec: ClusterSpec) -> None:
-        """Stop one cluster (no-op if it is not running)."""
+    def stop(self, spec: ClusterSpec) -> PDCluster | None:
+        """Stop one cluster (no-op if it is not running); returns the stopped cluster, so that whoever handed
+        it out can forget it (a later ``get`` of the same spec starts a fresh one)."""
         with self._lock:
             running = self._running.pop(spec, None)
-        if running is not None:
-            self._teardown(running)
+        if running is None:
+            return None
+        self._teardown(running)
+        return running.cluster
 
     def stop_all(self) -> None:
         """Stop every cluster, then the watchdog. Safe to call twice."""
@@ -256,6 +269,11 @@ class ClusterManager:
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
+        if self._guard is not None:  # nothing left to guard; it would exit with this process anyway
+            self._guard.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._guard.wait(5)
+            self._guard = None
 
     # ------------------------------------------------------------------ start
 
@@ -276,15 +294,25 @@ class ClusterManager:
         return SIM_DEFAULT_MODELS[spec.model_kind]
 
     def _watch(self) -> Watchdog:
+        if self._guard is None or self._guard.poll() is not None:
+            # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
+            self._guard = start_guard(self.run_token, self._orphan_grace(), self.log_dir / "guard.log")
         if self._watchdog is None or not self._watchdog.alive:
             # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
                 self.run_token,
-                grace=min(self.shutdown_timeout, 10.0),
+                grace=self._orphan_grace(),
                 log_path=self.log_dir / "watchdog.log",
                 wait=False,
             )
         return self._watchdog
+
+    def _orphan_grace(self) -> float:
+        """SIGTERM-to-SIGKILL grace of the watchdog and the guards, who stop servers when pytest is dead.
+
+        At most 3 s, so that no server is alive 5 s after pytest died, even one that ignores SIGTERM.
+        """
+        return min(self.shutdown_timeout, 3.0)
 
     def _make_room(self, need: int) -> None:
         """Stop our own least recently used clusters whose GPUs a new spec needs (the factory's contract)."""
@@ -380,7 +408,9 @@ class ClusterManager:
                 for name, fds in holds:
                     watchdog.hold(name, fds)
 
-            self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases)
+            # Every process of the cluster holds every lease fd of it: a lease frees only when its servers are gone.
+            fds = [*gpu_plan.fds, *(fd for lease in port_leases for fd in lease.fds)]
+            self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases, fds)
             n_p = spec.num_prefill
             eff = effective(spec, self.defaults)
             cluster = PDCluster(
@@ -410,6 +440,7 @@ class ClusterManager:
         t0: float,
         watchdog: Watchdog,
         after_spawn: Callable[[], None] = lambda: None,
+        inherit_fds: Sequence[int] = (),
     ) -> None:
         deadline = t0 + self.startup_timeout
         progress = _Progress(self.report)
@@ -423,7 +454,7 @@ class ClusterManager:
                 batch = [h, proxy] if (i == 0 and proxy is not None) else [h]
                 for b in batch:
                     assert b.process is not None
-                    b.process.start()
+                    b.process.start(inherit_fds)
                     watchdog.watch(b.process.pid or 0, b.process.pgid or 0)
                 if i == 0:
                     after_spawn()
@@ -433,7 +464,7 @@ class ClusterManager:
             return
         for h in handles:  # spawn all first: every server's start-up begins at once
             assert h.process is not None
-            h.process.start()
+            h.process.start(inherit_fds)
         for h in handles:
             assert h.process is not None
             watchdog.watch(h.process.pid or 0, h.process.pgid or 0)
@@ -492,7 +523,7 @@ class ClusterManager:
         """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
         proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
         assert proxy.process is not None
-        proxy.process.start()
+        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
         watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
         proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report))[
             "proxy"
@@ -554,7 +585,7 @@ def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:
 
 def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
     """Every pid we started (servers and their descendants), read before stopping them."""
-    from pytest_pdserve.watchdog import RUN_TOKEN_ENV, pids_with_env
+    from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 
     pids = {p.pid for p in processes if p.pid is not None}
     with contextlib.suppress(OSError):

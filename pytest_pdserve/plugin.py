@@ -13,12 +13,15 @@ from collections.abc import Generator
 import pytest
 
 from pytest_pdserve import export_env, logs
-from pytest_pdserve.fixtures import (
+from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
     CURRENT_ITEM,
     MANAGER,
+    ensure_watchdog,
     fail_if_cluster_died,
     pd_cluster,
     pd_cluster_factory,
+    pytest_timeout_cancel_timer,
+    pytest_timeout_set_timer,
     stop_manager,
 )
 from pytest_pdserve.markers import apply_skips, register_markers
@@ -111,6 +114,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """Remember the running test (to pause pytest-timeout while a cluster starts) and where logs end;
     after its fixtures, fail it at once if a cluster it got died under an earlier test."""
     item.config.stash[CURRENT_ITEM] = item
+    ensure_watchdog(item.config)
     logs.record_offsets(item)
     yield
     fail_if_cluster_died(item)
@@ -142,4 +146,4 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     export_env.restore(config)
 
 
-__all__ = ["pd_cluster", "pd_cluster_factory"]
+__all__ = ["pd_cluster", "pd_cluster_factory", "pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]

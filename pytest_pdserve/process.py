@@ -39,14 +39,8 @@ import httpx
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.hints import AUTH_HINT, hint_for
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.redaction import redact_argv
-from pytest_pdserve.watchdog import (
-    RUN_TOKEN_ENV,
-    SERVER_TOKEN_ENV,
-    descendants,
-    proc_table,
-    terminate,
-)
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -199,9 +193,11 @@ class ServerProcess:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self) -> ServerProcess:
+    def start(self, inherit_fds: Sequence[int] = ()) -> ServerProcess:
         """Spawn the server. Returns self.
 
+        :param inherit_fds: fds the server itself keeps open (lease locks: a lease held by the server is
+            free only once the server is gone, whoever else dies first).
         :raises PortInUse: the health port already answers (a leftover server or another service).
         :raises RuntimeError: start() was already called.
         :raises OSError: the executable could not be run (e.g. not found).
@@ -225,6 +221,7 @@ class ServerProcess:
                 env=self.env,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=tuple(inherit_fds),
             )
         # The child has its own copy of the log fd; ours is closed by the with-block.
         self._started_at = time.monotonic()
@@ -259,27 +256,27 @@ class ServerProcess:
         self._ready_at = time.monotonic()
         return True
 
+    def _get_ok(self, client: httpx.Client, url: str) -> httpx.Response | None:
+        """``GET url``; the response if it is 200, else None (and what we wait for is remembered)."""
+        try:
+            r = client.get(url, headers=self._headers)
+        except httpx.HTTPError as exc:
+            self._waiting_for = f"GET {url}: {_short(exc)}"
+            return None
+        if r.status_code != 200:
+            self._waiting_for = f"GET {url}: HTTP {r.status_code}"
+            self._fail_on_auth(r.status_code)
+            return None
+        return r
+
     def _check(self, client: httpx.Client) -> bool:
         assert self.health_url is not None
-        try:
-            r = client.get(self.health_url, headers=self._headers)
-        except httpx.HTTPError as exc:
-            self._waiting_for = f"GET {self.health_url}: {_short(exc)}"
-            return False
-        if r.status_code != 200:
-            self._waiting_for = f"GET {self.health_url}: HTTP {r.status_code}"
-            self._fail_on_auth(r.status_code)
+        if self._get_ok(client, self.health_url) is None:
             return False
         if self.models_url is None:
             return True
-        try:
-            r = client.get(self.models_url, headers=self._headers)
-        except httpx.HTTPError as exc:
-            self._waiting_for = f"GET {self.models_url}: {_short(exc)}"
-            return False
-        if r.status_code != 200:
-            self._waiting_for = f"GET {self.models_url}: HTTP {r.status_code}"
-            self._fail_on_auth(r.status_code)
+        r = self._get_ok(client, self.models_url)
+        if r is None:
             return False
         if self.model_id is None:
             return True

@@ -42,6 +42,8 @@ from pytest_pdserve.inventory import (
     parse_simulate_gpus,
     simulated_inventory,
 )
+from pytest_pdserve.leases import DEFAULT_LEASE_DIR
+from pytest_pdserve.paths import PathError, check_dir
 from pytest_pdserve.spec import ATTENTION_BACKEND_RE, MAX_BLOCK_SIZE, MAX_MODEL_LEN
 
 __all__ = [
@@ -58,7 +60,6 @@ __all__ = [
     "start_inventory_detection",
 ]
 
-DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
 VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
 """``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
 #: Bounds where a larger value only costs memory or time (the others live with ClusterSpec, in spec.py).
@@ -595,6 +596,10 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
         if sources[name] != "default" and values[name] is not None:
             path = Path(values[name]).expanduser()
             values[name] = path if path.is_absolute() else _base_dir(config, sources[name]) / path
+            try:
+                check_dir(values[name])  # the rule lives in paths.py: a file, or nowhere to write, is a usage error
+            except PathError as exc:
+                raise _usage(SETTINGS_BY_NAME[name], str(values[name]), sources[name], str(exc)) from None
     _check_gpu_sharing(values, sources)
     if values["simulate_gpus"] is not None:
         try:

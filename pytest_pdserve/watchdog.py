@@ -6,8 +6,8 @@ pytest's process group does not kill them mid-teardown), which means nobody else
 either, and a leaked ``vllm serve`` keeps its GPU memory for the next run.
 
 So pytest starts one small stdlib-only process per pytest process (``Watchdog.start``), in its own
-session, connected by a ``SOCK_SEQPACKET`` socket pair. pytest tells it which process groups and run
-tokens to watch. When pytest dies the kernel closes pytest's end, the watchdog reads EOF and:
+session, connected by a ``SOCK_SEQPACKET`` socket pair. It gets the run token at start; pytest tells it
+which process groups to watch. When pytest dies the kernel closes pytest's end, the watchdog reads EOF and:
 
 1. SIGTERMs every watched process group and every process whose environment carries a watched
    ``PDSERVE_RUN_TOKEN`` (this finds descendants that called ``setsid`` and left the group);
@@ -23,19 +23,18 @@ lease fds acquired later can still be handed over (SCM_RIGHTS over the socket).
 Belt and braces: the watchdog also polls ``getppid()`` (catches a parent whose socket end was inherited
 by a forked child) and asks for ``PR_SET_PDEATHSIG`` = SIGUSR1. The signal only *wakes* the loop; the
 decision is made on ``getppid()``, because PDEATHSIG fires when the parent *thread* that spawned us
-exits, which is not parent death when the watchdog was started from a helper thread. For the same
-reason PDEATHSIG is not put on the servers themselves.
+exits, which is not parent death when the watchdog was started from a helper thread.
 
-This module imports only the standard library, so it can run as a script with ``python -I`` even when
-``pytest_pdserve`` is not importable in the child's environment. The ``/proc`` helpers here are also
-used by :mod:`pytest_pdserve.process` to stop a single server.
+The watchdog is one of two supervisors: it inherits the write end of pytest's lifeline
+(:mod:`pytest_pdserve.supervise`), so when it dies *and* pytest dies, each server's guard stops its
+server. Killing and finding process trees lives in :mod:`pytest_pdserve.proctree`; this module imports
+only the standard library and that, so it runs under ``python -I -S``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -44,248 +43,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = [
-    "RUN_TOKEN_ENV",
-    "SERVER_TOKEN_ENV",
-    "ProcInfo",
-    "TerminateResult",
-    "Watchdog",
-    "descendants",
-    "pids_with_env",
-    "proc_table",
-    "terminate",
-]
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, set_parent_death_signal, terminate
+from pytest_pdserve.supervise import lifeline
+
+__all__ = ["Watchdog"]
 
 log = logging.getLogger(__name__)
 
-RUN_TOKEN_ENV = "PDSERVE_RUN_TOKEN"
-"""Env var carried by every process we start (and inherited by its descendants); the watchdog sweeps it."""
-
-SERVER_TOKEN_ENV = "PDSERVE_SERVER_TOKEN"
-"""Env var unique to one server; ``ServerProcess.stop`` sweeps only its own server's escapees by it."""
-
-_PR_SET_PDEATHSIG = 1
-_POLL = 0.02  # seconds between liveness checks while waiting for processes to exit
 _READY_TIMEOUT = 10.0  # how long Watchdog.start waits for the child's hello
-
-
-# --------------------------------------------------------------------------------------------------
-# /proc helpers (Linux). Every helper is best effort: processes vanish between listdir and open.
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """One row of ``/proc/<pid>/stat``: what we need to walk trees and to guard against PID reuse."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    state: str
-    starttime: int
-
-    @property
-    def live(self) -> bool:
-        """False for zombies (exited, not yet reaped) and dead entries."""
-        return self.state not in ("Z", "X", "x")
-
-
-def _read_stat(pid: int) -> ProcInfo | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses, so split after the last ')'.
-    rest = data[data.rindex(b")") + 2 :].split()
-    try:
-        return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0].decode(), int(rest[19]))
-    except (IndexError, ValueError):
-        return None
-
-
-def proc_table() -> dict[int, ProcInfo]:
-    """Snapshot every process visible in ``/proc``."""
-    table: dict[int, ProcInfo] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _read_stat(int(entry))
-            if info is not None:
-                table[info.pid] = info
-    return table
-
-
-def pids_with_env(name: str, value: str, table: Mapping[int, ProcInfo] | None = None) -> list[int]:
-    """Live pids whose initial environment has ``name=value`` (only our own uid's are readable).
-
-    This is how descendants that left the process group are found: ``setsid`` does not change the
-    environment. Never match by process name: that kills other users' and other runs' servers.
-    """
-    needle = b"\0" + f"{name}={value}".encode() + b"\0"
-    me = os.getpid()
-    found = []
-    for pid, info in (table if table is not None else proc_table()).items():
-        if pid == me or not info.live:
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                environ = fh.read()
-        except OSError:
-            continue
-        if needle in b"\0" + environ + b"\0":
-            found.append(pid)
-    return found
-
-
-def descendants(pid: int, table: Mapping[int, ProcInfo]) -> dict[int, int]:
-    """All live descendants of ``pid`` by ppid chain, as ``{pid: starttime}`` (for reuse checks)."""
-    children: dict[int, list[int]] = {}
-    for info in table.values():
-        children.setdefault(info.ppid, []).append(info.pid)
-    out: dict[int, int] = {}
-    stack = list(children.get(pid, ()))
-    while stack and len(out) < 100_000:  # bounded even if /proc is inconsistent
-        child = stack.pop()
-        if child in out:
-            continue
-        row = table.get(child)
-        if row is not None and row.live:
-            out[child] = row.starttime
-        stack.extend(children.get(child, ()))
-    return out
-
-
-def _safe_group(pgid: int) -> bool:
-    # Never signal our own group (that is pytest's) or init's; a server that somehow shares
-    # our group must not take pytest down with it.
-    return pgid > 1 and pgid != os.getpgrp()
-
-
-def _signal_all(groups: Iterable[int], pids: Mapping[int, int], sig: int) -> None:
-    groups = {g for g in groups if _safe_group(g)}
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-    table = proc_table()
-    for pid, starttime in pids.items():
-        info = table.get(pid)
-        # Same pid *and* same start time, or it is somebody else's process that reused the pid.
-        # Group members already got the signal: a second SIGTERM can turn a graceful shutdown
-        # into a forced one (uvicorn and vLLM's engine core treat repeats differently).
-        if (
-            info is not None
-            and info.live
-            and info.starttime == starttime
-            and info.pgid not in groups
-            and pid != os.getpid()
-        ):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-
-def _still_alive(groups: Iterable[int], pids: Mapping[int, int]) -> dict[int, int]:
-    groups = set(groups)
-    table = proc_table()
-    alive: dict[int, int] = {}
-    for info in table.values():
-        if not info.live:
-            continue
-        if info.pgid in groups or pids.get(info.pid) == info.starttime:
-            alive[info.pid] = info.starttime
-    return alive
-
-
-def _token_pids(env: Sequence[tuple[str, str]]) -> dict[int, int]:
-    table = proc_table()
-    out: dict[int, int] = {}
-    for name, value in env:
-        for pid in pids_with_env(name, value, table):
-            out[pid] = table[pid].starttime
-    return out
-
-
-@dataclass(frozen=True)
-class TerminateResult:
-    """What :func:`terminate` did.
-
-    :param term_seconds: SIGTERM until everything was gone, or until the grace ran out.
-    :param killed: whether SIGKILL was needed.
-    :param swept: pids signalled that were outside the watched groups (escaped descendants).
-    :param remaining: pids still alive at the end (should be empty; non-empty means a D-state process
-        or one owned by another user).
-    :param total_seconds: the whole operation.
-    """
-
-    term_seconds: float
-    killed: bool
-    swept: tuple[int, ...]
-    remaining: tuple[int, ...]
-    total_seconds: float
-
-
-def terminate(
-    groups: Iterable[int],
-    *,
-    env: Sequence[tuple[str, str]] = (),
-    extra: Mapping[int, int] | None = None,
-    grace: float,
-    kill_wait: float = 5.0,
-) -> TerminateResult:
-    """SIGTERM process groups plus escaped descendants, wait ``grace``, SIGKILL the rest, wait until gone.
-
-    :param groups: process group ids to signal with ``killpg``.
-    :param env: ``(name, value)`` env markers; live processes carrying one are signalled too.
-    :param extra: more processes as ``{pid: starttime}`` (e.g. a ppid-tree snapshot taken earlier).
-    :param grace: seconds between SIGTERM and SIGKILL; 0 means SIGKILL at once.
-    :param kill_wait: how long to wait for processes to vanish after SIGKILL.
-    """
-    t0 = time.monotonic()
-    groups = [g for g in set(groups) if _safe_group(g)]
-    targets = dict(extra or {})
-    targets.update(_token_pids(env))
-    swept: set[int] = set()
-    table = proc_table()
-    for pid in targets:
-        info = table.get(pid)
-        if info is not None and info.pgid not in groups:
-            swept.add(pid)
-
-    killed = False
-    if grace > 0:
-        _signal_all(groups, targets, signal.SIGTERM)
-        deadline = t0 + grace
-        while _still_alive(groups, targets) and time.monotonic() < deadline:
-            time.sleep(_POLL)
-    term_seconds = time.monotonic() - t0
-
-    alive = _still_alive(groups, targets)
-    deadline = time.monotonic() + kill_wait
-    # Each round rescans the env token: a dying process can still spawn (or setsid) a child.
-    for _ in range(1000):
-        more = _token_pids(env)
-        for pid in more:
-            if pid not in targets:
-                info = table.get(pid) or _read_stat(pid)
-                if info is not None and info.pgid not in groups:
-                    swept.add(pid)
-        targets.update(more)
-        alive = _still_alive(groups, targets)
-        if not alive or time.monotonic() >= deadline:
-            break
-        killed = True
-        _signal_all(groups, alive, signal.SIGKILL)
-        time.sleep(_POLL)
-    return TerminateResult(
-        term_seconds=term_seconds,
-        killed=killed,
-        swept=tuple(sorted(swept)),
-        remaining=tuple(sorted(alive)),
-        total_seconds=time.monotonic() - t0,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,10 +86,9 @@ class Watchdog:
         :raises OSError: if the watchdog could not be started or did not say hello within 10 s.
         """
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        life_fd = lifeline()[1]  # held, never used: the servers' guards act only when this copy is closed too
         argv = [
-            sys.executable,
-            "-I",  # stdlib only: ignore PYTHONPATH/site tweaks that could break or slow the child
-            os.path.abspath(__file__),
+            *isolated_argv("pytest_pdserve.watchdog"),  # stdlib only: PYTHONPATH/site tweaks cannot break it
             "--fd",
             str(child_sock.fileno()),
             "--ppid",
@@ -340,7 +107,7 @@ class Watchdog:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
-                pass_fds=(child_sock.fileno(),),
+                pass_fds=(child_sock.fileno(), life_fd),
                 # Own session: a Ctrl-C to pytest's process group must not kill the watchdog before
                 # pytest's own teardown had a chance; and it must survive pytest's death.
                 start_new_session=True,
@@ -356,10 +123,14 @@ class Watchdog:
         # and knows the token, so servers started meanwhile are swept even if this process dies first.
         return wd
 
-    def _await_hello(self) -> None:
+    def _await_hello(self, timeout: float = _READY_TIMEOUT) -> None:
+        """Check the child's hello, waiting up to ``timeout``; with 0, return at once if it has not come yet
+        (commands sent meanwhile queue up in the socket: the child reads them after its hello)."""
         if not self._hello_pending:
             return
-        ready, _, _ = select.select([self._sock], [], [], _READY_TIMEOUT)
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready and timeout == 0 and self._proc.poll() is None:
+            return
         hello = self._sock.recv(64) if ready else b""
         if hello != b"ready":
             with contextlib.suppress(OSError):
@@ -391,7 +162,8 @@ class Watchdog:
         if self._closed:
             return
         try:
-            self._await_hello()
+            # Not blocking on the hello: the servers' readiness loop must not wait for our start-up.
+            self._await_hello(timeout=0)
             if fds:
                 socket.send_fds(self._sock, [line.encode()], list(fds))
             else:
@@ -406,10 +178,6 @@ class Watchdog:
     def unwatch(self, pgid: int) -> None:
         """Forget ``pgid`` (call after stopping that server yourself)."""
         self._send(f"unwatch {pgid}")
-
-    def add_token(self, run_token: str) -> None:
-        """Also sweep processes whose env has ``PDSERVE_RUN_TOKEN=<run_token>``."""
-        self._send(f"token {run_token}")
 
     def hold(self, label: str, fds: Sequence[int]) -> None:
         """Hand the watchdog duplicates of lease fds, so the leases outlive this process until the
@@ -448,16 +216,7 @@ def _say(msg: str) -> None:
     sys.stderr.flush()
 
 
-def _set_pdeathsig(sig: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-            _say(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}")
-    except (OSError, AttributeError) as exc:  # not Linux / no libc symbol: EOF still works
-        _say(f"prctl unavailable: {exc}")
-
-
-def _serve(sock: socket.socket, ppid: int, tokens: set[str]) -> tuple[str, dict[int, int]]:
+def _serve(sock: socket.socket, ppid: int) -> tuple[str, dict[int, int]]:
     """Handle commands until the parent goes away (returns why) or says exit ("exit")."""
     groups: dict[int, int] = {}
     held: dict[str, list[int]] = {}
@@ -467,7 +226,9 @@ def _serve(sock: socket.socket, ppid: int, tokens: set[str]) -> tuple[str, dict[
         woken[0] = True
 
     signal.signal(signal.SIGUSR1, on_usr1)
-    _set_pdeathsig(signal.SIGUSR1)
+    problem = set_parent_death_signal(signal.SIGUSR1)
+    if problem:
+        _say(problem)
     try:
         sock.send(b"ready")
     except OSError:
@@ -492,8 +253,6 @@ def _serve(sock: socket.socket, ppid: int, tokens: set[str]) -> tuple[str, dict[
                 groups[pgid] = pid
             elif cmd == "unwatch":
                 groups.pop(int(rest), None)
-            elif cmd == "token":
-                tokens.add(rest)
             elif cmd == "hold":
                 held.setdefault(rest, []).extend(fds)
                 fds = []
@@ -513,7 +272,7 @@ def _serve(sock: socket.socket, ppid: int, tokens: set[str]) -> tuple[str, dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the watchdog process (``python -m pytest_pdserve.watchdog`` or the file path)."""
+    """Entry point of the watchdog process (see :func:`pytest_pdserve.proctree.isolated_argv`)."""
     parser = argparse.ArgumentParser(prog="pdserve-watchdog")
     parser.add_argument("--fd", type=int, required=True, help="SOCK_SEQPACKET fd connected to the parent")
     parser.add_argument("--ppid", type=int, required=True, help="pid of the parent we watch")
@@ -525,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     tokens = set(args.token)
-    reason, groups = _serve(sock, args.ppid, tokens)
+    reason, groups = _serve(sock, args.ppid)
     if reason == "exit":
         return 0
     t0 = time.monotonic()

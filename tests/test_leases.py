@@ -185,6 +185,18 @@ def test_lease_dir_is_shared_mode(tmp_path: Path) -> None:
     assert list(lease_dir.iterdir()) == [], "released leases leave no files behind"
 
 
+def test_existing_lease_dir_and_parents_keep_their_mode(tmp_path: Path) -> None:
+    """Only directories the plugin creates become 1777; an existing one (or its parent) is never chmodded."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    mine.chmod(0o755)
+    ensure_lease_dir(mine / "leases")
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+    assert stat.S_IMODE((mine / "leases").stat().st_mode) == 0o1777
+    ensure_lease_dir(mine)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+
+
 # Many processes hammer one key; whoever holds the lease creates a marker with O_EXCL. If two ever
 # held it at once, the O_EXCL create fails. This exercises the unlink-on-release / inode re-check.
 HAMMER = textwrap.dedent(

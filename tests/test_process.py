@@ -14,7 +14,7 @@ import pytest
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
 from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
-from pytest_pdserve.watchdog import proc_table
+from pytest_pdserve.proctree import proc_table
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
 

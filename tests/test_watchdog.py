@@ -17,7 +17,8 @@ import pytest
 
 from pytest_pdserve.leases import try_acquire_gpus
 from pytest_pdserve.process import ServerProcess, new_run_token
-from pytest_pdserve.watchdog import Watchdog, proc_table
+from pytest_pdserve.proctree import proc_table
+from pytest_pdserve.watchdog import Watchdog
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
 

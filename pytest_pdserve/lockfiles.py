@@ -1,0 +1,182 @@
+"""One lock file in a shared, sticky lease directory: open it safely, flock it, record and describe its holder.
+
+:mod:`pytest_pdserve.leases` builds GPU and port leases on these primitives. The directory is shared by every
+user of the machine, so an entry named like a lock file may be anything: a directory, a symlink (to
+``/etc/passwd``, or ``/dev/zero``), a fifo, a hard link to someone's file, another user's file we may not
+write. Such an entry is never followed, written, truncated or read without bound: it counts as *busy* (that GPU
+or port is skipped, or waited for), and its path and what it is are logged once and named in waiting messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+from pytest_pdserve.proctree import read_stat
+
+__all__ = ["NotALockFile", "describe_holder", "try_lock", "unlock", "write_holder"]
+
+log = logging.getLogger(__name__)
+
+
+class NotALockFile(Exception):
+    """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
+
+
+#: Foreign entries seen by this process: path -> why. Such a GPU or port counts as busy, named in messages.
+_FOREIGN: dict[Path, str] = {}
+
+
+def _not_ours(path: Path, why: str) -> NotALockFile:
+    """Log (once per path and reason) and return the error for an entry that is not one of our lock files."""
+    if _FOREIGN.get(path) != why:
+        log.warning("pdserve: %s is not a pdserve lock file (%s); treating that GPU/port as busy", path, why)
+        _FOREIGN[path] = why
+    return NotALockFile(why)
+
+
+def _open_regular(path: Path, *, create: bool) -> int:
+    """Open ``path`` read-write without following a symlink or blocking on a fifo; it must be a regular file.
+
+    :raises FileNotFoundError: it does not exist (and ``create`` is False).
+    :raises FileExistsError: ``create`` is True and it exists.
+    :raises NotALockFile: it exists but is not a regular file we may lock (the reason names what it is).
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    if create:
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o666)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _not_ours(path, "a symbolic link") from None
+        if exc.errno == errno.EISDIR:
+            raise _not_ours(path, "a directory") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise _not_ours(path, f"not writable by uid {os.geteuid()}") from None
+        raise _not_ours(path, f"cannot be opened: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_ours(path, "a fifo" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+    why = ""
+    if st.st_nlink > 1:
+        why = f"a file with {st.st_nlink} hard links"  # writing to it would write to some other file
+    elif st.st_uid != os.geteuid() and stat.S_IMODE(st.st_mode) & 0o666 != 0o666:
+        # Ours are 0666 so every user can lock them; root could open this one anyway, but nobody else could.
+        why = f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o} (pdserve's lock files are 0666)"
+    if why:
+        os.close(fd)
+        raise _not_ours(path, why)
+    return fd
+
+
+def _open_shared(path: Path) -> int:
+    """Open (creating if needed) a lock file in a sticky shared dir; mode 0666 so other users can lock it.
+
+    :raises NotALockFile: the entry is not a regular file we can lock.
+    """
+    for _ in range(10):
+        try:
+            return _open_regular(path, create=False)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = _open_regular(path, create=True)
+        except FileExistsError:
+            continue  # lost a creation race: open the winner's file
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o666)  # the umask stripped group/other write (our own new file)
+        return fd
+    raise _not_ours(path, "it keeps appearing and disappearing")
+
+
+def try_lock(path: Path) -> int | None:
+    """Non-blocking exclusive flock; returns the fd holding it, or None if it is busy (held by someone
+    else, or not a lock file of ours at all)."""
+    for _ in range(10):
+        try:
+            fd = _open_shared(path)
+        except NotALockFile:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        # The previous holder unlinks the file on release; if that happened between our open and our
+        # flock we locked an orphaned inode that nobody else will ever look at: retry on the new file.
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            _FOREIGN.pop(path, None)
+            return fd
+        os.close(fd)
+    return None
+
+
+def unlock(fd: int, path: Path) -> None:
+    """Release a lock taken by :func:`try_lock` and remove its files (they would pile up otherwise)."""
+    # Unlink *while still locked* so a waiter that opened the old inode notices (see try_lock).
+    # Another user's file in the sticky dir cannot be unlinked (EPERM): it simply stays.
+    for victim in (path.with_suffix(".json"), path):
+        with contextlib.suppress(OSError):
+            os.unlink(victim)
+    # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def write_holder(lock_path: Path, purpose: str) -> None:
+    info = {
+        "pid": os.getpid(),
+        "pgid": os.getpgrp(),
+        "starttime": me.starttime if (me := read_stat(os.getpid())) is not None else 0,
+        "uid": os.geteuid(),
+        "purpose": purpose,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        fd = _open_shared(lock_path.with_suffix(".json"))
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(info).encode())
+        finally:
+            os.close(fd)
+    except (OSError, NotALockFile) as exc:  # diagnostics only
+        log.debug("could not write lease holder info for %s: %s", lock_path, exc)
+
+
+def describe_holder(lock_path: Path) -> str:
+    foreign = _FOREIGN.get(lock_path)
+    if foreign is not None:
+        return f"not a pdserve lock file: {lock_path} is {foreign}"
+    try:
+        fd = _open_regular(lock_path.with_suffix(".json"), create=False)
+    except (OSError, NotALockFile):
+        return "an unknown holder"
+    try:
+        info = json.loads(os.read(fd, 4096))  # bounded: a planted file could be huge
+        desc = f"pid {info['pid']}"
+        if info.get("purpose"):
+            desc += f" ({info['purpose']})"
+        return desc + f" since {info.get('since', '?')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown holder"
+    finally:
+        os.close(fd)

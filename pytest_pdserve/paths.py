@@ -1,0 +1,114 @@
+"""Directories the plugin writes to (the lease dir, the log dir): one rule for checking and creating them.
+
+The rule: **never change the mode of a file or directory the plugin did not create.** A directory that
+exists is used as it is (or refused); only the components the plugin creates itself get its mode
+(``0700`` for logs, ``1777`` for the machine-wide lease dir). ``pdserve_lease_dir = .leases`` must never
+make the project root world-writable, and ``--pd-log-dir=$HOME/ci-logs`` must never change ``$HOME``.
+
+:func:`check_dir` runs at configure time (``settings.resolve``) for paths the user gave, so a file where a
+directory is expected, or a directory nobody can create files in, is a usage error before any test runs.
+:func:`ensure_dir` creates what is missing when a cluster needs the directory. Both raise :class:`PathError`
+with a message that says what is wrong with which path; the caller adds where the path came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from pytest_pdserve.errors import PDServeError
+
+__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "PathError", "check_dir", "ensure_dir"]
+
+LOG_DIR_MODE = 0o700
+"""Logs carry prompts and the servers' own start-up lines: private to the user."""
+
+LEASE_DIR_MODE = 0o1777
+"""Like /tmp: every user can create lock files, nobody can remove another user's."""
+
+
+class PathError(PDServeError):
+    """A directory the plugin needs is unusable; the message names the path and why."""
+
+
+def _missing_components(path: Path) -> tuple[Path, list[Path]]:
+    """(nearest existing ancestor, the missing components below it, outermost first).
+
+    :raises PathError: an existing component is not a directory (a file, a fifo, a dangling symlink).
+    """
+    missing: list[Path] = []
+    current = path
+    for _ in range(len(path.parts) + 1):  # bounded by the depth of the path
+        try:
+            st = os.stat(current)  # follows symlinks: a symlink to a directory is a directory
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            # ENOTDIR: some ancestor is not a directory; walking up finds and names it.
+            if isinstance(exc, FileNotFoundError) and os.path.lexists(current):
+                raise PathError(f"{current} is a dangling symbolic link") from None
+            missing.append(current)
+            current = current.parent
+            continue
+        except OSError as exc:
+            raise PathError(f"cannot use {current}: {exc.strerror or exc}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
+            raise PathError(f"{current} is {what}, not a directory")
+        return current, missing[::-1]
+    raise PathError(f"{path} has no existing ancestor")  # pragma: no cover - "/" always exists
+
+
+def _writable(directory: Path) -> bool:
+    """Whether we can create a file in ``directory`` (a real probe: ``os.access`` lies for root, ACLs and
+    read-only mounts)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".pdserve-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return True
+
+
+def check_dir(path: Path) -> None:
+    """Configure-time check: ``path`` is a usable directory, or one we can create. Changes nothing on disk
+    except a probe file, created and removed at once, in the nearest existing directory.
+
+    :raises PathError: a component is a file (or not a directory), or nobody lets us create files there.
+    """
+    existing, missing = _missing_components(Path(path))
+    if not _writable(existing):
+        if missing:
+            raise PathError(
+                f"cannot create {path}: its parent {existing} exists but is not writable by uid {os.geteuid()}"
+            )
+        raise PathError(f"{path} is not writable by uid {os.geteuid()}")
+
+
+def ensure_dir(path: Path, mode: int) -> Path:
+    """Create ``path`` and its missing parents with ``mode`` (only those: existing ones are not touched).
+
+    :param mode: applied (with ``chmod``, the umask does not apply) to each directory created here.
+    :raises PathError: as :func:`check_dir`, or creating a component failed.
+    """
+    path = Path(path)
+    _, missing = _missing_components(path)
+    for component in missing:
+        try:
+            component.mkdir(mode=0o700)  # tight until chmod: nobody else gets in meanwhile
+        except FileExistsError:
+            # Someone else (a concurrent run) created it meanwhile: theirs, so not ours to chmod.
+            _missing_components(component)
+            continue
+        except OSError as exc:
+            raise PathError(f"cannot create directory {component}: {exc.strerror or exc}") from None
+        try:
+            os.chmod(component, mode)
+        except OSError as exc:
+            raise PathError(f"cannot set mode {mode:o} on {component}, which pdserve just created: {exc}") from None
+    if not _writable(path):
+        raise PathError(f"{path} is not writable by uid {os.geteuid()}")
+    return path
