@@ -103,6 +103,7 @@ def complete(
 
     :raises AssertionError: on an HTTP error or an error event (naming the target and status).
     """
+    __tracebackhide__ = True
     client, label = _client_of(target)
     path = _endpoint(request, endpoint)
     if request.get("stream"):
@@ -118,6 +119,7 @@ def complete(
 
 
 def _request_failed(label: str, path: str, resp: httpx.Response) -> None:
+    __tracebackhide__ = True
     raise AssertionError(
         REQUEST_FAILED_MESSAGE.format(target=label, path=path, status=resp.status_code, body=resp.text[:500])
     )
@@ -149,6 +151,7 @@ def _logprob_fields(
 
 
 def _from_json(data: Any, label: str) -> Completion:
+    __tracebackhide__ = True
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
@@ -173,6 +176,7 @@ def _from_json(data: Any, label: str) -> Completion:
 
 
 def _from_sse(lines: Iterable[str], label: str) -> Completion:
+    __tracebackhide__ = True
     text: list[str] = []
     ids: list[int] = []
     saw_ids = False
@@ -225,6 +229,7 @@ def _complete_with_extras(
     target: ServerHandle | httpx.Client, request: Mapping[str, Any], endpoint: str | None
 ) -> Completion:
     """Ask for token ids and logprobs; a server that rejects those fields gets the plain request."""
+    __tracebackhide__ = True
     extras = _determinism_extras(request)
     if not extras:
         return complete(target, request, endpoint=endpoint)

@@ -124,6 +124,7 @@ def _settle(
     """Wait until *servers* together count *requests* more finished requests, then until each
     server's counters are stable; return the deltas. ``requests=None`` waits for any prefix-cache
     query instead (when the caller does not know the count)."""
+    __tracebackhide__ = True
     if not servers:
         return {}
     metric = REQUEST_SUCCESS if requests is not None else PREFIX_CACHE_QUERIES
@@ -145,6 +146,7 @@ def _settle(
 def _measured(
     servers: Sequence[ServerHandle], action: Callable[[], T], *, requests: int | None, timeout: float
 ) -> tuple[T, dict[str, MetricsDelta]]:
+    __tracebackhide__ = True
     before = _snapshots(servers)
     result = action()
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from pytest_pdserve._report import Check, _check, _fail
+from pytest_pdserve._report import Check, _check, _fail, _precondition
 from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsDelta
 
 PROMPT_SOURCES_MESSAGE = (
@@ -62,6 +62,40 @@ def expected_prompt_token_sources(
     return {"local_compute": 0, "local_cache_hit": cached, "external_kv_transfer": p - cached}
 
 
+def _arithmetic_precondition(expect: str, prompt_tokens: int, block_size: int, prefix_tokens: int | None) -> str | None:
+    """Why *expect* cannot be observed for these sizes (``None`` when it can).
+
+    A hit is whole blocks of at most ``P - 1`` tokens, so a full hit needs ``P > B`` and a partial hit a
+    prefix of at least one block that is shorter than the prompt; otherwise the expected hit is 0 and the
+    check would pass without any hit (the 37-token prompt at block 128 of issue 14).
+    """
+    p, b = prompt_tokens, block_size
+    if expect == "full_hit" and p <= b:
+        return (
+            f"expect='full_hit' needs a prompt longer than one block: it has {p} tokens and block_size={b},"
+            f" so no full block can hit (use at least {b + 1} tokens, e.g. prompt_with_tokens(cluster, {b + 1}))"
+        )
+    if expect == "partial_hit" and prefix_tokens is not None:
+        if (min(prefix_tokens, p - 1) // b) * b < b:
+            return (
+                f"expect='partial_hit' needs a primed prefix of at least one block: prefix_tokens={prefix_tokens},"
+                f" prompt_tokens={p}, block_size={b}, so no block can hit"
+            )
+        if prefix_tokens >= p:
+            return (
+                f"expect='partial_hit' needs a primed prefix shorter than the prompt: prefix_tokens={prefix_tokens}"
+                f" >= prompt_tokens={p} (that is a full hit)"
+            )
+    return None
+
+
+def _require_arithmetic(expect: str, prompt_tokens: int, block_size: int, prefix_tokens: int | None) -> None:
+    __tracebackhide__ = True
+    why = _arithmetic_precondition(expect, prompt_tokens, block_size, prefix_tokens)
+    if why is not None:
+        raise _precondition(why)
+
+
 def _source_checks(
     server: str, delta: MetricsDelta, expect: str, prompt_tokens: int, block_size: int, prefix_tokens: int | None
 ) -> list[Check]:
@@ -101,6 +135,7 @@ def _source_checks(
 def _raise_if_failed(
     checks: Sequence[Check], expect: str, prompt_tokens: int, block_size: int, prefix_tokens: int | None
 ) -> None:
+    __tracebackhide__ = True
     if all(c.ok for c in checks):
         return
     extra = f", prefix_tokens={prefix_tokens}" if prefix_tokens is not None else ""

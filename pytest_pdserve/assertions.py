@@ -32,17 +32,25 @@ from pytest_pdserve._completions import (
 from pytest_pdserve._measure import PDCluster, ServerHandle, _is_cluster, _servers, _sum
 from pytest_pdserve._measure import _measured as _measured_within
 from pytest_pdserve._report import (
+    CONFIDENT_FLIP,
+    DEFAULT_TIE_TOLERANCE,
     DIVERGENCE_MESSAGE,
     FLASH_ATTN_HINT,
     LOGPROB_DRIFT_MESSAGE,
     NO_LOGPROBS_MESSAGE,
+    PRECONDITION_MESSAGE,
+    TIE_FLIP,
+    UNKNOWN_FLIP,
     Check,
     Divergence,
+    FlipVerdict,
     _check,
     _compare,
     _compare_logprobs,
     _fail,
     _num,
+    _precondition,
+    classify_flip,
     first_divergence,
     format_checks,
     format_divergence,
@@ -52,6 +60,7 @@ from pytest_pdserve._sources import (
     PROMPT_SOURCES_MESSAGE,
     Expect,
     _raise_if_failed,
+    _require_arithmetic,
     _source_checks,
     expected_prompt_token_sources,
 )
@@ -67,6 +76,8 @@ from pytest_pdserve.metrics import (
 
 __all__ = [
     "COLD_NOT_COLD_MESSAGE",
+    "CONFIDENT_FLIP",
+    "DEFAULT_TIE_TOLERANCE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_SEED",
     "DEFAULT_TOP_LOGPROBS",
@@ -79,11 +90,14 @@ __all__ = [
     "NO_CACHE_HIT_MESSAGE",
     "NO_KV_TRANSFER_MESSAGE",
     "NO_LOGPROBS_MESSAGE",
+    "PRECONDITION_MESSAGE",
     "PROMPT_SOURCES_MESSAGE",
     "REQUEST_FAILED_MESSAGE",
     "RESET_FAILED_MESSAGE",
     "SETTLE_TIMEOUT",
+    "TIE_FLIP",
     "TRANSFER_NOT_SHRUNK_MESSAGE",
+    "UNKNOWN_FLIP",
     "VACUOUS_NO_QUERIES_MESSAGE",
     "VACUOUS_WARM_MESSAGE",
     "Check",
@@ -91,6 +105,7 @@ __all__ = [
     "ComparisonResult",
     "Divergence",
     "Expect",
+    "FlipVerdict",
     "MeasuredResult",
     "PDCluster",
     "ServerHandle",
@@ -101,6 +116,7 @@ __all__ = [
     "assert_prefix_cache_hit",
     "assert_prompt_token_sources",
     "assert_transfer_shrinks",
+    "classify_flip",
     "complete",
     "expected_prompt_token_sources",
     "first_divergence",
@@ -146,6 +162,7 @@ def _measured(
 
     :data:`SETTLE_TIMEOUT` is read here, at call time, so a suite (or a test's monkeypatch) can raise it.
     """
+    __tracebackhide__ = True
     return _measured_within(servers, action, requests=requests, timeout=SETTLE_TIMEOUT)
 
 
@@ -156,11 +173,16 @@ def _measured(
 
 @dataclass(frozen=True)
 class ComparisonResult:
-    """Outputs that matched, their labels, and metrics deltas per server name (per run)."""
+    """Outputs that matched, their labels, and metrics deltas per server name (per run).
+
+    ``tie_flips``: the divergences accepted as tie flips (only with ``tie_tolerance=``), one per run that
+    differed from the first.
+    """
 
     outputs: tuple[Completion, ...]
     labels: tuple[str, ...]
     deltas: tuple[Mapping[str, MetricsDelta], ...] = ()
+    tie_flips: tuple[FlipVerdict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,6 +191,53 @@ class MeasuredResult:
 
     outputs: tuple[Any, ...]
     deltas: tuple[Mapping[str, MetricsDelta], ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Preconditions (what must be true for a check to measure anything)
+# ---------------------------------------------------------------------------------------------
+
+
+def _require_output(title: str, outputs: Sequence[Completion]) -> None:
+    """Comparing empty outputs proves nothing: at least one run must have produced a token."""
+    __tracebackhide__ = True
+    if all(not o.text and not o.token_ids for o in outputs):
+        first = outputs[0]
+        raise _precondition(
+            f"{title}: every run returned an empty output (completion_tokens={first.completion_tokens},"
+            f" finish_reason={first.finish_reason!r}), so there is nothing to compare; raise max_tokens"
+        )
+
+
+def _require_more_than_a_block(what: str, prompt_tokens: int | None, block_size: int | None) -> None:
+    """A prefix-cache hit is whole blocks of at most ``P - 1`` tokens: a prompt of one block or less cannot hit."""
+    __tracebackhide__ = True
+    if prompt_tokens is not None and block_size is not None and prompt_tokens <= block_size:
+        raise _precondition(
+            f"{what} needs a prompt longer than one block: it has {prompt_tokens} tokens and block_size="
+            f"{block_size}, so no full block can be cached (use at least {block_size + 1} tokens,"
+            f" e.g. prompt_with_tokens(cluster, {block_size + 1}))"
+        )
+
+
+def _require_pd(title: str, cluster: PDCluster, deltas: Mapping[str, MetricsDelta]) -> None:
+    """The P/D side of a comparison must really have gone through P/D: some decode server loaded KV."""
+    __tracebackhide__ = True
+    checks = [
+        _check(s.name, deltas[s.name], PROMPT_TOKENS_BY_SOURCE, ">", 0, source="external_kv_transfer")
+        for s in cluster.decode
+        if s.name in deltas
+    ]
+    if checks and all(c.after is not None for c in checks) and not any(c.ok for c in checks):
+        raise _precondition(
+            f"{title}: the P/D run loaded no KV into a decode server (it did not go through P/D)", checks
+        )
+
+
+def _block_size_of(server: ServerHandle, deltas: Mapping[str, MetricsDelta]) -> int | None:
+    """The server's effective block size from ``vllm:cache_config_info`` (``None`` when not exposed)."""
+    delta = deltas.get(server.name)
+    return delta.after.block_size() if delta is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,12 +251,21 @@ def assert_deterministic(
     *,
     repeats: int = 2,
     endpoint: str | None = None,
+    tie_tolerance: float | None = None,
 ) -> ComparisonResult:
     """Send *request* *repeats* times, one after another, and require identical outputs.
 
     With a cluster the requests go through the proxy. ``temperature=0`` and a seed are set unless
-    given; token ids and top logprobs are requested so a failure shows the diverging token.
+    given; token ids and top logprobs are requested so a failure shows the diverging token, the
+    top-1/top-2 logprob gap there and a verdict: ``tie flip`` (gap under the tolerance) or
+    ``confident flip``.
+
+    :param tie_tolerance: accept tie flips whose gap is under this many nats (they are listed in
+        ``ComparisonResult.tie_flips``); confident flips always fail. Default: every divergence fails.
     """
+    __tracebackhide__ = True
+    if tie_tolerance is not None and not tie_tolerance > 0:
+        raise ValueError(f"tie_tolerance={tie_tolerance!r} must be > 0 (nats)")
     if repeats < 2:
         raise ValueError(f"repeats={repeats!r} must be >= 2 to compare anything")
     engine = backend = model = None
@@ -213,8 +291,9 @@ def assert_deterministic(
         outputs.append(out)
         deltas.append(delta)
     labels = tuple(f"run {i + 1}" for i in range(repeats))
-    _compare("not deterministic", outputs, labels, engine=engine, backend=backend)
-    return ComparisonResult(tuple(outputs), labels, tuple(deltas))
+    _require_output("not deterministic", outputs)
+    ties = _compare("not deterministic", outputs, labels, engine=engine, backend=backend, tie_tolerance=tie_tolerance)
+    return ComparisonResult(tuple(outputs), labels, tuple(deltas), tuple(ties))
 
 
 def assert_pd_matches_single(
@@ -232,7 +311,10 @@ def assert_pd_matches_single(
     :param logprob_tolerance: for hybrid models (the prefiller stops one token short, so outputs
         are not bit-identical): compare top-1 logprobs per token up to the first differing token,
         each within this many nats, instead of requiring identical tokens.
+
+    Precondition: the P/D run loaded KV into a decode server (else it compared single with single).
     """
+    __tracebackhide__ = True
     reference = single if single is not None else cluster.prefill[0]
     prepared = _with_defaults(request, cluster.model, determinism=True)
     servers = _servers(cluster)
@@ -240,6 +322,8 @@ def assert_pd_matches_single(
     ref, d2 = _measured(servers, lambda: _complete_with_extras(reference, prepared, endpoint), requests=1)
     labels = ("P/D", f"single {reference.name}")
     title = "P/D output differs from single-instance output"
+    _require_pd(title, cluster, d1)
+    _require_output(title, [pd, ref])
     if logprob_tolerance is None:
         _compare(title, [pd, ref], labels, engine=cluster.engine, backend=cluster.attention_backend)
     else:
@@ -249,6 +333,7 @@ def assert_pd_matches_single(
 
 def _reset_prefix_caches(servers: Sequence[ServerHandle]) -> list[str]:
     """POST /reset_prefix_cache everywhere; returns the servers without that endpoint."""
+    __tracebackhide__ = True
     unsupported: list[str] = []
     for server in servers:
         resp = server.client.post("/reset_prefix_cache")
@@ -286,7 +371,9 @@ def assert_cold_warm_match(
     Caches are emptied with *reset*, or by ``POST /reset_prefix_cache`` on every server (vLLM needs
     ``VLLM_SERVER_DEV_MODE=1`` for it). Metrics must show the cold run missed and the warm run hit
     a prefix cache; otherwise the comparison would prove nothing and the check fails saying so.
+    Precondition: the prompt is longer than one block (else the warm run cannot hit).
     """
+    __tracebackhide__ = True
     servers = _servers(cluster)
     if reset is not None:
         reset()
@@ -296,6 +383,7 @@ def assert_cold_warm_match(
     prepared = _with_defaults(request, cluster.model, determinism=True)
     run = lambda: _complete_with_extras(cluster.client, prepared, endpoint)  # noqa: E731
     cold, cold_d = _measured(servers, run, requests=2)
+    _require_more_than_a_block("assert_cold_warm_match", cold.prompt_tokens, cluster.block_size)
     warm, warm_d = _measured(servers, run, requests=2)
     cold_hits = _sum(cold_d, PREFIX_CACHE_HITS)
     if cold_hits > 0:
@@ -342,7 +430,11 @@ def assert_prefix_cache_hit(
     A dict is POSTed to *server* directly (twice with ``prime=True``: the first run fills the
     cache and is not measured); a callable is run as is (e.g. to go through the proxy) while
     *server*'s metrics are measured. Fails as vacuous when the cache was not queried at all.
+
+    Preconditions: the cache was queried; with a dict, the prompt can hit *min_hit_tokens* (it is
+    longer than one block of the server's effective block size, ``vllm:cache_config_info``).
     """
+    __tracebackhide__ = True
     if server.role == "proxy":
         raise ValueError(
             f"{server.name} is the proxy, which has no prefix cache; pass a prefill or decode server"
@@ -367,6 +459,15 @@ def assert_prefix_cache_hit(
     ]
     if not checks[0].ok:
         raise _fail(VACUOUS_NO_QUERIES_MESSAGE.format(server=server.name), checks)
+    prompt_tokens = getattr(out, "prompt_tokens", None) if count is not None else None
+    block = _block_size_of(server, deltas)
+    _require_more_than_a_block("assert_prefix_cache_hit", prompt_tokens, block)
+    if prompt_tokens is not None and block is not None and ((prompt_tokens - 1) // block) * block < min_hit_tokens:
+        raise _precondition(
+            f"min_hit_tokens={min_hit_tokens} cannot be reached: a {prompt_tokens}-token prompt hits at most"
+            f" {((prompt_tokens - 1) // block) * block} tokens (whole blocks of {block}, at most P-1 tokens)",
+            checks,
+        )
     if not checks[1].ok:
         raise _fail(
             NO_CACHE_HIT_MESSAGE.format(server=server.name, hits=_num(checks[1].delta), min_hit_tokens=min_hit_tokens),
@@ -383,6 +484,7 @@ def assert_kv_transferred(
     Proves P/D happened: decode ``vllm:nixl_bytes_transferred_sum`` and
     ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` both went up.
     """
+    __tracebackhide__ = True
     prepared = _with_defaults(request, cluster.model, determinism=False)
     out, deltas = _measured(
         _servers(cluster), lambda: complete(cluster.client, prepared, endpoint=endpoint), requests=2
@@ -414,7 +516,9 @@ def assert_transfer_shrinks(
 
     The first request must move bytes (else vacuous). With several decode servers the request is
     repeated until the round-robin brings it back to the first one's decode server.
+    Precondition: the prompt is longer than one block (else decode caches nothing to shrink by).
     """
+    __tracebackhide__ = True
     prepared = _with_defaults(request, cluster.model, determinism=False)
     servers = _servers(cluster)
     send = lambda: complete(cluster.client, prepared, endpoint=endpoint)  # noqa: E731
@@ -424,6 +528,7 @@ def assert_transfer_shrinks(
     first_checks = [_check(s.name, d1[s.name], NIXL_BYTES_SUM, ">", 0) for s in cluster.decode]
     if first <= 0:
         raise _fail(FIRST_TRANSFER_ZERO_MESSAGE.format(first=_num(first)), first_checks)
+    _require_more_than_a_block("assert_transfer_shrinks", out1.prompt_tokens, cluster.block_size)
     outputs: list[Any] = [out1]
     all_deltas: list[Mapping[str, MetricsDelta]] = [d1]
     for _ in range(len(cluster.decode)):
@@ -463,12 +568,20 @@ def assert_prompt_token_sources(
     directly with *prime* (``full_hit``: default the request itself; ``partial_hit``: required,
     and *prefix_tokens* defaults to its ``usage.prompt_tokens``). *prompt_tokens* defaults to the
     response's ``usage.prompt_tokens`` and *block_size* to the cluster's.
+
+    Preconditions (checked, and named when not met): a full hit needs a prompt longer than one block;
+    a partial hit a primed prefix of at least one block, shorter than the prompt (and, for text
+    prompts, a prefix of it); with a cluster, the decode server's prefix cache was queried and (except
+    ``direct_decode``) it exposes NIXL metrics; ``cold_decode`` needs a prompt the decode server has not
+    cached.
     """
+    __tracebackhide__ = True
     if expect not in EXPECT_CHOICES:
         raise ValueError(f"expect={expect!r} is not valid; accepted: {', '.join(EXPECT_CHOICES)}")
     if isinstance(delta_or_cluster, MetricsDelta):
         if prompt_tokens is None or block_size is None:
             raise ValueError("with a MetricsDelta, prompt_tokens and block_size are required")
+        _require_arithmetic(expect, prompt_tokens, block_size, prefix_tokens)
         delta_checks = _source_checks(
             delta_or_cluster.source, delta_or_cluster, expect, prompt_tokens, block_size, prefix_tokens
         )
@@ -482,6 +595,8 @@ def assert_prompt_token_sources(
     outputs: list[Any] = []
     if expect == "partial_hit" and prime is None:
         raise ValueError("expect='partial_hit' with a cluster needs prime= (the shorter prefix request)")
+    if expect == "partial_hit" and prime is not None:
+        _require_prefix(prime, request)
     if expect in ("full_hit", "partial_hit"):
         primer = _with_defaults(prime if prime is not None else request, cluster.model, determinism=False)
         for server in cluster.decode:
@@ -500,9 +615,56 @@ def assert_prompt_token_sources(
     p = prompt_tokens if prompt_tokens is not None else out.prompt_tokens
     if p is None:
         raise AssertionError("the response has no usage.prompt_tokens; pass prompt_tokens=")
+    _require_arithmetic(expect, p, block, prefix_tokens)
     reached = [s for s in measured if (deltas[s.name].get(PROMPT_TOKENS) or 0) > 0] or measured[:1]
+    _require_measurable(expect, reached, deltas)
     checks: list[Check] = []
     for server in reached:
         checks += _source_checks(server.name, deltas[server.name], expect, p, block, prefix_tokens)
     _raise_if_failed(checks, expect, p, block, prefix_tokens)
     return MeasuredResult(tuple(outputs), (deltas,))
+
+
+def _require_prefix(prime: Mapping[str, Any], request: Mapping[str, Any]) -> None:
+    """A partial hit needs the primed prompt to be a prefix of the request's (checked when both are text
+    or both token ids; chat messages are not checked)."""
+    __tracebackhide__ = True
+    a, b = prime.get("prompt"), request.get("prompt")
+    comparable = (isinstance(a, str) and isinstance(b, str)) or (isinstance(a, list) and isinstance(b, list))
+    if comparable and not b[: len(a)] == a:  # type: ignore[index,arg-type]
+        raise _precondition(
+            f"expect='partial_hit' needs prime= to be a prefix of request=: the request's prompt does not start"
+            f" with the primed prompt ({_short(a)} vs {_short(b)})"
+        )
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _require_measurable(expect: str, reached: Sequence[ServerHandle], deltas: Mapping[str, MetricsDelta]) -> None:
+    """The decode server's cache was queried, it has a KV connector (except direct_decode), and a cold
+    request really found nothing cached."""
+    __tracebackhide__ = True
+    for server in reached:
+        d = deltas[server.name]
+        queried = _check(server.name, d, PREFIX_CACHE_QUERIES, ">", 0)
+        if queried.after is not None and not queried.ok and expect in ("full_hit", "partial_hit"):
+            raise _precondition(
+                f"expect={expect!r}: {server.name}'s prefix cache was not queried (is prefix caching enabled"
+                " there?), so no hit could be measured",
+                [queried],
+            )
+        if expect != "direct_decode" and not d.has(NIXL_BYTES_SUM):
+            raise _precondition(
+                f"expect={expect!r}: {server.name} exposes no vllm:nixl_* metrics, so no KV transfer can be"
+                " counted: is NixlConnector configured there?"
+            )
+        hit = d.get(PROMPT_TOKENS_BY_SOURCE, source="local_cache_hit") or 0
+        if expect == "cold_decode" and hit > 0:
+            raise _precondition(
+                f"expect='cold_decode' needs a prompt {server.name} has not cached, but it hit {_num(hit)} tokens"
+                " (was the prompt sent earlier with the same cache_salt?)",
+                [_check(server.name, d, PROMPT_TOKENS_BY_SOURCE, "==", 0, source="local_cache_hit")],
+            )

