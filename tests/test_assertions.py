@@ -636,3 +636,39 @@ def test_real_vllm_sse_stream_is_collected() -> None:
     assert out.text == "".join(pieces) != ""
     assert out.token_ids is None  # not requested in that capture: text-only comparison
     assert out.finish_reason is not None
+
+
+def _flip_pair(gap_a: float, gap_b: float) -> tuple[A.Completion, A.Completion]:
+    a = A.Completion("x y", token_ids=(1, 2), top_logprobs=({"x": -0.1, "q": -2.0}, {"y": -0.5, "z": -0.5 - gap_a}))
+    b = A.Completion("x z", token_ids=(1, 3), top_logprobs=({"x": -0.1, "q": -2.0}, {"z": -0.5, "y": -0.5 - gap_b}))
+    return a, b
+
+
+@pytest.mark.parametrize(
+    ("gap_a", "gap_b", "tolerance", "verdict"),
+    [
+        (0.001, 0.002, None, A.TIE_FLIP),
+        (0.001, 0.2, None, A.CONFIDENT_FLIP),  # one run was sure: not a tie
+        (0.04, 0.04, 0.01, A.CONFIDENT_FLIP),
+        (0.04, 0.04, 0.05, A.TIE_FLIP),
+    ],
+)
+def test_classify_flip(gap_a: float, gap_b: float, tolerance: float | None, verdict: str) -> None:
+    a, b = _flip_pair(gap_a, gap_b)
+    div = A.first_divergence(a, b)
+    assert div is not None
+    flip = A.classify_flip(a, b, div, tolerance)
+    assert (flip.index, flip.token_a, flip.token_b, flip.verdict) == (1, 2, 3, verdict)
+    assert flip.gap == pytest.approx(max(gap_a, gap_b))
+
+
+def test_classify_flip_without_logprobs_is_unknown() -> None:
+    a, b = A.Completion("x y", token_ids=(1, 2)), A.Completion("x z", token_ids=(1, 3))
+    div = A.first_divergence(a, b)
+    assert div is not None
+    assert A.classify_flip(a, b, div).verdict == A.UNKNOWN_FLIP
+
+
+def test_deterministic_rejects_a_non_positive_tie_tolerance(cluster: FakeCluster) -> None:
+    with pytest.raises(ValueError, match="tie_tolerance=0 must be > 0"):
+        A.assert_deterministic(cluster, {"prompt": LONG}, tie_tolerance=0)

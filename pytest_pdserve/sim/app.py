@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pytest_pdserve.sim import tokenizer
+from pytest_pdserve.sim import faults, tokenizer
 from pytest_pdserve.sim.engine import (
     VLLM_VERSION,
     Engine,
@@ -145,7 +145,9 @@ def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tup
     chosen = gen.output_ids[position]
     base = tokenizer.logprob_of(engine.model_key, gen.prompt_ids, position, chosen) / 3.0
     ids = tokenizer.top_alternatives(chosen, position, max(count, 1))
-    return [(tid, base - 0.75 * rank) for rank, tid in enumerate(ids)]
+    packed = tokenizer.ids_bytes(gen.prompt_ids)
+    tie = engine.env.tie_flip and position == faults.tie_position(packed, len(gen.output_ids))
+    return [(tid, base - (faults.TIE_GAP if tie and rank == 1 else 0.75 * rank)) for rank, tid in enumerate(ids)]
 
 
 def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:

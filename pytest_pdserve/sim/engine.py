@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_pdserve.sim import kvtransfer
+from pytest_pdserve.sim import faults, kvtransfer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
-from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb
+from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb, top_alternatives
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
@@ -501,6 +501,10 @@ class Engine:
         index = 1 + int.from_bytes(digest[4:], "little") % (len(output) - 1)
         changed = list(output)
         changed[index] = perturb(changed[index], digest)
+        tie = faults.tie_position(ids_bytes(prompt_ids), len(output)) if self.env.tie_flip else None
+        if tie is not None:  # PDSERVE_SIM_TIE_FLIP: a near-tie flips to the runner-up instead
+            index, changed = tie, list(output)
+            changed[tie] = top_alternatives(output[tie], tie, 2)[1]
         logger.debug(
             "request %s: %s is not batch-invariant; token %d differs on the warm cache",
             request_id,
