@@ -590,8 +590,7 @@ def test_sources_full_hit_on_a_prompt_of_one_block_fails_naming_the_precondition
     with pytest.raises(AssertionError) as exc_info:
         A.assert_prompt_token_sources(cluster, expect="full_hit", request={"prompt": "a b c"})
     assert str(exc_info.value).startswith(
-        "precondition not met: expect='full_hit' needs a prompt longer than one block: it has 3 tokens and"
-        " block_size=4"
+        "precondition not met: expect='full_hit' needs a prompt longer than one block: it has 3 tokens and block_size=4"
     )
 
 
