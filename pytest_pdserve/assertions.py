@@ -64,6 +64,7 @@ from pytest_pdserve._sources import (
     _source_checks,
     expected_prompt_token_sources,
 )
+from pytest_pdserve.clients import RESET_FAILED_MESSAGE, reset_prefix_cache
 from pytest_pdserve.metrics import (
     NIXL_BYTES_SUM,
     PREFIX_CACHE_HITS,
@@ -148,7 +149,6 @@ TRANSFER_NOT_SHRUNK_MESSAGE = (
 )
 FIRST_TRANSFER_ZERO_MESSAGE = "vacuous: the first request moved no NIXL bytes ({first}); nothing could shrink"
 NOT_REACHED_MESSAGE = "the request reached none of {servers} (no {metric} change within {timeout} s)"
-RESET_FAILED_MESSAGE = "POST /reset_prefix_cache on {server} did not succeed: HTTP {status} {body}"
 
 SETTLE_TIMEOUT = 5.0
 """Seconds to wait for a request to show up in metrics (vLLM records them after responding).
@@ -334,25 +334,7 @@ def assert_pd_matches_single(
 def _reset_prefix_caches(servers: Sequence[ServerHandle]) -> list[str]:
     """POST /reset_prefix_cache everywhere; returns the servers without that endpoint."""
     __tracebackhide__ = True
-    unsupported: list[str] = []
-    for server in servers:
-        resp = server.client.post("/reset_prefix_cache")
-        if resp.status_code in (404, 405):
-            unsupported.append(server.name)
-            continue
-        ok = resp.status_code == 200
-        if ok and resp.content:
-            try:
-                body = resp.json()
-            except ValueError:
-                body = None
-            if isinstance(body, Mapping) and body.get("success") is False:
-                ok = False
-        if not ok:
-            raise AssertionError(
-                RESET_FAILED_MESSAGE.format(server=server.name, status=resp.status_code, body=resp.text[:300])
-            )
-    return unsupported
+    return [server.name for server in servers if not reset_prefix_cache(server.client, server.name)]
 
 
 def _hit_checks(deltas: Mapping[str, MetricsDelta], op: str, target: float) -> list[Check]:

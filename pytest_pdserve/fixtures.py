@@ -37,6 +37,7 @@ class ClusterFactory(Protocol):
 
 
 MANAGER = pytest.StashKey["ClusterManager"]()
+SALT_TOKEN = pytest.StashKey[str]()
 CURRENT_ITEM = pytest.StashKey[pytest.Item]()
 
 
@@ -99,6 +100,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     inventory = get_inventory(config)
     logs = log_dir(config, tmp_path_factory)
+    _configure_clients(cfg)
     defaults = SessionDefaults(
         attention_backend=cfg.attention_backend,
         vllm_serve_extra_args=cfg.vllm_serve_extra_args,
@@ -265,3 +267,35 @@ def pd_cluster(pd_cluster_factory: ClusterFactory) -> PDCluster:
     reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``).
     """
     return pd_cluster_factory(ClusterSpec())
+
+
+def _configure_clients(cfg: PDServeConfig) -> None:
+    """The request timeout of every client the plugin hands out, and how its error says to raise it."""
+    from pytest_pdserve import clients
+    from pytest_pdserve.settings import SETTINGS_BY_NAME
+
+    s = SETTINGS_BY_NAME["request_timeout"]
+    clients.OPTIONS.request_timeout = cfg.request_timeout
+    clients.OPTIONS.timeout_remedy = (
+        f"; the limit ({cfg.request_timeout:g} s) came from {cfg.source_of('request_timeout')}:"
+        f" raise it with {s.flag}, {s.env_var} or ini {s.ini_key}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """This test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default), ``None`` with ``off``.
+
+    Requests sent through the plugin's clients carry it unless their body has a ``cache_salt`` already, so one
+    test's prompts never warm the prefix cache for another. Your own clients: ``extra_body={"cache_salt": ...}``.
+    """
+    from pytest_pdserve import clients
+
+    config = request.config
+    salt = None
+    if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
+        if SALT_TOKEN not in config.stash:
+            config.stash[SALT_TOKEN] = os.urandom(8).hex()  # per session: reruns never reuse a warm cache
+        salt = clients.salt_for(request.node.nodeid, config.stash[SALT_TOKEN])
+    with clients.salted(salt):
+        yield salt

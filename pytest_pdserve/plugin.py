@@ -12,7 +12,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_pdserve import logs
-from pytest_pdserve.fixtures import CURRENT_ITEM, pd_cluster, pd_cluster_factory, stop_manager
+from pytest_pdserve.fixtures import CURRENT_ITEM, pd_cache_salt, pd_cluster, pd_cluster_factory, stop_manager
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.settings import (
     PDSERVE_CONFIG,
@@ -88,4 +88,4 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     stop_manager(config)
 
 
-__all__ = ["pd_cluster", "pd_cluster_factory"]
+__all__ = ["pd_cache_salt", "pd_cluster", "pd_cluster_factory"]

@@ -277,6 +277,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode_urls", "Attach to a running decode server instead of starting one (repeatable)",
             _urls, (), kind="append", cli="--pd-decode-url", metavar="URL"),
     Setting("proxy_url", "Attach to a running P/D proxy", _url, None, cli="--pd-proxy-url", metavar="URL"),
+    Setting("cache_salt", "Prefix-cache isolation: per-test (requests sent through the plugin carry the test's own "
+            "vLLM cache_salt) or off (tests share one prefix cache)", _choice("per-test", "off"), "per-test",
+            metavar="MODE"),
+    Setting("request_timeout", "Seconds one request through the plugin's clients may take", _seconds, 600.0,
+            metavar="SECONDS"),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -312,6 +317,8 @@ class PDServeConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     proxy_url: str | None
+    cache_salt: str
+    request_timeout: float
     resolved_engine: str
     """``vllm`` or ``sim``."""
     engine_reason: str

@@ -3,6 +3,8 @@ real simulator clusters, whose fault switches make each case happen for a real r
 
 - tie-aware determinism: FLASH_ATTN is not batch-invariant in the simulator; by default the warm run changes a
   confident token, with ``PDSERVE_SIM_TIE_FLIP=1`` it flips a near-tie (gap 0.001 nats) to the runner-up.
+- per-test cache isolation: two tests send the same prompt to one shared cluster; under the default
+  ``--pd-cache-salt=per-test`` the second sees no hit, with ``off`` it does, and an explicit salt shares.
 """
 
 from __future__ import annotations
@@ -53,6 +55,45 @@ def test_tie_flip_accepted_with_a_tolerance(pd_cluster_factory):
 
 EXPECTED_OUTCOME = "3 failed, 1 passed"
 
+SALT_INNER = """
+import os
+from pytest_pdserve.assertions import *
+from pytest_pdserve.prompts import prompt_with_tokens
+
+PER_TEST = os.environ["SALT_MODE"] == "per-test"
+
+
+def request(cluster, **extra):
+    return {"prompt": prompt_with_tokens(cluster, 300, seed=11), "max_tokens": 2, **extra}
+
+
+def test_1_warms_decode(pd_cluster, pd_cache_salt):
+    assert (pd_cache_salt is not None) == PER_TEST
+    complete(pd_cluster.decode[0], request(pd_cluster))
+    assert_prefix_cache_hit(pd_cluster.decode[0], request(pd_cluster), min_hit_tokens=256)  # same test: a hit
+
+
+def test_2_same_prompt_other_test(pd_cluster):
+    hits = pd_cluster.decode[0].metrics().prefix_cache_hits()
+    complete(pd_cluster.decode[0], request(pd_cluster))
+    gained = pd_cluster.decode[0].metrics().prefix_cache_hits() - hits
+    print("GAINED", gained)
+    assert (gained == 0) == PER_TEST, gained
+
+
+def test_3_shares_explicitly(pd_cluster):
+    complete(pd_cluster.decode[0], request(pd_cluster, cache_salt="team-a"))
+
+
+def test_4_shares_explicitly(pd_cluster):
+    assert_prefix_cache_hit(pd_cluster.decode[0], request(pd_cluster, cache_salt="team-a"), min_hit_tokens=256)
+
+
+def test_5_pd_round_trip_under_the_salt(pd_cluster):
+    assert_kv_transferred(pd_cluster, request(pd_cluster, max_tokens=3))
+    assert_prompt_token_sources(pd_cluster, expect="full_hit", request=request(pd_cluster))
+"""
+
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -66,6 +107,27 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> str:
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module", params=["per-test", "off"])
+def salt_session(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    mode = request.param
+    root = tmp_path_factory.mktemp(f"salt-{mode}")
+    (root / "test_salt.py").write_text(SALT_INNER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "ATTENTION_BACKEND"}
+    env["SALT_MODE"] = mode
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE", "-s",
+         "-p", "no:cacheprovider", f"--pd-cache-salt={mode}"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    return mode, proc.stdout + proc.stderr
+
+
+def test_cache_salt_isolates_tests_unless_off_or_shared(salt_session: tuple[str, str]) -> None:
+    mode, text = salt_session
+    assert "5 passed" in text, text[-4000:]
+    assert ("GAINED 0.0" in text) == (mode == "per-test"), text[-4000:]
 
 
 def _section(text: str, test: str) -> str:

@@ -107,7 +107,22 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str =
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=float(temperature),
         seed=seed,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``validate_cache_salt`` (vllm/entrypoints/generate/base/protocol.py), with its wording."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise _ApiError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise _ApiError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+        )
+    return salt
 
 
 def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -231,8 +246,8 @@ def build_app(state: AppState) -> Starlette:
             "block_size": info.block_size,
             "num_gpu_blocks": info.num_blocks,
             "bytes_per_block": info.bytes_per_block,
-            "kv_connector": args.kv_transfer_config.kv_connector if args.kv_transfer_config else None,
-            "kv_role": args.kv_transfer_config.kv_role if args.kv_transfer_config else None,
+            "kv_connector": engine.kv_config.kv_connector if engine.kv_config else None,
+            "kv_role": engine.kv_config.kv_role if engine.kv_config else None,
             "side_channel": (
                 {"host": info.side_channel[0], "port": info.side_channel[1]} if info.side_channel else None
             ),
