@@ -135,9 +135,9 @@ def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request)
 
 
 class _Transport(httpx.BaseTransport):
-    def __init__(self, server: str) -> None:
+    def __init__(self, server: str, inner: httpx.BaseTransport | None = None) -> None:
         self._server = server
-        self._inner = httpx.HTTPTransport()
+        self._inner = inner or httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request = _with_salt(request)
@@ -151,9 +151,9 @@ class _Transport(httpx.BaseTransport):
 
 
 class _AsyncTransport(httpx.AsyncBaseTransport):
-    def __init__(self, server: str) -> None:
+    def __init__(self, server: str, inner: httpx.AsyncBaseTransport | None = None) -> None:
         self._server = server
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = inner or httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         request = _with_salt(request)
@@ -166,15 +166,20 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-def make_client(server: str, base_url: str, headers: Mapping[str, str]) -> httpx.Client:
-    """A client for *server* (named in errors, e.g. ``decode-0 (http://127.0.0.1:8200)``)."""
+def make_client(
+    server: str, base_url: str, headers: Mapping[str, str], *, inner: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    """A client for *server* (named in errors, e.g. ``decode-0 (http://127.0.0.1:8200)``).
+
+    :param inner: the transport that really sends (default ``httpx.HTTPTransport()``; tests pass a mock).
+    """
     # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
     return httpx.Client(
         base_url=base_url,
         headers=dict(headers),
         timeout=OPTIONS.timeout(),
         trust_env=False,
-        transport=_Transport(server),
+        transport=_Transport(server, inner),
     )
 
 

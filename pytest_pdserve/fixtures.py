@@ -38,6 +38,7 @@ class ClusterFactory(Protocol):
 
 MANAGER = pytest.StashKey["ClusterManager"]()
 SALT_TOKEN = pytest.StashKey[str]()
+CLIENTS_CONFIGURED = pytest.StashKey[bool]()
 CURRENT_ITEM = pytest.StashKey[pytest.Item]()
 
 
@@ -100,7 +101,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     inventory = get_inventory(config)
     logs = log_dir(config, tmp_path_factory)
-    _configure_clients(cfg)
+    _configure_clients(config)
     defaults = SessionDefaults(
         attention_backend=cfg.attention_backend,
         vllm_serve_extra_args=cfg.vllm_serve_extra_args,
@@ -269,11 +270,15 @@ def pd_cluster(pd_cluster_factory: ClusterFactory) -> PDCluster:
     return pd_cluster_factory(ClusterSpec())
 
 
-def _configure_clients(cfg: PDServeConfig) -> None:
-    """The request timeout of every client the plugin hands out, and how its error says to raise it."""
+def _configure_clients(config: pytest.Config) -> None:
+    """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
     from pytest_pdserve import clients
     from pytest_pdserve.settings import SETTINGS_BY_NAME
 
+    if config.stash.get(CLIENTS_CONFIGURED, False):
+        return
+    config.stash[CLIENTS_CONFIGURED] = True
+    cfg = config.stash[PDSERVE_CONFIG]
     s = SETTINGS_BY_NAME["request_timeout"]
     clients.OPTIONS.request_timeout = cfg.request_timeout
     clients.OPTIONS.timeout_remedy = (
@@ -292,6 +297,7 @@ def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
     from pytest_pdserve import clients
 
     config = request.config
+    _configure_clients(config)
     salt = None
     if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
         if SALT_TOKEN not in config.stash:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-INNER = """
+INNER = r"""
 import pytest
 from pytest_pdserve.assertions import *
 from pytest_pdserve.prompts import prompt_with_tokens
@@ -51,9 +51,24 @@ def test_tie_flip_accepted_with_a_tolerance(pd_cluster_factory):
     flip = result.tie_flips[0]
     assert flip.verdict == TIE_FLIP and flip.gap < 0.01 and flip.token_a != flip.token_b
     print("ACCEPTED", flip)
+
+
+def test_server_helpers(pd_cluster, pytestconfig):
+    from pytest_pdserve import clients
+
+    decode = pd_cluster.decode[0]
+    assert decode.complete("hello world", max_tokens=3)["usage"]["completion_tokens"] == 3
+    assert pd_cluster.chat("hi", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert decode.chat([{"role": "user", "content": "hi"}], max_tokens=1)["choices"][0]["message"]["role"]
+    assert decode.reset_prefix_cache() is True
+    with pytest.raises(AssertionError, match=r"decode-0 \(http://127.0.0.1:\d+\) answered POST /v1/completions"
+                       r" \{.*\} with HTTP 400"):
+        decode.complete("x", max_tokens=0)
+    assert clients.OPTIONS.request_timeout == 123.0  # --pd-request-timeout reached the clients
+    assert "came from --pd-request-timeout" in clients.OPTIONS.timeout_remedy
 """
 
-EXPECTED_OUTCOME = "3 failed, 1 passed"
+EXPECTED_OUTCOME = "3 failed, 2 passed"
 
 SALT_INNER = """
 import os
@@ -103,7 +118,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> str:
     (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "ATTENTION_BACKEND"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE", "-s"],
+        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE", "-s",
+         "--pd-request-timeout=123"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return proc.stdout + proc.stderr
