@@ -27,7 +27,7 @@ from pytest_pdserve.spec import ClusterSpec
 SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
 #: The simulator speaks vLLM 0.33's flags.
 SIM_VERSION = vllm_compat.LATEST_KNOWN
-REQUEST_FAILED_MESSAGE = "{server} answered {request} with HTTP {status}: {body}"
+REQUEST_FAILED_MESSAGE = "{name}: {method} {url}{path} -> {status}: {body}\n  request: {request}"
 
 
 @dataclass(frozen=True)
@@ -134,10 +134,13 @@ class ServerHandle:
         if response.status_code != 200:
             raise AssertionError(
                 REQUEST_FAILED_MESSAGE.format(
-                    server=self.label,
-                    request=clients.summarize(response.request),
+                    name=self.name,
+                    method="POST",
+                    url=self.url,
+                    path=path,
                     status=response.status_code,
                     body=response.text[:2000],
+                    request=clients.summarize(response.request),
                 )
             )
         result: dict[str, Any] = response.json()
@@ -195,6 +198,8 @@ class PDCluster:
     vllm_version: str | None = None
     started_seconds: float = 0.0
     _stopped: bool = field(default=False, repr=False)
+    #: ``{server name: verify.Effective}``: what each server really runs, read back at start (verify.py).
+    effective: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for server in self.servers:  # server.complete()/chat() send the served model by default
@@ -250,9 +255,11 @@ class PDCluster:
         parts.append(f"proxy={_where(self.proxy)}")
         backend = self.attention_backend or "auto"
         how = "attached" if self.attached else f"ready in {self.started_seconds:.1f}s"
+        seen = sorted({e.describe() for e in self.effective.values()})
+        effective = f" effective: {' | '.join(seen)}" if seen else ""
         return (
             f"pdserve: cluster {self.spec.name} ({self.engine}, {len(self.prefill)}P x {len(self.decode)}D) {how}: "
-            f"{' '.join(parts)} backend={backend} model={self.model}"
+            f"{' '.join(parts)} backend={backend} model={self.model}{effective}"
         )
 
 

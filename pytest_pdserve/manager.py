@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve import commands, leases
+from pytest_pdserve import commands, leases, verify
 from pytest_pdserve.attach import ROLES, attach, attach_mismatch
 from pytest_pdserve.cluster import (
     SIM_DEFAULT_MODELS,
@@ -440,6 +440,8 @@ class ClusterManager:
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
                 started_seconds=time.monotonic() - t0,
             )  # fmt: skip
+            # What the servers really run must be what was asked (verify.py); a mismatch fails the start.
+            verify.verify_cluster(cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len)
             self.report(cluster.describe())
             return _Running(cluster, processes, gpu_lease, port_leases, label)
         except BaseException:

@@ -5,6 +5,9 @@ real simulator clusters, whose fault switches make each case happen for a real r
   confident token, with ``PDSERVE_SIM_TIE_FLIP=1`` it flips a near-tie (gap 0.001 nats) to the runner-up.
 - per-test cache isolation: two tests send the same prompt to one shared cluster; under the default
   ``--pd-cache-salt=per-test`` the second sees no hit, with ``off`` it does, and an explicit salt shares.
+- effective configuration: a server that silently serves another block size
+  (``PDSERVE_SIM_OVERRIDE_BLOCK_SIZE``) or starts without its KV connector (``PDSERVE_SIM_KV_CONNECTOR_OFF``)
+  fails the cluster's start naming the server and both values; ``auto`` becomes the backend really running.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def test_server_helpers(pd_cluster, pytestconfig):
     assert pd_cluster.chat("hi", max_tokens=2)["usage"]["completion_tokens"] == 2
     assert decode.chat([{"role": "user", "content": "hi"}], max_tokens=1)["choices"][0]["message"]["role"]
     assert decode.reset_prefix_cache() is True
-    with pytest.raises(AssertionError, match=r"decode-0 \(http://127.0.0.1:\d+\) answered POST /v1/completions"
-                       r" \{.*\} with HTTP 400"):
+    with pytest.raises(AssertionError, match=r"decode-0: POST http://127.0.0.1:\d+/v1/completions -> 400: .*"
+                       r"\n  request: POST /v1/completions \{"):
         decode.complete("x", max_tokens=0)
     assert clients.OPTIONS.request_timeout == 123.0  # --pd-request-timeout reached the clients
     assert "came from --pd-request-timeout" in clients.OPTIONS.timeout_remedy
@@ -144,6 +147,59 @@ def test_cache_salt_isolates_tests_unless_off_or_shared(salt_session: tuple[str,
     mode, text = salt_session
     assert "5 passed" in text, text[-4000:]
     assert ("GAINED 0.0" in text) == (mode == "per-test"), text[-4000:]
+
+
+VERIFY_INNER = """
+from pytest_pdserve.spec import ClusterSpec
+
+
+def test_block_size_override_fails_the_start(pd_cluster_factory):
+    pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_OVERRIDE_BLOCK_SIZE": "64"}, name="bs"))
+
+
+def test_connector_off_fails_the_start(pd_cluster_factory):
+    pd_cluster_factory(ClusterSpec(prefill_env={"PDSERVE_SIM_KV_CONNECTOR_OFF": "1"}, name="nokv"))
+
+
+def test_effective_values_are_kept(pd_cluster):
+    assert pd_cluster.attention_backend == "CPU_ATTN"  # asked auto: what really runs
+    effective = pd_cluster.effective["decode-0"]
+    assert (effective.block_size, effective.kv_connector_active, effective.kv_role) == (128, True, "kv_consumer")
+    print("DESCRIBE", pd_cluster.describe())
+"""
+
+
+@pytest.fixture(scope="module")
+def verify_session(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("verify")
+    (root / "test_verify.py").write_text(VERIFY_INNER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "ATTENTION_BACKEND"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE", "-s",
+         "-p", "no:cacheprovider"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def test_verify_outcome(verify_session: str) -> None:
+    assert "2 failed, 1 passed" in verify_session, verify_session[-4000:]
+
+
+def test_a_silently_different_block_size_fails_the_start_with_both_values(verify_session: str) -> None:
+    text = _section(verify_session, "test_block_size_override_fails_the_start")
+    assert "decode-0: does not run what was asked:" in text
+    assert "decode-0: block_size: asked 128, runs 64 (vllm:cache_config_info)" in text
+    assert "prefill-0: block_size" not in text
+
+
+def test_a_missing_kv_connector_fails_the_start(verify_session: str) -> None:
+    text = _section(verify_session, "test_connector_off_fails_the_start")
+    assert "prefill-0: kv_connector: asked NixlConnector, runs none active (no vllm:nixl_* metrics)" in text
+
+
+def test_the_ready_line_shows_effective_values(verify_session: str) -> None:
+    assert "backend=CPU_ATTN model=pdserve-sim/tiny-llama effective: block=128 backend=CPU_ATTN" in verify_session
 
 
 def _section(text: str, test: str) -> str:
