@@ -200,6 +200,8 @@ class PDCluster:
     _stopped: bool = field(default=False, repr=False)
     #: ``{server name: verify.Effective}``: what each server really runs, read back at start (verify.py).
     effective: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Seconds the P/D-ready round trip took after HTTP readiness (None: not run).
+    pd_ready_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for server in self.servers:  # server.complete()/chat() send the served model by default
@@ -255,6 +257,8 @@ class PDCluster:
         parts.append(f"proxy={_where(self.proxy)}")
         backend = self.attention_backend or "auto"
         how = "attached" if self.attached else f"ready in {self.started_seconds:.1f}s"
+        if self.pd_ready_seconds is not None:
+            how += f" (P/D round trip {self.pd_ready_seconds:.2f}s)"
         seen = sorted({e.describe() for e in self.effective.values()})
         effective = f" effective: {' | '.join(seen)}" if seen else ""
         return (

@@ -113,7 +113,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         api_key=cfg.api_key,
         platform=inventory.platform,
     )
-    return ClusterManager(
+    manager = ClusterManager(
         engine_setup=lambda name: engine_setup(name, cfg, inventory.platform, tmp_path_factory.getbasetemp()),
         default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
         lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
@@ -121,6 +121,8 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
         reporter=make_reporter(config, logs / "pdserve.log"),
     )  # fmt: skip
+    manager.pd_ready_check = cfg.ready_check
+    return manager
 
 
 def engine_setup(name: str, cfg: PDServeConfig, platform: str, basetemp: Path) -> EngineSetup:

@@ -282,6 +282,8 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="MODE"),
     Setting("request_timeout", "Seconds one request through the plugin's clients may take", _seconds, 600.0,
             metavar="SECONDS"),
+    Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
+            "server (P/D-ready, not only HTTP-ready)", _bool, True, kind="bool"),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -319,6 +321,7 @@ class PDServeConfig:
     proxy_url: str | None
     cache_salt: str
     request_timeout: float
+    ready_check: bool
     resolved_engine: str
     """``vllm`` or ``sim``."""
     engine_reason: str

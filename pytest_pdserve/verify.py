@@ -29,17 +29,29 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.errors import ServerStartupError
-from pytest_pdserve.metrics import MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.prompts import count_tokens, prompt_with_tokens, words
 
-__all__ = ["Effective", "EffectiveConfigError", "Mismatch", "read_effective", "verify_cluster"]
+__all__ = [
+    "Effective",
+    "EffectiveConfigError",
+    "Mismatch",
+    "NotPDReady",
+    "pd_round_trip",
+    "read_effective",
+    "verify_cluster",
+]
 
 _BACKEND_LOG = (
     re.compile(r"Detected attention backend\(s\) \[([^\]]*)\]"),  # vLLM 0.32+ worker
@@ -202,3 +214,73 @@ def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> d
     if (asked is None or asked.strip().lower() == "auto") and len(backends) == 1 and None not in backends:
         cluster.attention_backend = backends.pop()
     return effective
+
+
+# ---------------------------------------------------------------------------------------------
+# P/D-ready, not HTTP-ready
+# ---------------------------------------------------------------------------------------------
+
+
+class NotPDReady(ServerStartupError):
+    """Every server answers HTTP, but a request through the proxy moved no KV into a decode server."""
+
+
+def _ready_prompt(cluster: PDCluster, seed: int) -> str:
+    """More than one block of the served model's tokens (at least one full block moves whatever the engine does
+    with partial ones), in one ``/tokenize`` call: every word is at least one token."""
+    text = words(cluster.block_size + 1, seed)
+    count, max_len = count_tokens(cluster, text)
+    if max_len is not None and count + 2 > int(max_len):  # a tiny --max-model-len: what fits
+        return prompt_with_tokens(cluster, max(1, min(cluster.block_size + 1, int(max_len) - 2)), seed=seed)
+    return text
+
+
+def _transfer_rows(name: str, before: MetricsSnapshot, after: MetricsSnapshot) -> list[Check]:
+    rows = []
+    for metric, labels in ((NIXL_BYTES_SUM, {}), (PROMPT_TOKENS_BY_SOURCE, {"source": "external_kv_transfer"})):
+        b, a = before.get(metric, **labels), after.get(metric, **labels)
+        label = metric + ('{source="external_kv_transfer"}' if labels else "")
+        rows.append(Check(name, label, b, a, "> 0", a is not None and a - (b or 0.0) > 0))
+    return rows
+
+
+def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
+    """Prove P/D works before a test gets the cluster: one request per decode server through the proxy, each
+    of which must move KV (NIXL bytes > 0 and ``external_kv_transfer`` tokens > 0 on a decode server).
+
+    HTTP readiness is not enough for NIXL (vLLM PR #41313: /health answered 200 while decode timed out in its
+    handshake). The requests carry a fresh ``cache_salt`` nobody else uses, so the blocks they leave in the
+    prefix caches can never be hit by a test. Returns the seconds it took: one request and the metric scrapes
+    until the transfer shows (no settling for stability, which is what the assertions pay for).
+
+    :raises NotPDReady: naming the decode servers that loaded no KV, with the metrics table.
+    """
+    __tracebackhide__ = True
+    t0 = time.monotonic()
+    salt = f"pdserve-ready-{uuid.uuid4().hex}"
+    ready: set[str] = set()
+    rows: list[Check] = []
+    for i in range(len(cluster.decode)):  # the proxy round-robins over the decode servers
+        prompt = _ready_prompt(cluster, 1000 + i)
+        before = {d.name: d.metrics() for d in cluster.decode}
+        try:
+            cluster.proxy.complete(prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
+        except (AssertionError, httpx.HTTPError) as exc:
+            raise NotPDReady(
+                "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}"
+            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], d.metrics())]
+            moved = {r.server for r in rows if r.ok} - {r.server for r in rows if not r.ok}
+            if moved - ready or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if not moved - ready:
+            raise NotPDReady(
+                "proxy",
+                f"the cluster answers HTTP but is not P/D-ready: a request through the proxy moved no KV into"
+                f" a decode server within {timeout:g} s\n{format_checks(rows)}",
+            )
+        ready |= moved
+    return time.monotonic() - t0

@@ -13,6 +13,7 @@ real simulator clusters, whose fault switches make each case happen for a real r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -161,6 +162,11 @@ def test_connector_off_fails_the_start(pd_cluster_factory):
     pd_cluster_factory(ClusterSpec(prefill_env={"PDSERVE_SIM_KV_CONNECTOR_OFF": "1"}, name="nokv"))
 
 
+def test_no_kv_pull_is_not_pd_ready(pd_cluster_factory):
+    pd_cluster_factory(ClusterSpec(kv_load_failure_policy="recompute", decode_env={"PDSERVE_SIM_FAIL_KV_PULL": "1"},
+                                   name="nopull"))
+
+
 def test_effective_values_are_kept(pd_cluster):
     assert pd_cluster.attention_backend == "CPU_ATTN"  # asked auto: what really runs
     effective = pd_cluster.effective["decode-0"]
@@ -183,7 +189,7 @@ def verify_session(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_verify_outcome(verify_session: str) -> None:
-    assert "2 failed, 1 passed" in verify_session, verify_session[-4000:]
+    assert "3 failed, 1 passed" in verify_session, verify_session[-4000:]
 
 
 def test_a_silently_different_block_size_fails_the_start_with_both_values(verify_session: str) -> None:
@@ -196,6 +202,17 @@ def test_a_silently_different_block_size_fails_the_start_with_both_values(verify
 def test_a_missing_kv_connector_fails_the_start(verify_session: str) -> None:
     text = _section(verify_session, "test_connector_off_fails_the_start")
     assert "prefill-0: kv_connector: asked NixlConnector, runs none active (no vllm:nixl_* metrics)" in text
+
+
+def test_a_cluster_that_moves_no_kv_is_not_handed_out(verify_session: str) -> None:
+    """P/D-ready, not HTTP-ready: the decode server answers, but its KV pulls fail (recompute policy)."""
+    text = _section(verify_session, "test_no_kv_pull_is_not_pd_ready")
+    assert "proxy: the cluster answers HTTP but is not P/D-ready: a request through the proxy moved no KV" in text
+    assert "vllm:nixl_bytes_transferred_sum" in text
+
+
+def test_the_ready_line_shows_the_round_trip(verify_session: str) -> None:
+    assert re.search(r"cluster pd \(sim, 1P x 1D\) ready in [\d.]+s \(P/D round trip [\d.]+s\)", verify_session)
 
 
 def test_the_ready_line_shows_effective_values(verify_session: str) -> None:
