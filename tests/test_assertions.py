@@ -671,3 +671,23 @@ def test_classify_flip_without_logprobs_is_unknown() -> None:
 def test_deterministic_rejects_a_non_positive_tie_tolerance(cluster: FakeCluster) -> None:
     with pytest.raises(ValueError, match="tie_tolerance=0 must be > 0"):
         A.assert_deterministic(cluster, {"prompt": LONG}, tie_tolerance=0)
+
+
+def test_assertions_export_the_cluster_classes_themselves() -> None:
+    """One PDCluster: what the assertions export is what ``pytest_pdserve`` exports (issue 17)."""
+    import pytest_pdserve
+
+    assert A.PDCluster is pytest_pdserve.PDCluster
+    assert A.ServerHandle is pytest_pdserve.ServerHandle
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    import ast
+
+    package = Path(A.__file__).resolve().parent.parent
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_pdserve"):
+                found += [f"{path.relative_to(package)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found

@@ -1,8 +1,8 @@
 """Failure texts: where two outputs diverge, and metric tables of what was checked.
 
 :func:`first_divergence` finds the first differing token (or character) of two completions and
-:func:`format_divergence` shows it with its context, token ids and top logprobs; :func:`_compare`
-and :func:`_compare_logprobs` raise with that text. :class:`Check` is one metric row (before,
+:func:`format_divergence` shows it with its context, token ids and top logprobs; :func:`compare_outputs`
+and :func:`compare_logprobs` raise with that text. :class:`Check` is one metric row (before,
 after, expected) and :func:`format_checks` renders them as a table per server. Pytest-free; the
 public names are re-exported by :mod:`pytest_pdserve.assertions`.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pytest_pdserve._completions import Completion
-from pytest_pdserve._measure import PDCluster
+from pytest_pdserve.assertions._completions import Completion
+from pytest_pdserve.assertions._measure import ClusterLike as PDCluster
 from pytest_pdserve.metrics import MetricsDelta
 
 T = TypeVar("T")
@@ -184,7 +184,7 @@ def format_divergence(
     return "\n".join(lines)
 
 
-def _compare(
+def compare_outputs(
     title: str,
     outputs: Sequence[Completion],
     labels: Sequence[str],
@@ -219,7 +219,7 @@ def _compare(
     return accepted
 
 
-def _compare_logprobs(
+def compare_logprobs(
     title: str, a: Completion, b: Completion, labels: tuple[str, str], tolerance: float, cluster: PDCluster
 ) -> None:
     __tracebackhide__ = True
@@ -277,7 +277,7 @@ class Check:
         return self.after - (self.before or 0.0)
 
 
-def _num(v: float | None) -> str:
+def fmt_num(v: float | None) -> str:
     if v is None:
         return "absent"
     return str(int(v)) if v == int(v) else f"{v:.4g}"
@@ -287,7 +287,7 @@ def _labels_text(labels: Mapping[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
 
 
-def _check(server: str, delta: MetricsDelta, name: str, op: str, target: float, **labels: str) -> Check:
+def metric_check(server: str, delta: MetricsDelta, name: str, op: str, target: float, **labels: str) -> Check:
     before = delta.before.get(name, **labels)
     after = delta.after.get(name, **labels)
     d = None if after is None else after - (before or 0.0)
@@ -295,14 +295,14 @@ def _check(server: str, delta: MetricsDelta, name: str, op: str, target: float, 
         d is not None
         and {"==": d == target, ">": d > target, ">=": d >= target, "<": d < target, "<=": d <= target}[op]
     )
-    return Check(server, name + _labels_text(labels), before, after, f"{op} {_num(target)}", ok)
+    return Check(server, name + _labels_text(labels), before, after, f"{op} {fmt_num(target)}", ok)
 
 
 def format_checks(checks: Sequence[Check]) -> str:
     """A table ``metric | before | after | delta | expected`` grouped by server; bad rows marked."""
     header = ("metric", "before", "after", "delta", "expected", "")
     rows = [
-        (c.metric, _num(c.before), _num(c.after), _num(c.delta), c.expected, "ok" if c.ok else "<-- FAIL")
+        (c.metric, fmt_num(c.before), fmt_num(c.after), fmt_num(c.delta), c.expected, "ok" if c.ok else "<-- FAIL")
         for c in checks
     ]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
@@ -322,10 +322,10 @@ def format_checks(checks: Sequence[Check]) -> str:
     return "\n".join(out)
 
 
-def _fail(headline: str, checks: Sequence[Check]) -> AssertionError:
+def failure(headline: str, checks: Sequence[Check]) -> AssertionError:
     return AssertionError(headline + ("\n" + format_checks(checks) if checks else ""))
 
 
-def _precondition(what: str, checks: Sequence[Check] = ()) -> AssertionError:
+def precondition_error(what: str, checks: Sequence[Check] = ()) -> AssertionError:
     """The error of a check that could not have measured what it claims (see :data:`PRECONDITION_MESSAGE`)."""
-    return _fail(PRECONDITION_MESSAGE.format(what=what), checks)
+    return failure(PRECONDITION_MESSAGE.format(what=what), checks)

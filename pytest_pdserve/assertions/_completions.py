@@ -2,8 +2,8 @@
 
 :func:`complete` sends a request (JSON or SSE streaming) and returns a :class:`Completion` with text,
 token ids, tokens and logprobs in one shape for both endpoints and both response formats. The
-assertions fill in deterministic defaults (:func:`_with_defaults`) and ask for token ids and top
-logprobs (:func:`_complete_with_extras`) so a divergence can name the token. Pytest-free; the
+assertions fill in deterministic defaults (:func:`with_defaults`) and ask for token ids and top
+logprobs (:func:`complete_with_extras`) so a divergence can name the token. Pytest-free; the
 public names are re-exported by :mod:`pytest_pdserve.assertions`.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve._measure import ServerHandle
+from pytest_pdserve.assertions._measure import ServerLike as ServerHandle
 
 REQUEST_FAILED_MESSAGE = "request to {target} ({path}) failed with HTTP {status}: {body}"
 
@@ -58,7 +58,7 @@ def _endpoint(request: Mapping[str, Any], endpoint: str | None) -> str:
     return "/v1/chat/completions" if "messages" in request else "/v1/completions"
 
 
-def _with_defaults(request: Mapping[str, Any], model: str | None, *, determinism: bool) -> dict[str, Any]:
+def with_defaults(request: Mapping[str, Any], model: str | None, *, determinism: bool) -> dict[str, Any]:
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a JSON object (dict), got {type(request).__name__}: {request!r}")
     out = dict(request)
@@ -225,7 +225,7 @@ def _from_sse(lines: Iterable[str], label: str) -> Completion:
     )
 
 
-def _complete_with_extras(
+def complete_with_extras(
     target: ServerHandle | httpx.Client, request: Mapping[str, Any], endpoint: str | None
 ) -> Completion:
     """Ask for token ids and logprobs; a server that rejects those fields gets the plain request."""
