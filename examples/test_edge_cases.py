@@ -27,16 +27,12 @@ def test_short_prompt_below_block_size(pd_cluster):
 def test_full_prefix_hit_on_decode(pd_cluster, prompt):
     # (2) Prime D directly with the prompt, then the proxy (P/D) must equal decode-direct.
     decode = pd_cluster.decode[0]
-    decode.client.post(
-        "/v1/completions", json={"model": pd_cluster.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-    ).raise_for_status()
+    decode.complete(prompt, max_tokens=16)  # this test's cache_salt: no other test shares the hit
     assert_pd_matches_single(pd_cluster, {"prompt": prompt, "max_tokens": 16}, single=decode)
 
 
 def test_partial_prefix_hit_on_decode(pd_cluster, prompt):
     # (3) A longer prompt that extends the cached one (a partial hit on D): proxy == prefill-direct.
-    pd_cluster.decode[0].client.post(
-        "/v1/completions", json={"model": pd_cluster.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    ).raise_for_status()
+    pd_cluster.decode[0].complete(prompt, max_tokens=1)
     long_prompt = prompt_with_tokens(pd_cluster, 500, seed=11, prefix=prompt)
     assert_pd_matches_single(pd_cluster, {"prompt": long_prompt, "max_tokens": 16})

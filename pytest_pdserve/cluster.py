@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve import vllm_compat
+from pytest_pdserve import clients, vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
 from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
@@ -27,7 +27,7 @@ from pytest_pdserve.spec import ClusterSpec
 SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
 #: The simulator speaks vLLM 0.33's flags.
 SIM_VERSION = vllm_compat.LATEST_KNOWN
-HTTP_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+REQUEST_FAILED_MESSAGE = "{name}: {method} {url}{path} -> {status}: {body}\n  request: {request}"
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ class ServerHandle:
     #: The cluster's liveness verdict, shared by its servers' clients (set by PDCluster).
     health: ClusterHealth | None = field(default=None, repr=False)
     _client: httpx.Client | None = field(default=None, repr=False)
+    #: The served model id (set by the cluster), the default ``model`` of :meth:`complete` / :meth:`chat`.
+    model: str | None = None
 
     @property
     def name(self) -> str:
@@ -89,21 +91,64 @@ class ServerHandle:
     def client(self) -> httpx.Client:
         """A reusable httpx client with ``base_url`` set and the API key sent."""
         if self._client is None or self._client.is_closed:
-            # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
-            # The guarded transport turns a server that died under a test into one clear error (health.py).
-            transport = GuardedTransport(self.health, self.name) if self.health is not None else None
-            self._client = httpx.Client(
-                base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False, transport=transport
-            )
+            # The transport adds the test's cache_salt and names this server in timeouts (clients.py); under it,
+            # the guard turns a server that died under a test into one clear error (health.py).
+            guard = GuardedTransport(self.health, self.name) if self.health is not None else None
+            self._client = clients.make_client(self.label, self.url, self.headers, inner=guard)
         return self._client
 
     def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
-        """A new `httpx.AsyncClient` for this server; the caller closes it."""
+        """A new `httpx.AsyncClient` for this server (same salt and timeout rules); the caller closes it."""
         if self.health is not None and "transport" not in kwargs:
-            kwargs["transport"] = AsyncGuardedTransport(self.health, self.name)
-        return httpx.AsyncClient(
-            base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT, trust_env=False, **kwargs
-        )
+            kwargs["inner"] = AsyncGuardedTransport(self.health, self.name)
+        return clients.make_async_client(self.label, self.url, self.headers, **kwargs)
+
+    @property
+    def label(self) -> str:
+        """``decode-0 (http://127.0.0.1:8200)``: how errors name this server."""
+        return f"{self.name} ({self.url})"
+
+    def complete(self, prompt: str | list[int], **body: Any) -> dict[str, Any]:
+        """POST ``/v1/completions`` to this server (temperature 0 unless given) and return the JSON.
+
+        :raises AssertionError: on an HTTP error, naming the server and the request.
+        """
+        __tracebackhide__ = True
+        payload: dict[str, Any] = {"prompt": prompt, "temperature": 0.0, **body}
+        return self._post_json("/v1/completions", payload)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | str, **body: Any) -> dict[str, Any]:
+        """POST ``/v1/chat/completions`` (a string is one user message; temperature 0 unless given)."""
+        __tracebackhide__ = True
+        msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
+        payload: dict[str, Any] = {"messages": msgs, "temperature": 0.0, **body}
+        return self._post_json("/v1/chat/completions", payload)
+
+    def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``; False when the server has no such route (vLLM needs
+        ``VLLM_SERVER_DEV_MODE=1``, which the plugin sets). :raises AssertionError: the reset failed."""
+        __tracebackhide__ = True
+        return clients.reset_prefix_cache(self.client, self.label)
+
+    def _post_json(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        __tracebackhide__ = True
+        if self.model is not None:
+            payload.setdefault("model", self.model)
+        response = self.client.post(path, json=payload)
+        if response.status_code != 200:
+            raise AssertionError(
+                REQUEST_FAILED_MESSAGE.format(
+                    name=self.name,
+                    method="POST",
+                    url=self.url,
+                    path=path,
+                    status=response.status_code,
+                    body=response.text[:2000],
+                    request=clients.summarize(response.request),
+                )
+            )
+        result: dict[str, Any] = response.json()
+        return result
 
     def metrics(self) -> MetricsSnapshot:
         """Scrape ``/metrics`` now."""
@@ -157,12 +202,18 @@ class PDCluster:
     vllm_version: str | None = None
     started_seconds: float = 0.0
     _stopped: bool = field(default=False, repr=False)
+    #: ``{server name: verify.Effective}``: what each server really runs, read back at start (verify.py).
+    effective: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: Seconds the P/D-ready round trip took after HTTP readiness (None: not run).
+    pd_ready_seconds: float | None = None
     #: Whether a server died under a test (health.py); every client of the cluster shares it.
     health: ClusterHealth = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.health = ClusterHealth(self.spec.name, self.servers)
         for server in self.servers:
+            if server.model is None:  # server.complete()/chat() send the served model by default
+                server.model = self.model
             server.health = self.health
             if server._client is not None:  # made before the cluster existed (readiness): rebuild it guarded
                 server._client.close()
@@ -199,14 +250,13 @@ class PDCluster:
 
     def complete(self, prompt: str | list[int], **body: Any) -> dict[str, Any]:
         """POST ``/v1/completions`` through the proxy (temperature 0 unless given) and return the JSON."""
-        payload: dict[str, Any] = {"model": self.model, "prompt": prompt, "temperature": 0.0, **body}
-        response = self.client.post("/v1/completions", json=payload)
-        if response.status_code != 200:
-            raise AssertionError(
-                f"POST {self.proxy.url}/v1/completions -> {response.status_code}: {response.text[:2000]}"
-            )
-        result: dict[str, Any] = response.json()
-        return result
+        __tracebackhide__ = True
+        return self.proxy.complete(prompt, **{"model": self.model, **body})
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | str, **body: Any) -> dict[str, Any]:
+        """POST ``/v1/chat/completions`` through the proxy (a string is one user message)."""
+        __tracebackhide__ = True
+        return self.proxy.chat(messages, **{"model": self.model, **body})
 
     def describe(self) -> str:
         """The one-line summary printed when the cluster is ready."""
@@ -218,9 +268,13 @@ class PDCluster:
         parts.append(f"proxy={_where(self.proxy)}")
         backend = self.attention_backend or "auto"
         how = "attached" if self.attached else f"ready in {self.started_seconds:.1f}s"
+        if self.pd_ready_seconds is not None:
+            how += f" (P/D round trip {self.pd_ready_seconds:.2f}s)"
+        seen = sorted({e.describe() for e in self.effective.values()})
+        effective = f" effective: {' | '.join(seen)}" if seen else ""
         return (
             f"pdserve: cluster {self.spec.name} ({self.engine}, {len(self.prefill)}P x {len(self.decode)}D) {how}: "
-            f"{' '.join(parts)} backend={backend} model={self.model}"
+            f"{' '.join(parts)} backend={backend} model={self.model}{effective}"
         )
 
 

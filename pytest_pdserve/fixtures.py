@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,6 +37,8 @@ class ClusterFactory(Protocol):
 
 
 MANAGER = pytest.StashKey["ClusterManager"]()
+SALT_TOKEN = pytest.StashKey[str]()
+CLIENTS_CONFIGURED = pytest.StashKey[bool]()
 CURRENT_ITEM = pytest.StashKey[pytest.Item]()
 
 
@@ -84,6 +87,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     inventory = get_inventory(config)
     logs = log_dir(config, tmp_path_factory)
+    _configure_clients(config)
     defaults = SessionDefaults(
         attention_backend=cfg.attention_backend,
         vllm_serve_extra_args=cfg.vllm_serve_extra_args,
@@ -96,7 +100,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         platform=inventory.platform,
         extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
     )
-    return ClusterManager(
+    manager = ClusterManager(
         engine_setup=lambda name: engine_setup(
             name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
             basetemp=tmp_path_factory.getbasetemp(),
@@ -108,6 +112,8 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         share_gpus=cfg.share_gpus,
         reporter=make_reporter(config, logs / "pdserve.log"),
     )  # fmt: skip
+    manager.pd_ready_check = cfg.ready_check
+    return manager
 
 
 def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
@@ -282,3 +288,40 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
     if port is not None:
         get_manager(request.config, request.getfixturevalue("tmp_path_factory")).proxy_ports.setdefault(spec, port)
     return pd_cluster_factory(spec)
+
+
+def _configure_clients(config: pytest.Config) -> None:
+    """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
+    from pytest_pdserve import clients
+    from pytest_pdserve.settings import SETTINGS_BY_NAME
+
+    if config.stash.get(CLIENTS_CONFIGURED, False):
+        return
+    config.stash[CLIENTS_CONFIGURED] = True
+    cfg = config.stash[PDSERVE_CONFIG]
+    s = SETTINGS_BY_NAME["request_timeout"]
+    clients.OPTIONS.request_timeout = cfg.request_timeout
+    clients.OPTIONS.timeout_remedy = (
+        f"; the limit ({cfg.request_timeout:g} s) came from {cfg.source_of('request_timeout')}:"
+        f" raise it with {s.flag}, {s.env_var} or ini {s.ini_key}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """This test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default), ``None`` with ``off``.
+
+    Requests sent through the plugin's clients carry it unless their body has a ``cache_salt`` already, so one
+    test's prompts never warm the prefix cache for another. Your own clients: ``extra_body={"cache_salt": ...}``.
+    """
+    from pytest_pdserve import clients
+
+    config = request.config
+    _configure_clients(config)
+    salt = None
+    if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
+        if SALT_TOKEN not in config.stash:
+            config.stash[SALT_TOKEN] = os.urandom(8).hex()  # per session: reruns never reuse a warm cache
+        salt = clients.salt_for(request.node.nodeid, config.stash[SALT_TOKEN])
+    with clients.salted(salt):
+        yield salt

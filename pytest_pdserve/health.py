@@ -147,10 +147,10 @@ class GuardedTransport(httpx.BaseTransport):
 class AsyncGuardedTransport(httpx.AsyncBaseTransport):
     """The async twin of :class:`GuardedTransport` (the probe itself is short and synchronous)."""
 
-    def __init__(self, health: ClusterHealth, client_of: str) -> None:
+    def __init__(self, health: ClusterHealth, client_of: str, inner: httpx.AsyncBaseTransport | None = None) -> None:
         self._health = health
         self._client_of = client_of
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = inner or httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._health.raise_if_dead()

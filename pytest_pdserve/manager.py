@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve import commands, leases
+from pytest_pdserve import commands, leases, verify
 from pytest_pdserve.attach import ROLES, attach, attach_mismatch
 from pytest_pdserve.cluster import (
     SIM_DEFAULT_MODELS,
@@ -100,6 +100,9 @@ class _Running:
 
 class ClusterManager:
     """Starts clusters on demand, shares equal specs, and stops everything at the end of the session."""
+
+    #: Prove each new cluster moves KV before handing it out (``--pd-ready-check``; fixtures.py sets it).
+    pd_ready_check: bool = True
 
     def __init__(
         self,
@@ -420,6 +423,11 @@ class ClusterManager:
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
                 started_seconds=time.monotonic() - t0,
             )  # fmt: skip
+            # What the servers really run must be what was asked (verify.py); a mismatch fails the start.
+            verify.verify_cluster(cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len)
+            if self.pd_ready_check:  # P/D-ready, not HTTP-ready: KV must move through the proxy (verify.py)
+                cluster.pd_ready_seconds = verify.pd_round_trip(cluster)
+                cluster.started_seconds = time.monotonic() - t0
             self.report(cluster.describe())
             return _Running(cluster, processes, gpu_plan, port_leases, label)
         except BaseException:

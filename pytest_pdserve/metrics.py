@@ -71,6 +71,8 @@ NIXL_DESCRIPTORS_SUM = "vllm:nixl_num_descriptors_sum"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+"""An info gauge (always 1) whose labels are the engine's effective CacheConfig (``block_size``, ...)."""
 
 DEFAULT_SETTLE_NAMES: tuple[str, ...] = (
     REQUEST_SUCCESS,
@@ -210,6 +212,18 @@ class MetricsSnapshot(_Accessors):
     def series(self, name: str) -> dict[LabelSet, float]:
         """All label sets of sample *name* with their values (empty when absent)."""
         return {lbl: v for (n, lbl), v in self.samples.items() if n == name}
+
+    def info(self, name: str = CACHE_CONFIG_INFO) -> dict[str, str] | None:
+        """The labels of info gauge *name* (vLLM's ``vllm:cache_config_info``): ``None`` when absent."""
+        for (n, lbl), _ in self.samples.items():
+            if n == name:
+                return dict(lbl)
+        return None
+
+    def block_size(self) -> int | None:
+        """The effective block size from ``vllm:cache_config_info``, ``None`` when not exposed."""
+        raw = (self.info() or {}).get("block_size")
+        return int(raw) if raw is not None and raw.isdigit() else None
 
     def _matching(self, name: str, labels: Mapping[str, str]) -> list[float]:
         wanted = set(labels.items())

@@ -18,6 +18,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     MANAGER,
     ensure_watchdog,
     fail_if_cluster_died,
+    pd_cache_salt,
     pd_cluster,
     pd_cluster_factory,
     pytest_timeout_cancel_timer,
@@ -146,4 +147,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     export_env.restore(config)
 
 
-__all__ = ["pd_cluster", "pd_cluster_factory", "pytest_timeout_cancel_timer", "pytest_timeout_set_timer"]
+__all__ = [
+    "pd_cache_salt",
+    "pd_cluster",
+    "pd_cluster_factory",
+    "pytest_timeout_cancel_timer",
+    "pytest_timeout_set_timer",
+]

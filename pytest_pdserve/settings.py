@@ -385,6 +385,13 @@ SETTINGS: tuple[Setting, ...] = (
             "kv_connector_extra_config; pdserve sets kv_role", _kv_connector_config, None, metavar="JSON"),
     Setting("proxy_port", "Port the session cluster's proxy listens on (leased; for modules that hard-code "
             "8192)", _port, None, metavar="N"),
+    Setting("cache_salt", "Prefix-cache isolation: per-test (requests sent through the plugin carry the test's own "
+            "vLLM cache_salt) or off (tests share one prefix cache)", _choice("per-test", "off"), "per-test",
+            metavar="MODE"),
+    Setting("request_timeout", "Seconds one request through the plugin's clients may take", _seconds, 600.0,
+            metavar="SECONDS"),
+    Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
+            "server (P/D-ready, not only HTTP-ready)", _bool, True, kind="bool"),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
@@ -426,6 +433,9 @@ class PDServeConfig:
     preset: str | None
     kv_connector_config: str | None
     proxy_port: int | None
+    cache_salt: str
+    request_timeout: float
+    ready_check: bool
     resolved_engine: str
     """``vllm`` or ``sim``."""
     engine_reason: str

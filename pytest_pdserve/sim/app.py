@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pytest_pdserve.sim import tokenizer
+from pytest_pdserve.sim import faults, tokenizer
 from pytest_pdserve.sim.engine import (
     VLLM_VERSION,
     Engine,
@@ -107,7 +107,22 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str =
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=float(temperature),
         seed=seed,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``validate_cache_salt`` (vllm/entrypoints/generate/base/protocol.py), with its wording."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise _ApiError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise _ApiError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+        )
+    return salt
 
 
 def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -145,7 +160,9 @@ def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tup
     chosen = gen.output_ids[position]
     base = tokenizer.logprob_of(engine.model_key, gen.prompt_ids, position, chosen) / 3.0
     ids = tokenizer.top_alternatives(chosen, position, max(count, 1))
-    return [(tid, base - 0.75 * rank) for rank, tid in enumerate(ids)]
+    packed = tokenizer.ids_bytes(gen.prompt_ids)
+    tie = engine.env.tie_flip and position == faults.tie_position(packed, len(gen.output_ids))
+    return [(tid, base - (faults.TIE_GAP if tie and rank == 1 else 0.75 * rank)) for rank, tid in enumerate(ids)]
 
 
 def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
@@ -229,8 +246,8 @@ def build_app(state: AppState) -> Starlette:
             "block_size": info.block_size,
             "num_gpu_blocks": info.num_blocks,
             "bytes_per_block": info.bytes_per_block,
-            "kv_connector": args.kv_transfer_config.kv_connector if args.kv_transfer_config else None,
-            "kv_role": args.kv_transfer_config.kv_role if args.kv_transfer_config else None,
+            "kv_connector": engine.kv_config.kv_connector if engine.kv_config else None,
+            "kv_role": engine.kv_config.kv_role if engine.kv_config else None,
             "side_channel": (
                 {"host": info.side_channel[0], "port": info.side_channel[1]} if info.side_channel else None
             ),

@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from pytest_pdserve.sim import kvtransfer
+from pytest_pdserve.sim import faults, kvtransfer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
-from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb
+from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb, top_alternatives
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
@@ -160,6 +160,8 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    #: vLLM's ``cache_salt``: joins the first block's hash, so every block hash of the request chains from it.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -207,8 +209,14 @@ class Engine:
         self.args = args
         self.env = env
         self.attention_backend = attention_backend
-        self.block_size = args.block_size
-        kv = args.kv_transfer_config
+        # Fault switches (faults.py): a server that silently runs something other than it was asked.
+        self.block_size = env.override_block_size or args.block_size
+        kv = None if env.kv_connector_off else args.kv_transfer_config
+        if env.kv_connector_off and args.kv_transfer_config is not None:
+            logger.warning(
+                "Disabling KVTransfer: %s is not active (PDSERVE_SIM_KV_CONNECTOR_OFF)",
+                args.kv_transfer_config.kv_connector,
+            )
         self.kv_config = kv
         self.nixl = kv is not None and kv.is_nixl
         self.connector = kv is not None
@@ -366,7 +374,8 @@ class Engine:
         self.expire_leases()
 
         bs = self.block_size
-        hashes = chain_hashes(self.root_hash, prompt_ids, bs, include_partial=True)
+        root = self._salted_root(params.cache_salt)
+        hashes = chain_hashes(root, prompt_ids, bs, include_partial=True)
         hit_blocks = self.pool.lookup(hashes[: (n_prompt - 1) // bs]) if self.args.enable_prefix_caching else []
         self.pool.acquire(hit_blocks)
         try:
@@ -380,7 +389,7 @@ class Engine:
 
         external = 0
         if remote_prefill:
-            external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id)
+            external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id, root)
 
         # Everything from here to the end is synchronous: no other request interleaves.
         if self.args.enable_prefix_caching:
@@ -440,6 +449,7 @@ class Engine:
         local_hit: int,
         block_ids: list[int],
         request_id: str,
+        root: bytes,
     ) -> int:
         """Pull the remote blocks; returns the externally loaded token count (0 after a recompute)."""
         m, labels = self.metrics, self.metrics.labels
@@ -454,7 +464,7 @@ class Engine:
                 remote_request_id=str(kv.get("remote_request_id")),
                 remote_block_ids=[int(b) for b in group],
                 compat_hash=self.compat_hash,
-                expected_hashes=lambda rbs: chain_hashes(self.root_hash, prompt_ids, rbs, include_partial=True),
+                expected_hashes=lambda rbs: chain_hashes(root, prompt_ids, rbs, include_partial=True),
                 first_token=local_hit,
                 fail_reads=self.env.fail_kv_pull,
                 on_notify_failure=lambda: m.nixl_num_failed_notifications.labels(**labels).inc(),
@@ -486,6 +496,12 @@ class Engine:
         m.nixl_post_time.labels(**labels).observe(result.post_time_s)
         return n_prompt - local_hit
 
+    def _salted_root(self, salt: str | None) -> bytes:
+        """The hash chain's root for a request: salted like vLLM's first-block extra key, else the model's."""
+        if salt is None:
+            return self.root_hash
+        return hashlib.blake2b(self.root_hash + b"|cache_salt|" + salt.encode(), digest_size=16).digest()
+
     def _sample(self, prompt_ids: list[int], params: SamplingParams, count: int) -> list[int]:
         if params.temperature == 0:
             return generate_ids(self.model_key, prompt_ids, count)
@@ -506,6 +522,10 @@ class Engine:
         index = 1 + int.from_bytes(digest[4:], "little") % (len(output) - 1)
         changed = list(output)
         changed[index] = perturb(changed[index], digest)
+        tie = faults.tie_position(ids_bytes(prompt_ids), len(output)) if self.env.tie_flip else None
+        if tie is not None:  # PDSERVE_SIM_TIE_FLIP: a near-tie flips to the runner-up instead
+            index, changed = tie, list(output)
+            changed[tie] = top_alternatives(output[tie], tie, 2)[1]
         logger.debug(
             "request %s: %s is not batch-invariant; token %d differs on the warm cache",
             request_id,

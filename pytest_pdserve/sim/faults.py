@@ -8,6 +8,7 @@ faults that live outside the HTTP app: orphan-prone worker processes and the "ha
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_NONDETERMINISTIC_BACKENDS = frozenset({"FLASH_ATTN"})
+TIE_GAP = 1e-3
+"""Nats between top-1 and top-2 at the tie position under ``PDSERVE_SIM_TIE_FLIP`` (a near-tie)."""
 
 
 class SimEnvError(ValueError):
@@ -43,6 +46,9 @@ class SimEnv:
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
     nondeterminism_rate: float = 1.0
     gpu: bool = False
+    tie_flip: bool = False
+    override_block_size: int | None = None
+    kv_connector_off: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> SimEnv:
@@ -117,7 +123,20 @@ class SimEnv:
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
             gpu=flag("PDSERVE_SIM_GPU"),
+            tie_flip=flag("PDSERVE_SIM_TIE_FLIP"),
+            override_block_size=integer("PDSERVE_SIM_OVERRIDE_BLOCK_SIZE", None, 1, 1 << 20),
+            kv_connector_off=flag("PDSERVE_SIM_KV_CONNECTOR_OFF"),
         )
+
+
+def tie_position(packed_prompt: bytes, n_out: int) -> int | None:
+    """Under ``PDSERVE_SIM_TIE_FLIP``: the output position (never the first) where top-1 and top-2 are a
+    near-tie (:data:`TIE_GAP`), a pure function of the prompt (packed ids) and the output length, so a
+    cold run and a warm run agree on it. ``None`` for outputs shorter than 2 tokens."""
+    if n_out < 2:
+        return None
+    digest = hashlib.blake2b(b"tie|" + packed_prompt, digest_size=8).digest()
+    return 1 + int.from_bytes(digest, "little") % (n_out - 1)
 
 
 # The child keeps nothing of the parent (no sockets, no app): it renames itself like vLLM's

@@ -201,7 +201,7 @@ async def _serve_async(
     logger.info(
         "KV cache: %d blocks of %d tokens (%d bytes per block)",
         engine.pool.num_blocks,
-        args.block_size,
+        engine.block_size,
         engine.bytes_per_block,
     )
     side_channel = None

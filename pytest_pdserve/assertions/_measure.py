@@ -1,6 +1,6 @@
 """What the assertions need from a cluster, and its metrics measured around a request.
 
-:class:`ServerHandle` and :class:`PDCluster` are Protocols that ``cluster.py`` implements, so the
+:class:`ServerLike` and :class:`ClusterLike` are Protocols that ``cluster.py`` implements, so the
 assertions stay free of it. :func:`_measured` runs an action and waits (bounded by *timeout*) until
 the servers' metrics show it, since vLLM records them after responding. The caller passes the
 timeout: :mod:`pytest_pdserve.assertions` reads its ``SETTLE_TIMEOUT`` at call time. Pytest-free.
@@ -30,7 +30,7 @@ T = TypeVar("T")
 # ---------------------------------------------------------------------------------------------
 
 
-class ServerHandle(Protocol):
+class ServerLike(Protocol):
     """One running server (or the proxy) as the cluster exposes it."""
 
     @property
@@ -53,17 +53,17 @@ class ServerHandle(Protocol):
         """A fresh scrape of ``/metrics``."""
 
 
-class PDCluster(Protocol):
+class ClusterLike(Protocol):
     """A running P/D cluster: prefill and decode servers behind a proxy."""
 
     @property
-    def prefill(self) -> Sequence[ServerHandle]: ...
+    def prefill(self) -> Sequence[ServerLike]: ...
 
     @property
-    def decode(self) -> Sequence[ServerHandle]: ...
+    def decode(self) -> Sequence[ServerLike]: ...
 
     @property
-    def proxy(self) -> ServerHandle: ...
+    def proxy(self) -> ServerLike: ...
 
     @property
     def model(self) -> str:
@@ -84,15 +84,15 @@ class PDCluster(Protocol):
         """The proxy's client."""
 
 
-def _is_cluster(obj: object) -> bool:
+def is_cluster(obj: object) -> bool:
     return hasattr(obj, "prefill") and hasattr(obj, "decode") and hasattr(obj, "proxy")
 
 
-def _servers(cluster: PDCluster) -> list[ServerHandle]:
+def servers_of(cluster: ClusterLike) -> list[ServerLike]:
     return [*cluster.prefill, *cluster.decode]
 
 
-def _sum(deltas: Mapping[str, MetricsDelta], name: str, **labels: str) -> float:
+def summed(deltas: Mapping[str, MetricsDelta], name: str, **labels: str) -> float:
     return sum((d.get(name, **labels) or 0.0) for d in deltas.values())
 
 
@@ -101,7 +101,7 @@ def _sum(deltas: Mapping[str, MetricsDelta], name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _snapshots(servers: Sequence[ServerHandle]) -> dict[str, MetricsSnapshot]:
+def _snapshots(servers: Sequence[ServerLike]) -> dict[str, MetricsSnapshot]:
     return {s.name: s.metrics() for s in servers}
 
 
@@ -115,7 +115,7 @@ def _advanced(before: Mapping[str, MetricsSnapshot], now: Mapping[str, MetricsSn
 
 
 def _settle(
-    servers: Sequence[ServerHandle],
+    servers: Sequence[ServerLike],
     before: Mapping[str, MetricsSnapshot],
     *,
     requests: int | None,
@@ -124,6 +124,7 @@ def _settle(
     """Wait until *servers* together count *requests* more finished requests, then until each
     server's counters are stable; return the deltas. ``requests=None`` waits for any prefix-cache
     query instead (when the caller does not know the count)."""
+    __tracebackhide__ = True
     if not servers:
         return {}
     metric = REQUEST_SUCCESS if requests is not None else PREFIX_CACHE_QUERIES
@@ -142,12 +143,24 @@ def _settle(
     return deltas
 
 
-def _measured(
-    servers: Sequence[ServerHandle], action: Callable[[], T], *, requests: int | None, timeout: float
+def measure_around(
+    servers: Sequence[ServerLike], action: Callable[[], T], *, requests: int | None, timeout: float
 ) -> tuple[T, dict[str, MetricsDelta]]:
+    __tracebackhide__ = True
     before = _snapshots(servers)
     result = action()
     try:
         return result, _settle(servers, before, requests=requests, timeout=timeout)
     except MetricsSettleTimeout as exc:
         raise AssertionError(str(exc)) from exc
+
+
+def measured(
+    servers: Sequence[ServerLike], action: Callable[[], T], *, requests: int | None
+) -> tuple[T, dict[str, MetricsDelta]]:
+    """:func:`measure_around` within ``pytest_pdserve.assertions.SETTLE_TIMEOUT``, read at call time so a suite
+    (or a test's monkeypatch) can raise it."""
+    __tracebackhide__ = True
+    from pytest_pdserve import assertions
+
+    return measure_around(servers, action, requests=requests, timeout=assertions.SETTLE_TIMEOUT)

@@ -2,8 +2,8 @@
 
 :func:`complete` sends a request (JSON or SSE streaming) and returns a :class:`Completion` with text,
 token ids, tokens and logprobs in one shape for both endpoints and both response formats. The
-assertions fill in deterministic defaults (:func:`_with_defaults`) and ask for token ids and top
-logprobs (:func:`_complete_with_extras`) so a divergence can name the token. Pytest-free; the
+assertions fill in deterministic defaults (:func:`with_defaults`) and ask for token ids and top
+logprobs (:func:`complete_with_extras`) so a divergence can name the token. Pytest-free; the
 public names are re-exported by :mod:`pytest_pdserve.assertions`.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve._measure import ServerHandle
+from pytest_pdserve.assertions._measure import ServerLike as ServerHandle
 
 REQUEST_FAILED_MESSAGE = "request to {target} ({path}) failed with HTTP {status}: {body}"
 
@@ -58,7 +58,7 @@ def _endpoint(request: Mapping[str, Any], endpoint: str | None) -> str:
     return "/v1/chat/completions" if "messages" in request else "/v1/completions"
 
 
-def _with_defaults(request: Mapping[str, Any], model: str | None, *, determinism: bool) -> dict[str, Any]:
+def with_defaults(request: Mapping[str, Any], model: str | None, *, determinism: bool) -> dict[str, Any]:
     if not isinstance(request, Mapping):
         raise TypeError(f"request must be a JSON object (dict), got {type(request).__name__}: {request!r}")
     out = dict(request)
@@ -103,6 +103,7 @@ def complete(
 
     :raises AssertionError: on an HTTP error or an error event (naming the target and status).
     """
+    __tracebackhide__ = True
     client, label = _client_of(target)
     path = _endpoint(request, endpoint)
     if request.get("stream"):
@@ -118,6 +119,7 @@ def complete(
 
 
 def _request_failed(label: str, path: str, resp: httpx.Response) -> None:
+    __tracebackhide__ = True
     raise AssertionError(
         REQUEST_FAILED_MESSAGE.format(target=label, path=path, status=resp.status_code, body=resp.text[:500])
     )
@@ -149,6 +151,7 @@ def _logprob_fields(
 
 
 def _from_json(data: Any, label: str) -> Completion:
+    __tracebackhide__ = True
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
@@ -173,6 +176,7 @@ def _from_json(data: Any, label: str) -> Completion:
 
 
 def _from_sse(lines: Iterable[str], label: str) -> Completion:
+    __tracebackhide__ = True
     text: list[str] = []
     ids: list[int] = []
     saw_ids = False
@@ -221,10 +225,11 @@ def _from_sse(lines: Iterable[str], label: str) -> Completion:
     )
 
 
-def _complete_with_extras(
+def complete_with_extras(
     target: ServerHandle | httpx.Client, request: Mapping[str, Any], endpoint: str | None
 ) -> Completion:
     """Ask for token ids and logprobs; a server that rejects those fields gets the plain request."""
+    __tracebackhide__ = True
     extras = _determinism_extras(request)
     if not extras:
         return complete(target, request, endpoint=endpoint)

@@ -1,0 +1,217 @@
+"""The httpx clients the plugin hands out (``ServerHandle.client``, ``async_client()``, ``cluster.client``).
+
+Their transport does two things per request:
+
+* **Per-test prefix-cache isolation.** A POST to a generation route whose JSON body has no ``cache_salt``
+  gets the current test's salt. vLLM adds the salt to the extra keys of a request's *first* block hash
+  (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``), and every later block hash chains
+  from it, so requests with different salts never share a prefix-cache block, while requests with the same
+  salt share exactly as unsalted ones do. A body that already has the key keeps it: a test that wants to
+  share passes its own salt (or ``None``: the unsalted cache everyone else without a salt uses).
+* **A request timeout that names the server and the request**, instead of a bare ``httpx.ReadTimeout``.
+
+The current salt is set by the plugin around each test (``fixtures.py``); outside a test it is ``None`` and
+nothing is added. Requests you send with your own clients (``openai.OpenAI(base_url=cluster.base_url)``)
+carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "OPTIONS",
+    "REQUEST_TIMEOUT_MESSAGE",
+    "SALTED_PATHS",
+    "ClientOptions",
+    "make_async_client",
+    "make_client",
+    "reset_prefix_cache",
+    "salt_for",
+    "salted",
+    "summarize",
+]
+
+SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+"""Routes whose requests read the prefix cache (``/tokenize`` and ``/metrics`` touch no cache)."""
+
+CONNECT_TIMEOUT = 10.0
+REQUEST_TIMEOUT_MESSAGE = "{server} did not answer {request} within {timeout:g} s ({kind}){remedy}"
+RESET_FAILED_MESSAGE = "POST /reset_prefix_cache on {server} did not succeed: HTTP {status} {body}"
+
+
+@dataclass
+class ClientOptions:
+    """Process-wide options of the clients (one pytest process = one session)."""
+
+    request_timeout: float = 600.0
+    #: Appended to timeout errors: how to raise the limit (the plugin names its setting's flag, env var, ini key).
+    timeout_remedy: str = ""
+    #: The current test's ``cache_salt``; ``None`` adds none.
+    salt: str | None = None
+
+    def timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.request_timeout, connect=min(CONNECT_TIMEOUT, self.request_timeout))
+
+
+OPTIONS = ClientOptions()
+
+
+def salt_for(test_id: str, session_token: str) -> str:
+    """A salt unique to one test of one session, valid for vLLM (1-128 chars, none of ``@ / \\ NUL``)."""
+    digest = hashlib.blake2b(f"{session_token}|{test_id}".encode(), digest_size=16).hexdigest()
+    return f"pdserve-{digest}"
+
+
+@contextlib.contextmanager
+def salted(salt: str | None) -> Iterator[str | None]:
+    """Send requests with *salt* inside the block (``None``: none added), then restore the previous one."""
+    previous, OPTIONS.salt = OPTIONS.salt, salt
+    try:
+        yield salt
+    finally:
+        OPTIONS.salt = previous
+
+
+def _with_salt(request: httpx.Request) -> httpx.Request:
+    salt = OPTIONS.salt
+    if salt is None or request.method != "POST" or request.url.path not in SALTED_PATHS:
+        return request
+    try:
+        body = json.loads(request.content)
+    except (httpx.RequestNotRead, ValueError):
+        return request  # a streamed or non-JSON body is sent as is
+    if not isinstance(body, dict) or "cache_salt" in body:
+        return request
+    body["cache_salt"] = salt
+    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+    return httpx.Request(
+        request.method, request.url, headers=headers, content=json.dumps(body).encode(), extensions=request.extensions
+    )
+
+
+def _short(value: Any, limit: int = 48) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def summarize(request: httpx.Request) -> str:
+    """``POST /v1/completions {"prompt": "red hat..." (812 chars), "max_tokens": 16}``: the request, briefly."""
+    head = f"{request.method} {request.url.path}"
+    try:
+        body = json.loads(request.content) if request.content else None
+    except (httpx.RequestNotRead, ValueError):
+        return head
+    if not isinstance(body, Mapping):
+        return head
+    parts = []
+    for key, value in body.items():
+        if key == "messages" and isinstance(value, list):
+            parts.append(f'"messages": [{len(value)} messages]')
+        elif isinstance(value, (dict, list)) and key != "prompt":
+            parts.append(f'"{key}": ...')
+        else:
+            parts.append(f'"{key}": {_short(value)}')
+    return f"{head} {{{', '.join(parts)}}}"
+
+
+def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request) -> httpx.TimeoutException:
+    """The same exception type (callers catching httpx.TimeoutException still do), with a message that says who."""
+    message = REQUEST_TIMEOUT_MESSAGE.format(
+        server=server,
+        request=summarize(request),
+        timeout=OPTIONS.request_timeout,
+        kind=type(exc).__name__,
+        remedy=OPTIONS.timeout_remedy,
+    )
+    return type(exc)(message, request=request)
+
+
+class _Transport(httpx.BaseTransport):
+    def __init__(self, server: str, inner: httpx.BaseTransport | None = None) -> None:
+        self._server = server
+        self._inner = inner or httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request = _with_salt(request)
+        try:
+            return self._inner.handle_request(request)
+        except httpx.TimeoutException as exc:
+            raise _timed_out(exc, self._server, request) from exc
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _AsyncTransport(httpx.AsyncBaseTransport):
+    def __init__(self, server: str, inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self._server = server
+        self._inner = inner or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request = _with_salt(request)
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx.TimeoutException as exc:
+            raise _timed_out(exc, self._server, request) from exc
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def make_client(
+    server: str, base_url: str, headers: Mapping[str, str], *, inner: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    """A client for *server* (named in errors, e.g. ``decode-0 (http://127.0.0.1:8200)``).
+
+    :param inner: the transport that really sends (default ``httpx.HTTPTransport()``; tests pass a mock).
+    """
+    # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
+    return httpx.Client(
+        base_url=base_url,
+        headers=dict(headers),
+        timeout=OPTIONS.timeout(),
+        trust_env=False,
+        transport=_Transport(server, inner),
+    )
+
+
+def make_async_client(
+    server: str,
+    base_url: str,
+    headers: Mapping[str, str],
+    *,
+    inner: httpx.AsyncBaseTransport | None = None,
+    **kwargs: Any,
+) -> httpx.AsyncClient:
+    """An async client like :func:`make_client`; the caller closes it."""
+    kwargs.setdefault("timeout", OPTIONS.timeout())
+    kwargs.setdefault("transport", _AsyncTransport(server, inner))
+    return httpx.AsyncClient(base_url=base_url, headers=dict(headers), trust_env=False, **kwargs)
+
+
+def reset_prefix_cache(client: httpx.Client, server: str) -> bool:
+    """``POST /reset_prefix_cache``: True when reset, False when the server has no such route (vLLM serves it
+    only with ``VLLM_SERVER_DEV_MODE=1``). :raises AssertionError: the server answered that it failed."""
+    __tracebackhide__ = True
+    resp = client.post("/reset_prefix_cache")
+    if resp.status_code in (404, 405):
+        return False
+    ok = resp.status_code == 200
+    if ok and resp.content:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if isinstance(body, Mapping) and body.get("success") is False:
+            ok = False
+    if not ok:
+        raise AssertionError(RESET_FAILED_MESSAGE.format(server=server, status=resp.status_code, body=resp.text[:300]))
+    return True
