@@ -7,6 +7,7 @@ Response and error bodies follow vLLM 0.33's shapes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -141,6 +142,11 @@ def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
     }
 
 
+YIELD_EVERY = 128
+"""Per-token work (logprobs, stream chunks) gives the event loop a turn this often, so a long request never
+blocks /health, other requests or a SIGTERM shutdown (issue 16)."""
+
+
 def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tuple[int, float]]:
     chosen = gen.output_ids[position]
     base = tokenizer.logprob_of(engine.model_key, gen.prompt_ids, position, chosen) / 3.0
@@ -148,26 +154,30 @@ def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tup
     return [(tid, base - 0.75 * rank) for rank, tid in enumerate(ids)]
 
 
-def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+async def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
     offsets, tokens, lps, tops = [], [], [], []
     offset = 0
     for pos, tid in enumerate(gen.output_ids):
-        text = tokenizer.token_text(tid)
+        if pos % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+        text = engine.token_text(tid)
         top = _top(engine, gen, pos, count)
         offsets.append(offset)
         tokens.append(text)
         lps.append(top[0][1])
-        tops.append({tokenizer.token_text(t): lp for t, lp in top})
+        tops.append({engine.token_text(t): lp for t, lp in top[: max(count, 1)]})
         offset += len(text)
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 
 
-def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+async def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
     content = []
     for pos, _tid in enumerate(gen.output_ids):
+        if pos % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
         top = _top(engine, gen, pos, max(count, 1))
         entries = [
-            {"token": tokenizer.token_text(t), "logprob": lp, "bytes": list(tokenizer.token_text(t).encode())}
+            {"token": engine.token_text(t), "logprob": lp, "bytes": list(engine.token_text(t).encode())}
             for t, lp in top
         ]
         content.append({**entries[0], "top_logprobs": entries[:count]})
@@ -307,10 +317,10 @@ def build_app(state: AppState) -> Starlette:
         gen = await engine.generate(prompt_ids, params, _kv_params(body), f"{rid}-0")
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
-        lp = _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
+        lp = await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, chat=False)
+            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
         choice = {
             "index": 0,
             "text": tokenizer.decode(gen.output_ids),
@@ -371,9 +381,12 @@ def build_app(state: AppState) -> Starlette:
         gen = await engine.generate(prompt_ids, params, _kv_params(body), rid)
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
+        chat_lp = await _chat_logprobs(engine, gen, top) if body.get("logprobs") else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _stream(engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat=True)
+            return _stream(
+                engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
+            )
         message: dict[str, Any] = {
             "role": "assistant",
             "content": tokenizer.decode(gen.output_ids),
@@ -387,7 +400,7 @@ def build_app(state: AppState) -> Starlette:
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": _chat_logprobs(engine, gen, top) if body.get("logprobs") else None,
+            "logprobs": chat_lp,
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
             "token_ids": gen.output_ids if want_ids else None,
@@ -431,6 +444,20 @@ def build_app(state: AppState) -> Starlette:
     return app
 
 
+def _chunk_logprobs(logprobs: dict[str, Any] | None, i: int, chat: bool) -> dict[str, Any] | None:
+    """The logprobs of token ``i`` in a stream chunk (vLLM sends them per chunk, offsets counted per chunk)."""
+    if logprobs is None:
+        return None
+    if chat:
+        return {"content": logprobs["content"][i : i + 1]}
+    return {
+        "text_offset": [logprobs["text_offset"][i]],
+        "token_logprobs": logprobs["token_logprobs"][i : i + 1],
+        "tokens": logprobs["tokens"][i : i + 1],
+        "top_logprobs": logprobs["top_logprobs"][i : i + 1],
+    }
+
+
 def _stream(
     engine: Engine,
     gen: Generation,
@@ -439,6 +466,7 @@ def _stream(
     obj: str,
     include_usage: bool,
     want_ids: bool,
+    logprobs: dict[str, Any] | None,
     chat: bool,
 ) -> StreamingResponse:
     """SSE stream: a chunk per generated token, the finish reason on the last, optional usage, [DONE]."""
@@ -465,11 +493,13 @@ def _stream(
                 )
             last = len(gen.output_ids) - 1
             for i, tid in enumerate(gen.output_ids):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # uvicorn's send does not yield while the socket accepts data
                 finish = gen.finish_reason if i == last else None
-                text = tokenizer.token_text(tid) if tid not in tokenizer.SPECIAL_TOKENS else ""
+                text = engine.token_text(tid)
                 choice: dict[str, Any] = {
                     "index": 0,
-                    "logprobs": None,
+                    "logprobs": _chunk_logprobs(logprobs, i, chat),
                     "finish_reason": finish,
                     "stop_reason": None,
                 }

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_pdserve.sim import kvtransfer
+from pytest_pdserve.sim import kvtransfer, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
@@ -257,6 +257,10 @@ class Engine:
         self._served = 0
         self.dead = False
         self._on_dead = on_dead
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one generated id as a stream chunk / logprobs entry shows it ("" for special tokens)."""
+        return "" if token_id in tokenizer.SPECIAL_TOKENS else tokenizer.token_text(token_id)
 
     # ------------------------------------------------------------------ info
     def info(self) -> EngineInfo:

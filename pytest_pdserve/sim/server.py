@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from types import FrameType
@@ -35,6 +36,13 @@ DEAD_EXIT_DELAY_S = 1.0
 """How long a dead engine keeps answering 503 on /health before the process exits (like vLLM's shutdown)."""
 
 GPU_TENSOR_MIB = 16
+
+GRACEFUL_SHUTDOWN_S = 5
+"""uvicorn's ``timeout_graceful_shutdown``: open connections (streams) get this long after SIGTERM."""
+
+HARD_EXIT_AFTER_S = GRACEFUL_SHUTDOWN_S + 1.0
+"""After SIGTERM the process exits by this deadline even if the event loop is stuck (the guard of issue 16):
+below the plugin's SIGTERM-to-SIGKILL grace of ``min(shutdown_timeout, 10)`` s."""
 
 
 def configure_logging() -> None:
@@ -245,7 +253,7 @@ async def _serve_async(
         port=sock.getsockname()[1],
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_log_requests,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
     )
     server = _SimServer(config, ignore_sigterm=env.ignore_sigterm)
@@ -275,6 +283,13 @@ async def _announce(server: uvicorn.Server, config: uvicorn.Config) -> None:
         )
 
 
+def _hard_exit(sig: int) -> None:
+    logger.error("Graceful shutdown did not finish within %.0f s of signal %d; exiting now", HARD_EXIT_AFTER_S, sig)
+    for handler in logger.handlers:
+        handler.flush()
+    os._exit(128 + sig)
+
+
 class _SimServer(uvicorn.Server):
     """uvicorn's server, except that SIGTERM honours ``PDSERVE_SIM_IGNORE_SIGTERM`` and a signal ends the
     process normally (cleanup, then status 0) instead of being re-raised after shutdown."""
@@ -282,11 +297,18 @@ class _SimServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ignore_sigterm: bool) -> None:
         super().__init__(config)
         self._ignore_sigterm = ignore_sigterm
+        self._hard_exit: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self._ignore_sigterm:
             logger.warning("Received SIGTERM; ignoring it (PDSERVE_SIM_IGNORE_SIGTERM=1)")
             return
+        if self._hard_exit is None:
+            # Python runs this handler between bytecodes even while the event loop is busy, and a daemon
+            # timer thread gets the GIL from a busy Python loop, so this deadline holds whatever a request does.
+            self._hard_exit = threading.Timer(HARD_EXIT_AFTER_S, _hard_exit, args=(sig,))
+            self._hard_exit.daemon = True
+            self._hard_exit.start()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:

@@ -118,12 +118,30 @@ def logprob_of(model_key: bytes, prompt_ids: Sequence[int], position: int, token
 
 
 def top_alternatives(token_id: int, position: int, n: int) -> list[int]:
-    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0)."""
+    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0).
+
+    Bounded by construction: at most ``2 * n`` hash draws, then a linear fill. (Iterating ``perturb`` on
+    its own output, as an earlier version did, can enter a cycle shorter than ``n`` and never return:
+    issue 16, logprobs 3 and 5 hung on some prompts.)
+    """
+    span = VOCAB_SIZE - FIRST_REGULAR_ID
+    n = min(n, span)
     out = [token_id]
+    seen = {token_id}
     salt = position.to_bytes(4, "little")
+    for draw in range(2 * n):
+        if len(out) >= n:
+            return out
+        candidate = perturb(token_id, salt + draw.to_bytes(4, "little"))
+        if candidate not in seen:
+            seen.add(candidate)
+            out.append(candidate)
     candidate = token_id
-    while len(out) < n:
-        candidate = perturb(candidate, salt)
-        if candidate not in out:
+    for _ in range(span):  # the rare draw collisions: next free ids after token_id
+        if len(out) >= n:
+            break
+        candidate = FIRST_REGULAR_ID + (candidate - FIRST_REGULAR_ID + 1) % span
+        if candidate not in seen:
+            seen.add(candidate)
             out.append(candidate)
     return out
