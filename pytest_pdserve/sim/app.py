@@ -26,7 +26,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pytest_pdserve.sim import tokenizer
 from pytest_pdserve.sim.engine import (
-    VLLM_VERSION,
     Engine,
     EngineDeadError,
     Generation,
@@ -57,10 +56,10 @@ class _ApiError(Exception):
         self.status = status
 
 
-def error_response(message: str, err_type: str, status: int) -> JSONResponse:
+def error_response(message: str, err_type: str, status: int, param: str | None = None) -> JSONResponse:
     """vLLM's ``ErrorResponse`` body."""
     return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": None, "code": status}}, status_code=status
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
     )
 
 
@@ -89,10 +88,14 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None, lo: int)
     return value
 
 
-def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str = "max_tokens") -> SamplingParams:
+def _sampling(
+    body: Mapping[str, Any], default_max_tokens: int | None, max_field: str = "max_tokens", text_prompt: bool = True
+) -> SamplingParams:
     max_tokens = _int_field(body, max_field, None, 1)
+    param = max_field
     if max_tokens is None and max_field != "max_tokens":
         max_tokens = _int_field(body, "max_tokens", None, 1)
+        param = "max_tokens"
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
@@ -108,6 +111,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str =
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=float(temperature),
         seed=seed,
+        max_tokens_param=param,
+        text_prompt=text_prompt,
     )
 
 
@@ -216,7 +221,7 @@ def build_app(state: AppState) -> Starlette:
             except _ApiError as exc:
                 return error_response(exc.message, exc.err_type, exc.status)
             except RequestError as exc:
-                return error_response(str(exc), "BadRequestError", 400)
+                return error_response(str(exc), "BadRequestError", 400, exc.param)
             except KVLoadError:
                 # vLLM hides the cause from the client; the log has it.
                 return error_response("Internal server error", "InternalServerError", 500)
@@ -247,7 +252,7 @@ def build_app(state: AppState) -> Starlette:
             "dead": engine.dead,
             **state.extra_version_info,
         }
-        return JSONResponse({"version": VLLM_VERSION, "pdserve_sim": sim})
+        return JSONResponse({"version": engine.env.vllm_version, "pdserve_sim": sim})
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -307,7 +312,7 @@ def build_app(state: AppState) -> Starlette:
                 "prompt must be a non-empty string or a list of token ids "
                 f"in [0, {tokenizer.VOCAB_SIZE}) (batched prompts are not supported by pdserve-sim)"
             )
-        params = _sampling(body, 16)
+        params = _sampling(body, 16, text_prompt=isinstance(prompt, str))
         logprobs = _int_field(body, "logprobs", None, 0)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise _ApiError(
@@ -373,7 +378,7 @@ def build_app(state: AppState) -> Starlette:
             lines.append(f"{msg['role']}: {content or ''}\n")
         # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
         prompt_ids = tokenizer.encode("".join(lines) + "assistant: ", add_bos=False)
-        params = _sampling(body, max(1, args.effective_max_model_len - len(prompt_ids)), "max_completion_tokens")
+        params = _sampling(body, None, "max_completion_tokens")
         top = _int_field(body, "top_logprobs", 0, 0) or 0
         if top > MAX_LOGPROBS:
             raise _ApiError(f"top_logprobs={top} is greater than max allowed: {MAX_LOGPROBS}")

@@ -30,11 +30,12 @@ from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
 from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb
+from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, LengthError, fit_max_tokens
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
-VLLM_VERSION = "0.33.0"
-"""The vLLM version the simulator answers as (``GET /version``)."""
+VLLM_VERSION = DEFAULT_VLLM_VERSION
+"""The vLLM version the simulator answers as by default (``PDSERVE_SIM_VLLM_VERSION`` changes it)."""
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -48,7 +49,11 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request vLLM would reject with HTTP 400."""
+    """A request vLLM would reject with HTTP 400 (``param``: the body's ``param`` field, as vLLM fills it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class KVLoadError(RuntimeError):
@@ -157,9 +162,12 @@ class BlockPool:
 class SamplingParams:
     """The request parameters the engine needs."""
 
-    max_tokens: int
+    max_tokens: int | None
+    """As requested; ``None``: as many as fit (chat without max_tokens). Fitted by :func:`fit_max_tokens`."""
     temperature: float = 0.0
     seed: int | None = None
+    max_tokens_param: str = "max_tokens"
+    text_prompt: bool = True
 
 
 @dataclass
@@ -226,7 +234,7 @@ class Engine:
         self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
         self.compat_hash = kvtransfer.compatibility_hash(
             {
-                "vllm_version": VLLM_VERSION,
+                "vllm_version": env.vllm_version,
                 "model": args.model,
                 "dtype": args.dtype,
                 "num_kv_heads": NUM_KV_HEADS,
@@ -352,13 +360,17 @@ class Engine:
         max_len = self.args.effective_max_model_len
         if n_prompt == 0:
             raise RequestError("The prompt cannot be empty.")
-        if n_prompt + params.max_tokens > max_len:
-            raise RequestError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the messages, "
-                f"{params.max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion."
+        try:
+            max_tokens = fit_max_tokens(
+                self.env.vllm_version_tuple,
+                prompt_len=n_prompt,
+                max_tokens=params.max_tokens,
+                max_model_len=max_len,
+                text_prompt=params.text_prompt,
+                max_tokens_param=params.max_tokens_param,
             )
+        except LengthError as exc:
+            raise RequestError(str(exc), exc.param) from None
         kv = kv_params or {}
         remote_decode = self.nixl and bool(kv.get("do_remote_decode"))
         remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
@@ -387,7 +399,7 @@ class Engine:
                 self.pool.cache(block_ids[i], hashes[i])
         computed = n_prompt - local_hit - external
         self._record_prompt(n_prompt, local_hit, external, computed)
-        n_out = 1 if remote_decode else params.max_tokens
+        n_out = 1 if remote_decode else max_tokens
         output = self._sample(prompt_ids, params, n_out)
         output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
         transfer_params: dict[str, Any] | None = None

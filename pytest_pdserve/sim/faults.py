@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
+
 DEFAULT_NONDETERMINISTIC_BACKENDS = frozenset({"FLASH_ATTN"})
 
 
@@ -42,6 +44,12 @@ class SimEnv:
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
     nondeterminism_rate: float = 1.0
     gpu: bool = False
+    vllm_version: str = DEFAULT_VLLM_VERSION
+
+    @property
+    def vllm_version_tuple(self) -> tuple[int, int, int]:
+        """``vllm_version`` as numbers, for the version-dependent rules of :mod:`pytest_pdserve.sim.vllm_rules`."""
+        return parse_version(self.vllm_version)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> SimEnv:
@@ -98,6 +106,13 @@ class SimEnv:
         crash_code = integer("PDSERVE_SIM_CRASH_EXIT_CODE", 1, 1, 255)
         side_port = integer("VLLM_NIXL_SIDE_CHANNEL_PORT", 5600, 1, 65535)
         workers = integer("PDSERVE_SIM_SPAWN_WORKERS", 0, 0, 64)
+        version = get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
+        try:
+            parse_version(version)
+        except ValueError:
+            raise SimEnvError(
+                f"PDSERVE_SIM_VLLM_VERSION={version!r} is not accepted: expected a vLLM version like 0.32.0"
+            ) from None
         if crash_code is None or side_port is None or workers is None:  # pragma: no cover - defaults given
             raise AssertionError("integer knobs with defaults cannot be None")
         return cls(
@@ -115,6 +130,7 @@ class SimEnv:
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
             gpu=flag("PDSERVE_SIM_GPU"),
+            vllm_version=version,
         )
 
 

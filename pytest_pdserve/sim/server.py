@@ -27,7 +27,7 @@ import uvicorn
 from pytest_pdserve.sim import faults, kvtransfer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, ServeArgs, resolve_attention_backend
-from pytest_pdserve.sim.engine import VLLM_VERSION, Engine
+from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
 
 logger = logging.getLogger("pytest_pdserve.sim")
@@ -108,7 +108,7 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
     """Run the simulator until shutdown; returns the process exit status."""
     configure_logging()
     faults.install_default_signal_behaviour(env.ignore_sigterm)
-    logger.info("vLLM API server version %s (pdserve-sim)", VLLM_VERSION)
+    logger.info("vLLM API server version %s (pdserve-sim)", env.vllm_version)
     logger.info("non-default args: %s", dict(args.non_default))
 
     if env.crash_at_startup is not None:

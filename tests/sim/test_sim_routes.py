@@ -184,7 +184,7 @@ def test_chat_completion(servers: dict[str, SimServer]) -> None:
     [
         ({"prompt": "x", "model": "nope"}, 404, "NotFoundError", "The model `nope` does not exist."),
         ({"prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
-        ({"prompt": "x", "max_tokens": 5000}, 400, "BadRequestError", "maximum context length is 1024"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "BadRequestError", "cannot be greater than max_model_len=1024"),
         ({"prompt": []}, 400, "BadRequestError", "prompt"),
         ({"prompt": "x", "logprobs": 21}, 400, "BadRequestError", "max allowed: 20"),
     ],
