@@ -265,7 +265,7 @@ def build_app(state: AppState) -> Starlette:
                 "owned_by": "vllm",
                 "root": args.model,
                 "parent": None,
-                "max_model_len": args.effective_max_model_len,
+                "max_model_len": engine.max_model_len,
                 "permission": [
                     {
                         "id": f"modelperm-{uuid.uuid4().hex}",
@@ -299,18 +299,19 @@ def build_app(state: AppState) -> Starlette:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
+        vocab = engine.shape.vocab_size
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
+            prompt_ids = engine.tok.encode(prompt)
         elif (
             isinstance(prompt, list)
             and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.VOCAB_SIZE for t in prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
         ):
             prompt_ids = list(prompt)
         else:
             raise _ApiError(
                 "prompt must be a non-empty string or a list of token ids "
-                f"in [0, {tokenizer.VOCAB_SIZE}) (batched prompts are not supported by pdserve-sim)"
+                f"in [0, {vocab}) (batched prompts are not supported by pdserve-sim)"
             )
         params = _sampling(body, 16, text_prompt=isinstance(prompt, str))
         logprobs = _int_field(body, "logprobs", None, 0)
@@ -328,7 +329,7 @@ def build_app(state: AppState) -> Starlette:
             return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
         choice = {
             "index": 0,
-            "text": tokenizer.decode(gen.output_ids),
+            "text": engine.tok.decode(gen.output_ids),
             "logprobs": lp,
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
@@ -357,9 +358,9 @@ def build_app(state: AppState) -> Starlette:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise _ApiError("prompt must be a string (pdserve-sim's /tokenize takes completion prompts only)")
-        ids = tokenizer.encode(prompt, add_bos=bool(body.get("add_special_tokens", True)))
+        ids = engine.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
         return JSONResponse(
-            {"count": len(ids), "max_model_len": args.effective_max_model_len, "tokens": ids, "token_strs": None}
+            {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
         )
 
     async def chat(request: Request) -> Response:
@@ -377,7 +378,7 @@ def build_app(state: AppState) -> Starlette:
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             lines.append(f"{msg['role']}: {content or ''}\n")
         # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
-        prompt_ids = tokenizer.encode("".join(lines) + "assistant: ", add_bos=False)
+        prompt_ids = engine.tok.encode("".join(lines) + "assistant: ", add_special_tokens=False)
         params = _sampling(body, None, "max_completion_tokens")
         top = _int_field(body, "top_logprobs", 0, 0) or 0
         if top > MAX_LOGPROBS:
@@ -394,7 +395,7 @@ def build_app(state: AppState) -> Starlette:
             )
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": tokenizer.decode(gen.output_ids),
+            "content": engine.tok.decode(gen.output_ids),
             "refusal": None,
             "annotations": None,
             "audio": None,

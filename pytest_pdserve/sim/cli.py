@@ -177,6 +177,7 @@ class ServeArgs:
     kv_cache_dtype: str = "auto"
     distributed_executor_backend: str | None = None
     revision: str | None = None
+    tokenizer: str | None = None
     non_default: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -186,7 +187,7 @@ class ServeArgs:
 
     @property
     def effective_max_model_len(self) -> int:
-        """``--max-model-len`` or the synthetic model's context length."""
+        """``--max-model-len`` or the tiny model's context length (the engine uses the served model's own)."""
         return self.max_model_len if self.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
 
 
@@ -340,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None)
     p.add_argument("--revision", default=None)
+    p.add_argument("--tokenizer", default=None)
     return p
 
 
@@ -383,5 +385,6 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         distributed_executor_backend=ns.distributed_executor_backend,
         revision=ns.revision,
+        tokenizer=ns.tokenizer,
         non_default=non_default,
     )

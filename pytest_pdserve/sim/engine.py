@@ -25,10 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_pdserve.sim import kvtransfer, tokenizer
+from pytest_pdserve.sim import kvtransfer, model, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
+from pytest_pdserve.sim.model import ModelShape
 from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb
 from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, LengthError, fit_max_tokens
 
@@ -37,11 +38,17 @@ logger = logging.getLogger("pytest_pdserve.sim")
 VLLM_VERSION = DEFAULT_VLLM_VERSION
 """The vLLM version the simulator answers as by default (``PDSERVE_SIM_VLLM_VERSION`` changes it)."""
 
-NUM_LAYERS = 2
-NUM_KV_HEADS = 2
-HEAD_DIM = 32
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-"""KV cache size when ``--kv-cache-memory-bytes`` is not given (VLLM_CPU_KVCACHE_SPACE=1 in the reference)."""
+"""KV cache size at vLLM's default ``--gpu-memory-utilization`` 0.9 when ``--kv-cache-memory-bytes`` is not
+given (VLLM_CPU_KVCACHE_SPACE=1 in the reference); other utilizations scale it linearly."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def kv_cache_bytes(args: ServeArgs) -> int:
+    """vLLM's KV budget: ``--kv-cache-memory-bytes``, else the simulated device's share for the utilization."""
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes
+    return int(DEFAULT_KV_CACHE_BYTES * args.gpu_memory_utilization / DEFAULT_GPU_MEMORY_UTILIZATION)
 
 
 class EngineDeadError(RuntimeError):
@@ -78,17 +85,22 @@ class CacheFullError(RuntimeError):
 
 
 class BlockPool:
-    """Fixed pool of KV blocks with a hash -> block prefix cache and LRU eviction of unused cached blocks.
+    """Fixed pool of KV blocks with a hash -> block prefix cache and vLLM's eviction order.
 
-    Block ids start at 1 (vLLM reserves block 0 as the null block).
+    As in vLLM's ``BlockPool``/``FreeKVCacheBlockQueue``: every unreferenced block, cached or not, sits in one
+    free queue in the order it was freed; allocation takes the queue's head and drops the hash of a cached block
+    it takes (that is the eviction: least recently freed first). A request's blocks are freed last block first,
+    so the tail of a prompt is evicted before its (more shareable) head. A cache hit on a free block takes it
+    out of the queue. Block ids start at 1 (vLLM reserves block 0 as the null block).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks + 1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self._ref: dict[int, int] = {}
-        self._cached: OrderedDict[bytes, int] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.evictions = 0
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``."""
@@ -101,28 +113,26 @@ class BlockPool:
         return hit
 
     def acquire(self, blocks: Sequence[int]) -> None:
-        """Take a reference on cached blocks (and mark them recently used)."""
+        """Take a reference on cached blocks (a free one leaves the free queue)."""
         for block in blocks:
             self._ref[block] = self._ref.get(block, 0) + 1
-            h = self._hash_of.get(block)
-            if h is not None:
-                self._cached.move_to_end(h)
+            self._free.pop(block, None)
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` fresh blocks with one reference each, evicting least recently used cached blocks."""
+        """``count`` fresh blocks with one reference each, evicting from the head of the free queue."""
+        if count > len(self._free):
+            raise CacheFullError(
+                f"KV cache is full: {count} blocks needed, {len(self._free)} free of {self.num_blocks} in total"
+            )
         out: list[int] = []
-        while len(out) < count:
-            if self._free:
-                out.append(self._free.popleft())
-                continue
-            victim = next((b for b in self._cached.values() if self._ref.get(b, 0) == 0), None)
-            if victim is None:
-                self.release(out)
-                raise CacheFullError(f"KV cache is full: {count} blocks needed, {self.num_blocks} in total")
-            del self._cached[self._hash_of.pop(victim)]
-            out.append(victim)
-        for block in out:
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            h = self._hash_of.pop(block, None)
+            if h is not None:
+                del self._cached[h]
+                self.evictions += 1
             self._ref[block] = 1
+            out.append(block)
         return out
 
     def cache(self, block: int, block_hash: bytes) -> None:
@@ -132,27 +142,28 @@ class BlockPool:
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block with this hash is in the prefix cache."""
+        return block_hash in self._cached
+
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference per block; unreferenced uncached blocks go back to the free list."""
-        for block in blocks:
+        """Drop one reference per block, last block first; unreferenced blocks join the free queue's tail."""
+        for block in reversed(blocks):
             ref = self._ref.get(block, 0) - 1
             if ref > 0:
                 self._ref[block] = ref
                 continue
             self._ref.pop(block, None)
-            if block not in self._hash_of:
-                self._free.append(block)
+            self._free[block] = None
 
     def usage(self) -> float:
         """Share of blocks referenced by requests or leases (cached-but-idle blocks count as free)."""
         return len(self._ref) / self.num_blocks if self.num_blocks else 0.0
 
     def reset(self) -> bool:
-        """Drop every unreferenced cached block; False (and no change) if any block is in use, like vLLM."""
+        """Drop every cached block; False (and no change) if any block is in use, like vLLM."""
         if self._ref:
             return False
-        for block in self._cached.values():
-            self._free.append(block)
         self._cached.clear()
         self._hash_of.clear()
         return True
@@ -210,9 +221,20 @@ class Engine:
     """
 
     def __init__(
-        self, args: ServeArgs, env: SimEnv, attention_backend: str, on_dead: Callable[[], None] | None = None
+        self,
+        args: ServeArgs,
+        env: SimEnv,
+        attention_backend: str,
+        on_dead: Callable[[], None] | None = None,
+        shape: ModelShape | None = None,
+        tok: tokenizer.Tokenizer | None = None,
     ) -> None:
         self.args = args
+        self.shape = shape if shape is not None else model.resolve(args.model)
+        self.tok = tok if tok is not None else tokenizer.load(args.tokenizer, self.shape.directory)[0]
+        self.max_model_len = (
+            args.max_model_len if args.max_model_len is not None else self.shape.max_position_embeddings
+        )
         self.env = env
         self.attention_backend = attention_backend
         self.block_size = args.block_size
@@ -221,15 +243,9 @@ class Engine:
         self.nixl = kv is not None and kv.is_nixl
         self.connector = kv is not None
         self.engine_id = kv.engine_id if kv is not None and kv.engine_id else str(uuid.uuid4())
-        elem = 4 if args.dtype in {"auto", "float", "float32"} else 2
-        if args.kv_cache_dtype.startswith("fp8"):
-            elem = 1
-        elif args.kv_cache_dtype in {"bfloat16", "float16"}:
-            elem = 2
-        self.bytes_per_token = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * elem
+        self.bytes_per_token = self.shape.kv_bytes_per_token(args.dtype, args.kv_cache_dtype)
         self.bytes_per_block = self.block_size * self.bytes_per_token
-        cache_bytes = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-        self.pool = BlockPool(max(1, cache_bytes // self.bytes_per_block))
+        self.pool = BlockPool(max(1, kv_cache_bytes(args) // self.bytes_per_block))
         self.model_key = args.model.encode()
         self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
         self.compat_hash = kvtransfer.compatibility_hash(
@@ -237,9 +253,9 @@ class Engine:
                 "vllm_version": env.vllm_version,
                 "model": args.model,
                 "dtype": args.dtype,
-                "num_kv_heads": NUM_KV_HEADS,
-                "head_size": HEAD_DIM,
-                "num_layers": NUM_LAYERS,
+                "num_kv_heads": self.shape.num_kv_heads,
+                "head_size": self.shape.head_dim,
+                "num_layers": self.shape.num_attention_layers,
                 "attention_backend": attention_backend,
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "transfer_mode": "pull",
@@ -268,7 +284,7 @@ class Engine:
 
     def token_text(self, token_id: int) -> str:
         """Text of one generated id as a stream chunk / logprobs entry shows it ("" for special tokens)."""
-        return "" if token_id in tokenizer.SPECIAL_TOKENS else tokenizer.token_text(token_id)
+        return self.tok.token_text(token_id)
 
     # ------------------------------------------------------------------ info
     def info(self) -> EngineInfo:
@@ -357,7 +373,7 @@ class Engine:
         m = self.metrics
         labels = m.labels
         n_prompt = len(prompt_ids)
-        max_len = self.args.effective_max_model_len
+        max_len = self.max_model_len
         if n_prompt == 0:
             raise RequestError("The prompt cannot be empty.")
         try:
@@ -492,7 +508,7 @@ class Engine:
         finally:
             m.num_requests_waiting.labels(**labels).dec()
         m.nixl_bytes_transferred.labels(**labels).observe(result.bytes_transferred)
-        m.nixl_num_descriptors.labels(**labels).observe(result.num_blocks * NUM_LAYERS * 2)
+        m.nixl_num_descriptors.labels(**labels).observe(result.num_blocks * self.shape.num_attention_layers * 2)
         m.nixl_xfer_time.labels(**labels).observe(result.xfer_time_s)
         m.nixl_post_time.labels(**labels).observe(result.post_time_s)
         return n_prompt - local_hit

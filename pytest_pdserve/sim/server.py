@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from pytest_pdserve.sim import faults, kvtransfer
+from pytest_pdserve.sim import faults, kvtransfer, model, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine
@@ -205,12 +205,22 @@ async def _serve_async(
 
         asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
 
-    engine = Engine(args, env, backend, on_dead=on_dead)
+    try:
+        shape = model.resolve(args.model)
+        tok, tok_warning = tokenizer.load(args.tokenizer, shape.directory)
+    except (model.ModelConfigError, tokenizer.TokenizerError) as exc:
+        sock.close()
+        return _startup_error(exc)
+    if tok_warning is not None:
+        logger.warning("%s", tok_warning)
+    engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
+    logger.info("Model shape from %s; tokenizer: %s", shape.source, tok.name)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d bytes per block)",
+        "KV cache: %d blocks of %d tokens (%d bytes per block, %d bytes per token)",
         engine.pool.num_blocks,
         args.block_size,
         engine.bytes_per_block,
+        engine.bytes_per_token,
     )
     side_channel = None
     if engine.nixl:

@@ -81,7 +81,7 @@ def test_every_request_of_a_sweep_answers_quickly() -> None:
                 worst = max(worst, time.monotonic() - started)
         return worst
 
-    assert asyncio.run(sweep()) < 5.0  # ~0.1 s each measured; generous for a shared, loaded machine
+    assert asyncio.run(sweep()) < 20.0  # ~0.1 s each measured; a hang never answers; the machine is shared
 
 
 @pytest.mark.timeout(120)
@@ -127,8 +127,10 @@ def test_the_event_loop_answers_during_a_long_request(heavy_stream: tuple[SimSer
         started = time.monotonic()
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         latencies.append(time.monotonic() - started)
-    assert len(latencies) >= 3, "the long request finished before the probes: make it longer"
-    assert max(latencies) < 1.0, latencies  # 2.9 s before the per-token yields
+    # A blocked loop answers at most once while the request runs (2.9 s stall measured before the per-token
+    # yields); now /health answers throughout (0.37 s worst measured at load average 15 on 2 cores).
+    assert len(latencies) >= 3, latencies
+    assert max(latencies) < 3.0, latencies
 
 
 def test_sigterm_stops_a_busy_server_within_the_grace(heavy_stream: tuple[SimServer, threading.Thread]) -> None:
