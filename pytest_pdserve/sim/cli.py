@@ -100,7 +100,10 @@ KV_CONNECTORS: tuple[str, ...] = (
 """Connector names vLLM 0.33 registers; any other name needs ``kv_connector_module_path``."""
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
-"""Connectors the simulator implements (as pull-mode NIXL)."""
+"""Connectors the simulator implements as pull-mode NIXL."""
+
+SIMULATED_CONNECTORS = NIXL_CONNECTORS | {"OffloadingConnector"}
+"""Connectors the simulator implements, alone or as children of a ``MultiConnector``."""
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -135,6 +138,29 @@ class KVTransferConfig:
             children = self.kv_connector_extra_config.get("connectors", [])
             return any(isinstance(c, Mapping) and c.get("kv_connector") in NIXL_CONNECTORS for c in children)
         return False
+
+    def _children(self) -> list[Mapping[str, Any]]:
+        if self.kv_connector != "MultiConnector":
+            return [{"kv_connector": self.kv_connector, "kv_connector_extra_config": self.kv_connector_extra_config}]
+        children = self.kv_connector_extra_config.get("connectors", [])
+        return [c for c in children if isinstance(c, Mapping)] if isinstance(children, list) else []
+
+    @property
+    def offloading_extra_config(self) -> Mapping[str, Any] | None:
+        """The ``kv_connector_extra_config`` of the OffloadingConnector (alone or in a MultiConnector), or None."""
+        for child in self._children():
+            if child.get("kv_connector") == "OffloadingConnector":
+                extra = child.get("kv_connector_extra_config") or {}
+                return extra if isinstance(extra, Mapping) else {}
+        return None
+
+    def unsimulated(self) -> list[str]:
+        """Connector names in this config that the simulator does not implement (refused at startup)."""
+        if self.kv_connector == "MultiConnector" and not self._children():
+            return ["MultiConnector without kv_connector_extra_config.connectors"]
+        return [
+            str(c.get("kv_connector")) for c in self._children() if c.get("kv_connector") not in SIMULATED_CONNECTORS
+        ]
 
     @property
     def kv_lease_duration(self) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_pdserve.sim import kvtransfer, model, tokenizer
+from pytest_pdserve.sim import kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
@@ -42,6 +42,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 """KV cache size at vLLM's default ``--gpu-memory-utilization`` 0.9 when ``--kv-cache-memory-bytes`` is not
 given (VLLM_CPU_KVCACHE_SPACE=1 in the reference); other utilizations scale it linearly."""
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+OFFLOAD_BYTES_PER_S = 20e9
+"""Simulated CPU<->GPU copy bandwidth (PCIe 4 x16 order), for the ``vllm:kv_offload_*_time`` counters."""
 
 
 def kv_cache_bytes(args: ServeArgs) -> int:
@@ -262,6 +264,12 @@ class Engine:
             }
         )
         self.side_channel_port = env.side_channel_port + 0  # + data-parallel index (the simulator is DP rank 0)
+        offload_extra = kv.offloading_extra_config if kv is not None else None
+        self.cpu_tier = (
+            offload.CpuTier(offload.cpu_bytes_to_use(offload_extra), self.bytes_per_block)
+            if offload_extra is not None
+            else None
+        )
         self.metrics = SimMetrics(
             args.served_name,
             self.nixl,
@@ -274,6 +282,7 @@ class Engine:
                 "kv_cache_memory_bytes": self.pool.num_blocks * self.bytes_per_block,
                 "mamba_cache_mode": args.mamba_cache_mode or "none",
             },
+            offloading=self.cpu_tier is not None,
         )
         self._leases: dict[str, _Lease] = {}
         self._expired: deque[str] = deque(maxlen=4096)
@@ -406,15 +415,21 @@ class Engine:
         self._update_usage()
 
         external = 0
+        from_host = 0
         if remote_prefill:
             external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id)
+        elif self.cpu_tier is not None and self.args.enable_prefix_caching:
+            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_prompt - 1) // bs)
+            external = from_host
 
         # Everything from here to the end is synchronous: no other request interleaves.
         if self.args.enable_prefix_caching:
             for i in range(len(hit_blocks), n_prompt // bs):
                 self.pool.cache(block_ids[i], hashes[i])
         computed = n_prompt - local_hit - external
-        self._record_prompt(n_prompt, local_hit, external, computed)
+        self._record_prompt(n_prompt, local_hit, external, computed, from_host)
+        if self.cpu_tier is not None:
+            self._store_to_cpu(hashes[: n_prompt // bs])
         n_out = 1 if remote_decode else max_tokens
         output = self._sample(prompt_ids, params, n_out)
         output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
@@ -445,7 +460,24 @@ class Engine:
         self._count_served()
         return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params)
 
-    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int) -> None:
+    def _load_from_cpu(self, hashes: Sequence[bytes], first: int, limit: int) -> int:
+        """CPU->GPU: blocks ``first..`` of the prompt found in the CPU tier; returns their token count."""
+        assert self.cpu_tier is not None
+        blocks = self.cpu_tier.lookup(hashes[first:limit]) if limit > first else 0
+        if blocks:
+            num_bytes = blocks * self.bytes_per_block
+            self.metrics.offload_transfer("CPU_to_GPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
+        return blocks * self.block_size
+
+    def _store_to_cpu(self, full_hashes: Sequence[bytes]) -> None:
+        """GPU->CPU: the request's full blocks that the CPU tier lacks, when the request finishes."""
+        assert self.cpu_tier is not None
+        written = self.cpu_tier.store(full_hashes)
+        if written:
+            num_bytes = written * self.bytes_per_block
+            self.metrics.offload_transfer("GPU_to_CPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
+
+    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int, from_host: int = 0) -> None:
         m, labels = self.metrics, self.metrics.labels
         m.prefix_cache_queries.labels(**labels).inc(n_prompt)
         m.prefix_cache_hits.labels(**labels).inc(local_hit)
@@ -458,7 +490,8 @@ class Engine:
         m.prompt_tokens_by_source.labels(**labels, source="external_kv_transfer").inc(external)
         m.prompt_tokens_cached.labels(**labels).inc(local_hit + external)
         m.prompt_tokens_cached_by_source.labels(**labels, source="device").inc(local_hit)
-        m.prompt_tokens_cached_by_source.labels(**labels, source="p2p").inc(external)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="p2p").inc(external - from_host)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="host").inc(from_host)
 
     async def _pull(
         self,

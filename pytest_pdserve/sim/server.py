@@ -24,9 +24,9 @@ from typing import Any
 
 import uvicorn
 
-from pytest_pdserve.sim import faults, kvtransfer, model, tokenizer
+from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
-from pytest_pdserve.sim.cli import KV_CONNECTORS, ServeArgs, resolve_attention_backend
+from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
 
@@ -125,10 +125,19 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
                 f"Unsupported connector type: {kv.kv_connector}. Registered connectors: {', '.join(KV_CONNECTORS)}"
             )
         )
-    if kv is not None and not kv.is_nixl:
-        logger.warning(
-            "pdserve-sim implements only NixlConnector; %s is accepted but transfers nothing", kv.kv_connector
+    if kv is not None and kv.unsimulated():
+        return _startup_error(
+            ValueError(
+                f"pdserve-sim does not simulate {', '.join(kv.unsimulated())} (in --kv-transfer-config); it simulates "
+                f"{', '.join(sorted(SIMULATED_CONNECTORS))}, alone or inside a MultiConnector. Use real vLLM "
+                "(--pd-engine vllm) for other connectors."
+            )
         )
+    if kv is not None and kv.offloading_extra_config is not None:
+        try:
+            offload.cpu_bytes_to_use(kv.offloading_extra_config)
+        except offload.OffloadConfigError as exc:
+            return _startup_error(exc)
     if kv is not None and kv.is_nixl and kv.kv_role == "kv_both":
         logger.warning(
             "Using kv_role='kv_both' with NixlConnector is deprecated. Please set "
