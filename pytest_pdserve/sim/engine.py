@@ -285,6 +285,8 @@ class Engine:
             offloading=self.cpu_tier is not None,
         )
         self._leases: dict[str, _Lease] = {}
+        self._mamba_checkpoints: OrderedDict[bytes, None] = OrderedDict()
+        self.mamba_state_bytes = self.shape.mamba_state_bytes(args.dtype)
         self._expired: deque[str] = deque(maxlen=4096)
         self._rng = random.Random(args.seed)
         self._served = 0
@@ -401,9 +403,15 @@ class Engine:
         remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
         self.expire_leases()
 
+        # Hybrid (Mamba) models under NIXL: the prefiller stops one token short and the decoder recomputes it
+        # (vLLM's NixlConnector scheduler ``_prefill_backoff``: Mamba needs h(N-1) to derive h(N) itself).
+        backoff = 1 if self.shape.is_hybrid and self.nixl and n_prompt > 1 else 0
+        work = prompt_ids[:-backoff] if remote_decode and backoff else prompt_ids
+        n_work = len(work)
         bs = self.block_size
-        hashes = chain_hashes(self.root_hash, prompt_ids, bs, include_partial=True)
-        hit_blocks = self.pool.lookup(hashes[: (n_prompt - 1) // bs]) if self.args.enable_prefix_caching else []
+        hashes = chain_hashes(self.root_hash, work, bs, include_partial=True)
+        hit_blocks = self.pool.lookup(hashes[: (n_work - 1) // bs]) if self.args.enable_prefix_caching else []
+        hit_blocks = hit_blocks[: self._mamba_hit_blocks(hashes, len(hit_blocks))]
         self.pool.acquire(hit_blocks)
         try:
             new_blocks = self.pool.allocate(len(hashes) - len(hit_blocks))
@@ -417,33 +425,34 @@ class Engine:
         external = 0
         from_host = 0
         if remote_prefill:
-            external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id)
+            external = await self._pull(prompt_ids[: n_prompt - backoff], kv, local_hit, block_ids, request_id)
         elif self.cpu_tier is not None and self.args.enable_prefix_caching:
-            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_prompt - 1) // bs)
+            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_work - 1) // bs)
             external = from_host
 
         # Everything from here to the end is synchronous: no other request interleaves.
         if self.args.enable_prefix_caching:
-            for i in range(len(hit_blocks), n_prompt // bs):
+            for i in range(len(hit_blocks), n_work // bs):
                 self.pool.cache(block_ids[i], hashes[i])
-        computed = n_prompt - local_hit - external
-        self._record_prompt(n_prompt, local_hit, external, computed, from_host)
+            self._save_mamba_checkpoint(hashes, n_work // bs)
+        computed = n_work - local_hit - external
+        self._record_prompt(n_work, local_hit, external, computed, from_host)
         if self.cpu_tier is not None:
-            self._store_to_cpu(hashes[: n_prompt // bs])
+            self._store_to_cpu(hashes[: n_work // bs])
         n_out = 1 if remote_decode else max_tokens
         output = self._sample(prompt_ids, params, n_out)
         output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
         transfer_params: dict[str, Any] | None = None
         if remote_decode:
             # The blocks stay referenced by the lease until the decode side notifies or it expires.
-            transfer_params = self._lease(request_id, block_ids, hashes, n_prompt, local_hit)
+            transfer_params = self._lease(request_id, block_ids, hashes, n_work, local_hit)
         else:
             self.pool.release(block_ids)
         self._update_usage()
 
         m.generation_tokens.labels(**labels).inc(len(output))
         m.request_success.labels(**labels, finished_reason="length").inc()
-        m.request_prompt_tokens.labels(**labels).observe(n_prompt)
+        m.request_prompt_tokens.labels(**labels).observe(n_work)
         m.request_generation_tokens.labels(**labels).observe(len(output))
         m.e2e_request_latency.labels(**labels).observe(time.monotonic() - started)
         if not self.args.disable_log_requests:
@@ -451,14 +460,30 @@ class Engine:
                 "Finished request %s: prompt_tokens=%d local_cache_hit=%d external_kv_transfer=%d "
                 "local_compute=%d generated=%d",
                 request_id,
-                n_prompt,
+                n_work,
                 local_hit,
                 external,
-                n_prompt - local_hit - external,
+                computed,
                 len(output),
             )
         self._count_served()
         return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params)
+
+    def _mamba_hit_blocks(self, hashes: Sequence[bytes], hit: int) -> int:
+        """A hybrid model's prefix hit also needs the Mamba state at its end: vLLM's ``mamba_cache_mode``
+        ``align`` (the default with prefix caching) saves it only at the last full block a request computed."""
+        if not self.shape.is_hybrid:
+            return hit
+        while hit and hashes[hit - 1] not in self._mamba_checkpoints:
+            hit -= 1
+        return hit
+
+    def _save_mamba_checkpoint(self, hashes: Sequence[bytes], full_blocks: int) -> None:
+        if not self.shape.is_hybrid or full_blocks == 0:
+            return
+        self._mamba_checkpoints[hashes[full_blocks - 1]] = None
+        while len(self._mamba_checkpoints) > self.pool.num_blocks:  # bounded: at most one per cached block
+            self._mamba_checkpoints.popitem(last=False)
 
     def _load_from_cpu(self, hashes: Sequence[bytes], first: int, limit: int) -> int:
         """CPU->GPU: blocks ``first..`` of the prompt found in the CPU tier; returns their token count."""
@@ -518,6 +543,7 @@ class Engine:
                 first_token=local_hit,
                 fail_reads=self.env.fail_kv_pull,
                 on_notify_failure=lambda: m.nixl_num_failed_notifications.labels(**labels).inc(),
+                state_bytes=self.mamba_state_bytes,
             )
         except (kvtransfer.KVTransferError, ValueError, TypeError) as exc:
             m.nixl_num_failed_transfers.labels(**labels).inc()
@@ -541,7 +567,9 @@ class Engine:
         finally:
             m.num_requests_waiting.labels(**labels).dec()
         m.nixl_bytes_transferred.labels(**labels).observe(result.bytes_transferred)
-        m.nixl_num_descriptors.labels(**labels).observe(result.num_blocks * self.shape.num_attention_layers * 2)
+        # K and V per attention layer and block, plus conv and SSM state per Mamba layer.
+        descriptors = result.num_blocks * self.shape.num_attention_layers * 2 + 2 * self.shape.num_mamba_layers
+        m.nixl_num_descriptors.labels(**labels).observe(descriptors)
         m.nixl_xfer_time.labels(**labels).observe(result.xfer_time_s)
         m.nixl_post_time.labels(**labels).observe(result.post_time_s)
         return n_prompt - local_hit

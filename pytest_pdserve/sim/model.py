@@ -81,10 +81,17 @@ class ModelShape:
         return self.num_attention_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
     def mamba_state_bytes(self, dtype_flag: str) -> int:
-        """Mamba state bytes of one request, all Mamba layers (0 for a pure attention model)."""
+        """Mamba state bytes of one request, all Mamba layers (0 for a pure attention model).
+
+        The conv state is kept in the serving dtype; the SSM state in float32 (NemotronH's
+        ``DEFAULT_MAMBA_SSM_CACHE_DTYPE``, vLLM's ``mamba_ssm_cache_dtype`` default for it).
+        """
         if self.mamba is None:
             return 0
-        return self.num_mamba_layers * self.mamba.elements * ELEMENT_BYTES[self.serving_dtype(dtype_flag)]
+        m = self.mamba
+        conv = m.conv_dim * (m.conv_kernel - 1) * ELEMENT_BYTES[self.serving_dtype(dtype_flag)]
+        ssm = m.num_heads * m.head_dim * m.state_size * 4
+        return self.num_mamba_layers * (conv + ssm)
 
 
 TINY_LLAMA = ModelShape(2, 2, 32, "float32", 2048, 2048, source="pdserve-sim/tiny-llama")
