@@ -293,6 +293,24 @@ def build_app(state: AppState) -> Starlette:
     async def reset_prefix_cache(request: Request) -> Response:
         return JSONResponse({"success": engine.reset_prefix_cache()})
 
+    async def sleep(request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        if not raw.isdigit() or not 0 <= int(raw) <= 2:
+            # FastAPI's validation answer for Query(ge=0, le=2).
+            detail = [{"type": "less_than_equal", "loc": ["query", "level"], "msg": "level must be 0, 1 or 2",
+                       "input": raw}]  # fmt: skip
+            return JSONResponse({"detail": detail}, status_code=422)
+        engine.sleep(int(raw))
+        return JSONResponse({"status": "sleeping", "level": int(raw)})
+
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        fully_awake = engine.wake_up(tags)
+        return JSONResponse({"status": "awake" if fully_awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
     async def completions(request: Request) -> Response:
         body = await body_of(request)
         _check_model(body, engine)
@@ -437,7 +455,11 @@ def build_app(state: AppState) -> Starlette:
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
     ]
     if engine.env.dev_mode:
+        # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode.
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
+        routes.append(Route("/sleep", sleep, methods=["POST"]))
+        routes.append(Route("/wake_up", wake_up, methods=["POST"]))
+        routes.append(Route("/is_sleeping", is_sleeping, methods=["GET"]))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # FastAPI's default body for routing errors, as vLLM answers them.

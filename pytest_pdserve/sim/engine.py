@@ -285,6 +285,9 @@ class Engine:
             offloading=self.cpu_tier is not None,
         )
         self._leases: dict[str, _Lease] = {}
+        self._asleep_tags: set[str] = set()
+        self._awake = asyncio.Event()
+        self._awake.set()
         self._mamba_checkpoints: OrderedDict[bytes, None] = OrderedDict()
         self.mamba_state_bytes = self.shape.mamba_state_bytes(args.dtype)
         self._expired: deque[str] = deque(maxlen=4096)
@@ -357,6 +360,43 @@ class Engine:
     def _lease_duration(self) -> float:
         return self.kv_config.kv_lease_duration if self.kv_config is not None else 30.0
 
+    # ------------------------------------------------------------------ sleep mode (--enable-sleep-mode)
+    SLEEP_TAGS = ("weights", "kv_cache")
+
+    @property
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``."""
+        return bool(self._asleep_tags)
+
+    def sleep(self, level: int) -> None:
+        """``POST /sleep?level=N``: new requests wait until the engine is fully awake; level >= 1 drops the
+        prefix cache (the KV cache memory is released), as vLLM's ``EngineCore.sleep`` does.
+
+        :raises RequestError: sleep mode is not enabled (vLLM: the executor asserts ``enable_sleep_mode``).
+        """
+        if not self.args.enable_sleep_mode:
+            raise RuntimeError(
+                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
+            )
+        if level >= 1:
+            self.pool.reset()
+        self._asleep_tags = set(self.SLEEP_TAGS)
+        self._awake.clear()
+        self.metrics.record_sleep_state(1, level)
+        logger.info("It took 0.000 seconds to fall asleep (level %d).", level)
+
+    def wake_up(self, tags: Sequence[str] | None) -> bool:
+        """``POST /wake_up[?tags=...]``; True when fully awake."""
+        if not self.args.enable_sleep_mode:
+            raise RuntimeError(
+                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
+            )
+        self._asleep_tags -= set(tags) if tags else set(self._asleep_tags)
+        if not self._asleep_tags:
+            self._awake.set()
+            self.metrics.record_sleep_state(0, 0)
+        return not self._asleep_tags
+
     def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache``."""
         return self.pool.reset()
@@ -380,6 +420,7 @@ class Engine:
         """
         if self.dead:
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        await self._awake.wait()  # a sleeping engine's scheduler is paused: requests wait for /wake_up
         started = time.monotonic()
         m = self.metrics
         labels = m.labels

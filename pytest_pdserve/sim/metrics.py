@@ -101,6 +101,7 @@ class SimMetrics:
             gauge.labels(**self._base).set(0)
         self.engine_sleep_state.labels(**self._base, sleep_state="awake").set(1)
         self.engine_sleep_state.labels(**self._base, sleep_state="weights_offloaded").set(0)
+        self.engine_sleep_state.labels(**self._base, sleep_state="discard_all").set(0)
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens",
             "Number of prefill tokens processed.",
@@ -246,6 +247,13 @@ class SimMetrics:
         (self.kv_offload_load_bytes if load else self.kv_offload_store_bytes).labels(**labels).inc(num_bytes)
         (self.kv_offload_load_time if load else self.kv_offload_store_time).labels(**labels).inc(seconds)
         (self.kv_offload_load_size if load else self.kv_offload_store_size).labels(**labels).observe(num_bytes)
+
+    def record_sleep_state(self, sleep: int, level: int) -> None:
+        """vLLM's ``PrometheusStatLogger.record_sleep_state``: awake / weights_offloaded (level 1) / discard_all (2)."""
+        values = {"awake": 0 if sleep else 1, "weights_offloaded": int(sleep == 1 and level == 1)}
+        values["discard_all"] = int(sleep == 1 and level == 2)
+        for state, value in values.items():
+            self.engine_sleep_state.labels(**self._base, sleep_state=state).set(value)
 
     @property
     def labels(self) -> dict[str, str]:
