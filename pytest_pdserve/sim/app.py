@@ -244,6 +244,8 @@ def build_app(state: AppState) -> Starlette:
             "block_size": info.block_size,
             "num_gpu_blocks": info.num_blocks,
             "bytes_per_block": info.bytes_per_block,
+            "tokenizer": engine.tok.name,
+            "model_shape": engine.shape.source,
             "kv_connector": args.kv_transfer_config.kv_connector if args.kv_transfer_config else None,
             "kv_role": args.kv_transfer_config.kv_role if args.kv_transfer_config else None,
             "side_channel": (
