@@ -535,18 +535,21 @@ def _stream(
                 }
                 if chat:
                     choice["delta"] = {"content": text}
+                    if want_ids:
+                        choice["token_ids"] = [tid]
                 else:
+                    # vLLM sets these on every completion chunk (model_dump_json(exclude_unset=True) keeps them).
                     choice["text"] = text
-                if want_ids:
-                    choice["token_ids"] = [tid]
-                    if i == 0 and not chat:
-                        choice["prompt_token_ids"] = gen.prompt_ids
+                    choice["prompt_token_ids"] = gen.prompt_ids if want_ids and i == 0 else None
+                    choice["token_ids"] = [tid] if want_ids else None
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
                 if want_ids and i == 0 and chat:
                     chunk["prompt_token_ids"] = gen.prompt_ids
                 yield _sse(chunk)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(engine, gen)})
+                # vLLM dumps the usage chunk with exclude_none=True.
+                usage = {k: v for k, v in _usage(engine, gen).items() if v is not None}
+                yield _sse({**base, "choices": [], "usage": usage})
             yield _sse("[DONE]")
         finally:
             running.dec()
