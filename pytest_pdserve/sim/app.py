@@ -49,11 +49,14 @@ class AppState:
 
 
 class _ApiError(Exception):
-    def __init__(self, message: str, err_type: str = "BadRequestError", status: int = 400) -> None:
+    def __init__(
+        self, message: str, err_type: str = "BadRequestError", status: int = 400, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.err_type = err_type
         self.status = status
+        self.param = param
 
 
 def error_response(message: str, err_type: str, status: int, param: str | None = None) -> JSONResponse:
@@ -129,7 +132,9 @@ def _check_model(body: Mapping[str, Any], engine: Engine) -> None:
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
     if model is not None and model not in names:
-        raise _ApiError(f"The model `{model}` does not exist.", "NotFoundError", 404)
+        raise _ApiError(
+            f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
+        )
 
 
 def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
@@ -144,6 +149,7 @@ def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
         "total_tokens": n_prompt + n_out,
         "completion_tokens": n_out,
         "prompt_tokens_details": details,
+        "completion_tokens_details": None,
     }
 
 
@@ -219,7 +225,7 @@ def build_app(state: AppState) -> Starlette:
             try:
                 return await handler(request)
             except _ApiError as exc:
-                return error_response(exc.message, exc.err_type, exc.status)
+                return error_response(exc.message, exc.err_type, exc.status, exc.param)
             except RequestError as exc:
                 return error_response(str(exc), "BadRequestError", 400, exc.param)
             except KVLoadError:

