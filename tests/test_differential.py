@@ -138,8 +138,26 @@ def run_script(cluster: PDCluster, text_prompts: bool) -> Record:
         chunks[-1].get("usage"),
     )
 
-    # Text prompts and /tokenize: equal only when both tokenize with the same tokenizer.json.
+    # Chat: response and stream shapes.
+    chat_body = {"model": model, "messages": [{"role": "user", "content": "Red Hat is"}], "max_tokens": 3,
+                 "temperature": 0, "ignore_eos": True}  # fmt: skip
+    status, body = _post(p, "/v1/chat/completions", chat_body)
+    rec["chat.shape"] = (status, sorted(body), sorted(body["choices"][0]), sorted(body["choices"][0]["message"]),
+                         body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"])  # fmt: skip
+    with p.client.stream("POST", "/v1/chat/completions", json={**chat_body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(line) for line in lines[:-1]]
+    rec["chat.stream_shape"] = (
+        lines[-1],
+        sorted(chunks[0]),
+        sorted(chunks[0]["choices"][0]),
+        chunks[0]["choices"][0]["delta"].get("role"),
+        chunks[-1]["choices"][0]["finish_reason"],
+    )
+
+    # Text prompts, chat prompts and /tokenize: equal only when both tokenize with the same tokenizer.json.
     if text_prompts:
+        rec["text.chat_usage"] = body["usage"]
         text = "Red Hat is the best company in the world, since 1993."
         rec["text.tokenize"] = _post(p, "/tokenize", {"model": model, "prompt": text})[1]["tokens"]
         status, body = complete(p, text, max_tokens=2)

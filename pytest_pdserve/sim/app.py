@@ -540,9 +540,11 @@ def _stream(
                     "stop_reason": None,
                 }
                 if chat:
+                    # vLLM's chat chunks: token_ids always set, stop_reason only on the last one.
                     choice["delta"] = {"content": text}
-                    if want_ids:
-                        choice["token_ids"] = [tid]
+                    choice["token_ids"] = [tid] if want_ids else None
+                    if i != last:
+                        del choice["stop_reason"]
                 else:
                     # vLLM sets these on every completion chunk (model_dump_json(exclude_unset=True) keeps them).
                     choice["text"] = text
