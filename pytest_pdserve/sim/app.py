@@ -426,8 +426,7 @@ def build_app(state: AppState) -> Starlette:
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "tool_calls": [],
-            "reasoning_content": None,
+            "reasoning": None,
         }
         choice = {
             "index": 0,
@@ -436,7 +435,9 @@ def build_app(state: AppState) -> Starlette:
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
             "token_ids": gen.output_ids if want_ids else None,
+            "routed_experts": None,
         }
+        # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
         return JSONResponse(
             {
                 "id": rid,
@@ -449,7 +450,10 @@ def build_app(state: AppState) -> Starlette:
                 "usage": _usage(engine, gen),
                 "prompt_logprobs": None,
                 "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                "prompt_text": None,
                 "kv_transfer_params": gen.kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": None,
             }
         )
 
@@ -525,6 +529,9 @@ def _stream(
                                 "finish_reason": None,
                             }
                         ],
+                        # vLLM puts the prompt on the role chunk.
+                        "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                        "prompt_text": None,
                     }
                 )
             last = len(gen.output_ids) - 1
@@ -551,8 +558,6 @@ def _stream(
                     choice["prompt_token_ids"] = gen.prompt_ids if want_ids and i == 0 else None
                     choice["token_ids"] = [tid] if want_ids else None
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
-                if want_ids and i == 0 and chat:
-                    chunk["prompt_token_ids"] = gen.prompt_ids
                 yield _sse(chunk)
             if include_usage:
                 # vLLM dumps the usage chunk with exclude_none=True.
