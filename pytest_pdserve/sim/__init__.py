@@ -6,7 +6,8 @@ Run it exactly like ``vllm serve``::
     python -m pytest_pdserve.sim serve MODEL ...
 
 It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``, ``/metrics``, ``/version``, dev-mode ``/reset_prefix_cache``), keeps a
+``/v1/chat/completions``, ``/tokenize``, ``/metrics``, ``/version``, and in dev mode ``/reset_prefix_cache``,
+``/sleep``, ``/wake_up``, ``/is_sleeping``), keeps a
 block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
 P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
 
@@ -22,7 +23,7 @@ variable                               default     effect
 =====================================  ==========  =========================================================
 VLLM_NIXL_SIDE_CHANNEL_HOST            localhost   side-channel bind host, advertised as ``remote_host``
 VLLM_NIXL_SIDE_CHANNEL_PORT            5600        side-channel port (+ DP index 0), ``remote_port``
-VLLM_SERVER_DEV_MODE                   0           1: ``POST /reset_prefix_cache`` exists (else 404)
+VLLM_SERVER_DEV_MODE                   0           1: ``/reset_prefix_cache`` and the sleep routes exist (else 404)
 PDSERVE_SIM_STARTUP_DELAY              0           seconds of "model loading" before the API serves
 PDSERVE_SIM_CRASH_AT_STARTUP           unset       print this text to stderr and exit at startup
 PDSERVE_SIM_CRASH_EXIT_CODE            1           exit status for PDSERVE_SIM_CRASH_AT_STARTUP (1..255)
@@ -49,10 +50,25 @@ PDSERVE_SIM_OVERRIDE_BLOCK_SIZE        unset       N: serve block size N whateve
 PDSERVE_SIM_KV_CONNECTOR_OFF           0           1: ignore --kv-transfer-config (log "Disabling KVTransfer")
 PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 MiB tensor on cuda:0, report the
                                                    device UUID/name in ``/version`` (auto backend: FLASH_ATTN)
+PDSERVE_SIM_VLLM_VERSION               0.33.0      the vLLM version reported and followed (context-length rule:
+                                                   >= 0.32 lowers max_tokens to fit, older reserves it)
 =====================================  ==========  =========================================================
+
+The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the KV cache; its ``tokenizer.json``
+is the tokenizer when the optional ``tokenizers`` package is installed: ``pip install tokenizers``; or
+``--tokenizer DIR``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's shape and the
+built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull), OffloadingConnector
+(CPU tier) and a MultiConnector of those; any other connector is refused at startup.
 
 Without ``--attention-backend`` (or with ``auto``) the backend is ``CPU_ATTN`` (what vLLM picks on
 CPU), which is deterministic; GPU mode picks ``FLASH_ATTN`` like vLLM on Hopper.
 """
 
 from __future__ import annotations
+
+
+def environment_table() -> str:
+    """The environment-variable table above, as plain text (``serve --help`` prints it)."""
+    lines = (__doc__ or "").splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    return "\n".join(line.replace("``", "") for line in lines[marks[0] : marks[-1] + 1]) if len(marks) >= 3 else ""

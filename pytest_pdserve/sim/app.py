@@ -7,6 +7,7 @@ Response and error bodies follow vLLM 0.33's shapes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -25,7 +26,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pytest_pdserve.sim import faults, tokenizer
 from pytest_pdserve.sim.engine import (
-    VLLM_VERSION,
     Engine,
     EngineDeadError,
     Generation,
@@ -49,17 +49,20 @@ class AppState:
 
 
 class _ApiError(Exception):
-    def __init__(self, message: str, err_type: str = "BadRequestError", status: int = 400) -> None:
+    def __init__(
+        self, message: str, err_type: str = "BadRequestError", status: int = 400, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.err_type = err_type
         self.status = status
+        self.param = param
 
 
-def error_response(message: str, err_type: str, status: int) -> JSONResponse:
+def error_response(message: str, err_type: str, status: int, param: str | None = None) -> JSONResponse:
     """vLLM's ``ErrorResponse`` body."""
     return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": None, "code": status}}, status_code=status
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
     )
 
 
@@ -88,10 +91,14 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None, lo: int)
     return value
 
 
-def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str = "max_tokens") -> SamplingParams:
+def _sampling(
+    body: Mapping[str, Any], default_max_tokens: int | None, max_field: str = "max_tokens", text_prompt: bool = True
+) -> SamplingParams:
     max_tokens = _int_field(body, max_field, None, 1)
+    param = max_field
     if max_tokens is None and max_field != "max_tokens":
         max_tokens = _int_field(body, "max_tokens", None, 1)
+        param = "max_tokens"
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
@@ -108,6 +115,8 @@ def _sampling(body: Mapping[str, Any], default_max_tokens: int, max_field: str =
         temperature=float(temperature),
         seed=seed,
         cache_salt=_cache_salt(body),
+        max_tokens_param=param,
+        text_prompt=text_prompt,
     )
 
 
@@ -138,7 +147,9 @@ def _check_model(body: Mapping[str, Any], engine: Engine) -> None:
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
     if model is not None and model not in names:
-        raise _ApiError(f"The model `{model}` does not exist.", "NotFoundError", 404)
+        raise _ApiError(
+            f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
+        )
 
 
 def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
@@ -153,7 +164,13 @@ def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
         "total_tokens": n_prompt + n_out,
         "completion_tokens": n_out,
         "prompt_tokens_details": details,
+        "completion_tokens_details": None,
     }
+
+
+YIELD_EVERY = 128
+"""Per-token work (logprobs, stream chunks) gives the event loop a turn this often, so a long request never
+blocks /health, other requests or a SIGTERM shutdown (issue 16)."""
 
 
 def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tuple[int, float]]:
@@ -165,26 +182,30 @@ def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tup
     return [(tid, base - (faults.TIE_GAP if tie and rank == 1 else 0.75 * rank)) for rank, tid in enumerate(ids)]
 
 
-def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+async def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
     offsets, tokens, lps, tops = [], [], [], []
     offset = 0
     for pos, tid in enumerate(gen.output_ids):
-        text = tokenizer.token_text(tid)
+        if pos % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
+        text = engine.token_text(tid)
         top = _top(engine, gen, pos, count)
         offsets.append(offset)
         tokens.append(text)
         lps.append(top[0][1])
-        tops.append({tokenizer.token_text(t): lp for t, lp in top})
+        tops.append({engine.token_text(t): lp for t, lp in top[: max(count, 1)]})
         offset += len(text)
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 
 
-def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+async def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
     content = []
     for pos, _tid in enumerate(gen.output_ids):
+        if pos % YIELD_EVERY == YIELD_EVERY - 1:
+            await asyncio.sleep(0)
         top = _top(engine, gen, pos, max(count, 1))
         entries = [
-            {"token": tokenizer.token_text(t), "logprob": lp, "bytes": list(tokenizer.token_text(t).encode())}
+            {"token": engine.token_text(t), "logprob": lp, "bytes": list(engine.token_text(t).encode())}
             for t, lp in top
         ]
         content.append({**entries[0], "top_logprobs": entries[:count]})
@@ -221,9 +242,9 @@ def build_app(state: AppState) -> Starlette:
             try:
                 return await handler(request)
             except _ApiError as exc:
-                return error_response(exc.message, exc.err_type, exc.status)
+                return error_response(exc.message, exc.err_type, exc.status, exc.param)
             except RequestError as exc:
-                return error_response(str(exc), "BadRequestError", 400)
+                return error_response(str(exc), "BadRequestError", 400, exc.param)
             except KVLoadError:
                 # vLLM hides the cause from the client; the log has it.
                 return error_response("Internal server error", "InternalServerError", 500)
@@ -246,6 +267,8 @@ def build_app(state: AppState) -> Starlette:
             "block_size": info.block_size,
             "num_gpu_blocks": info.num_blocks,
             "bytes_per_block": info.bytes_per_block,
+            "tokenizer": engine.tok.name,
+            "model_shape": engine.shape.source,
             "kv_connector": engine.kv_config.kv_connector if engine.kv_config else None,
             "kv_role": engine.kv_config.kv_role if engine.kv_config else None,
             "side_channel": (
@@ -254,7 +277,7 @@ def build_app(state: AppState) -> Starlette:
             "dead": engine.dead,
             **state.extra_version_info,
         }
-        return JSONResponse({"version": VLLM_VERSION, "pdserve_sim": sim})
+        return JSONResponse({"version": engine.env.vllm_version, "pdserve_sim": sim})
 
     async def models(request: Request) -> Response:
         created = int(time.time())
@@ -267,7 +290,7 @@ def build_app(state: AppState) -> Starlette:
                 "owned_by": "vllm",
                 "root": args.model,
                 "parent": None,
-                "max_model_len": args.effective_max_model_len,
+                "max_model_len": engine.max_model_len,
                 "permission": [
                     {
                         "id": f"modelperm-{uuid.uuid4().hex}",
@@ -295,26 +318,45 @@ def build_app(state: AppState) -> Starlette:
     async def reset_prefix_cache(request: Request) -> Response:
         return JSONResponse({"success": engine.reset_prefix_cache()})
 
+    async def sleep(request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        if not raw.isdigit() or not 0 <= int(raw) <= 2:
+            # FastAPI's validation answer for Query(ge=0, le=2).
+            detail = [{"type": "less_than_equal", "loc": ["query", "level"], "msg": "level must be 0, 1 or 2",
+                       "input": raw}]  # fmt: skip
+            return JSONResponse({"detail": detail}, status_code=422)
+        engine.sleep(int(raw))
+        return JSONResponse({"status": "sleeping", "level": int(raw)})
+
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        fully_awake = engine.wake_up(tags)
+        return JSONResponse({"status": "awake" if fully_awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(request: Request) -> Response:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
+
     async def completions(request: Request) -> Response:
         body = await body_of(request)
         _check_model(body, engine)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
+        vocab = engine.shape.vocab_size
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
+            prompt_ids = engine.tok.encode(prompt)
         elif (
             isinstance(prompt, list)
             and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.VOCAB_SIZE for t in prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
         ):
             prompt_ids = list(prompt)
         else:
             raise _ApiError(
                 "prompt must be a non-empty string or a list of token ids "
-                f"in [0, {tokenizer.VOCAB_SIZE}) (batched prompts are not supported by pdserve-sim)"
+                f"in [0, {vocab}) (batched prompts are not supported by pdserve-sim)"
             )
-        params = _sampling(body, 16)
+        params = _sampling(body, 16, text_prompt=isinstance(prompt, str))
         logprobs = _int_field(body, "logprobs", None, 0)
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise _ApiError(
@@ -324,13 +366,13 @@ def build_app(state: AppState) -> Starlette:
         gen = await engine.generate(prompt_ids, params, _kv_params(body), f"{rid}-0")
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
-        lp = _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
+        lp = await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, chat=False)
+            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
         choice = {
             "index": 0,
-            "text": tokenizer.decode(gen.output_ids),
+            "text": engine.tok.decode(gen.output_ids),
             "logprobs": lp,
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
@@ -359,9 +401,9 @@ def build_app(state: AppState) -> Starlette:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise _ApiError("prompt must be a string (pdserve-sim's /tokenize takes completion prompts only)")
-        ids = tokenizer.encode(prompt, add_bos=bool(body.get("add_special_tokens", True)))
+        ids = engine.tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
         return JSONResponse(
-            {"count": len(ids), "max_model_len": args.effective_max_model_len, "tokens": ids, "token_strs": None}
+            {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
         )
 
     async def chat(request: Request) -> Response:
@@ -379,8 +421,8 @@ def build_app(state: AppState) -> Starlette:
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             lines.append(f"{msg['role']}: {content or ''}\n")
         # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
-        prompt_ids = tokenizer.encode("".join(lines) + "assistant: ", add_bos=False)
-        params = _sampling(body, max(1, args.effective_max_model_len - len(prompt_ids)), "max_completion_tokens")
+        prompt_ids = engine.tok.encode("".join(lines) + "assistant: ", add_special_tokens=False)
+        params = _sampling(body, None, "max_completion_tokens")
         top = _int_field(body, "top_logprobs", 0, 0) or 0
         if top > MAX_LOGPROBS:
             raise _ApiError(f"top_logprobs={top} is greater than max allowed: {MAX_LOGPROBS}")
@@ -388,27 +430,31 @@ def build_app(state: AppState) -> Starlette:
         gen = await engine.generate(prompt_ids, params, _kv_params(body), rid)
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
+        chat_lp = await _chat_logprobs(engine, gen, top) if body.get("logprobs") else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _stream(engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat=True)
+            return _stream(
+                engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
+            )
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": tokenizer.decode(gen.output_ids),
+            "content": engine.tok.decode(gen.output_ids),
             "refusal": None,
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "tool_calls": [],
-            "reasoning_content": None,
+            "reasoning": None,
         }
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": _chat_logprobs(engine, gen, top) if body.get("logprobs") else None,
+            "logprobs": chat_lp,
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
             "token_ids": gen.output_ids if want_ids else None,
+            "routed_experts": None,
         }
+        # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
         return JSONResponse(
             {
                 "id": rid,
@@ -421,7 +467,10 @@ def build_app(state: AppState) -> Starlette:
                 "usage": _usage(engine, gen),
                 "prompt_logprobs": None,
                 "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                "prompt_text": None,
                 "kv_transfer_params": gen.kv_transfer_params,
+                "ec_transfer_params": None,
+                "metrics": None,
             }
         )
 
@@ -435,7 +484,11 @@ def build_app(state: AppState) -> Starlette:
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
     ]
     if engine.env.dev_mode:
+        # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode.
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
+        routes.append(Route("/sleep", sleep, methods=["POST"]))
+        routes.append(Route("/wake_up", wake_up, methods=["POST"]))
+        routes.append(Route("/is_sleeping", is_sleeping, methods=["GET"]))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # FastAPI's default body for routing errors, as vLLM answers them.
@@ -448,6 +501,20 @@ def build_app(state: AppState) -> Starlette:
     return app
 
 
+def _chunk_logprobs(logprobs: dict[str, Any] | None, i: int, chat: bool) -> dict[str, Any] | None:
+    """The logprobs of token ``i`` in a stream chunk (vLLM sends them per chunk, offsets counted per chunk)."""
+    if logprobs is None:
+        return None
+    if chat:
+        return {"content": logprobs["content"][i : i + 1]}
+    return {
+        "text_offset": [logprobs["text_offset"][i]],
+        "token_logprobs": logprobs["token_logprobs"][i : i + 1],
+        "tokens": logprobs["tokens"][i : i + 1],
+        "top_logprobs": logprobs["top_logprobs"][i : i + 1],
+    }
+
+
 def _stream(
     engine: Engine,
     gen: Generation,
@@ -456,6 +523,7 @@ def _stream(
     obj: str,
     include_usage: bool,
     want_ids: bool,
+    logprobs: dict[str, Any] | None,
     chat: bool,
 ) -> StreamingResponse:
     """SSE stream: a chunk per generated token, the finish reason on the last, optional usage, [DONE]."""
@@ -478,32 +546,40 @@ def _stream(
                                 "finish_reason": None,
                             }
                         ],
+                        # vLLM puts the prompt on the role chunk.
+                        "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                        "prompt_text": None,
                     }
                 )
             last = len(gen.output_ids) - 1
             for i, tid in enumerate(gen.output_ids):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # uvicorn's send does not yield while the socket accepts data
                 finish = gen.finish_reason if i == last else None
-                text = tokenizer.token_text(tid) if tid not in tokenizer.SPECIAL_TOKENS else ""
+                text = engine.token_text(tid)
                 choice: dict[str, Any] = {
                     "index": 0,
-                    "logprobs": None,
+                    "logprobs": _chunk_logprobs(logprobs, i, chat),
                     "finish_reason": finish,
                     "stop_reason": None,
                 }
                 if chat:
+                    # vLLM's chat chunks: token_ids always set, stop_reason only on the last one.
                     choice["delta"] = {"content": text}
+                    choice["token_ids"] = [tid] if want_ids else None
+                    if i != last:
+                        del choice["stop_reason"]
                 else:
+                    # vLLM sets these on every completion chunk (model_dump_json(exclude_unset=True) keeps them).
                     choice["text"] = text
-                if want_ids:
-                    choice["token_ids"] = [tid]
-                    if i == 0 and not chat:
-                        choice["prompt_token_ids"] = gen.prompt_ids
+                    choice["prompt_token_ids"] = gen.prompt_ids if want_ids and i == 0 else None
+                    choice["token_ids"] = [tid] if want_ids else None
                 chunk: dict[str, Any] = {**base, "choices": [choice]}
-                if want_ids and i == 0 and chat:
-                    chunk["prompt_token_ids"] = gen.prompt_ids
                 yield _sse(chunk)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(engine, gen)})
+                # vLLM dumps the usage chunk with exclude_none=True.
+                usage = {k: v for k, v in _usage(engine, gen).items() if v is not None}
+                yield _sse({**base, "choices": [], "usage": usage})
             yield _sse("[DONE]")
         finally:
             running.dec()

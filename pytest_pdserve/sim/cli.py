@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.sim import environment_table
+
 PROG = "vllm serve"
 """Program name in usage and error lines, as vLLM prints it."""
 
@@ -101,7 +103,10 @@ KV_CONNECTORS: tuple[str, ...] = (
 """Connector names vLLM 0.33 registers; any other name needs ``kv_connector_module_path``."""
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
-"""Connectors the simulator implements (as pull-mode NIXL)."""
+"""Connectors the simulator implements as pull-mode NIXL."""
+
+SIMULATED_CONNECTORS = NIXL_CONNECTORS | {"OffloadingConnector"}
+"""Connectors the simulator implements, alone or as children of a ``MultiConnector``."""
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -136,6 +141,29 @@ class KVTransferConfig:
             children = self.kv_connector_extra_config.get("connectors", [])
             return any(isinstance(c, Mapping) and c.get("kv_connector") in NIXL_CONNECTORS for c in children)
         return False
+
+    def _children(self) -> list[Mapping[str, Any]]:
+        if self.kv_connector != "MultiConnector":
+            return [{"kv_connector": self.kv_connector, "kv_connector_extra_config": self.kv_connector_extra_config}]
+        children = self.kv_connector_extra_config.get("connectors", [])
+        return [c for c in children if isinstance(c, Mapping)] if isinstance(children, list) else []
+
+    @property
+    def offloading_extra_config(self) -> Mapping[str, Any] | None:
+        """The ``kv_connector_extra_config`` of the OffloadingConnector (alone or in a MultiConnector), or None."""
+        for child in self._children():
+            if child.get("kv_connector") == "OffloadingConnector":
+                extra = child.get("kv_connector_extra_config") or {}
+                return extra if isinstance(extra, Mapping) else {}
+        return None
+
+    def unsimulated(self) -> list[str]:
+        """Connector names in this config that the simulator does not implement (refused at startup)."""
+        if self.kv_connector == "MultiConnector" and not self._children():
+            return ["MultiConnector without kv_connector_extra_config.connectors"]
+        return [
+            str(c.get("kv_connector")) for c in self._children() if c.get("kv_connector") not in SIMULATED_CONNECTORS
+        ]
 
     @property
     def kv_lease_duration(self) -> float:
@@ -178,6 +206,7 @@ class ServeArgs:
     kv_cache_dtype: str = "auto"
     distributed_executor_backend: str | None = None
     revision: str | None = None
+    tokenizer: str | None = None
     non_default: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -187,7 +216,7 @@ class ServeArgs:
 
     @property
     def effective_max_model_len(self) -> int:
-        """``--max-model-len`` or the synthetic model's context length."""
+        """``--max-model-len`` or the tiny model's context length (the engine uses the served model's own)."""
         return self.max_model_len if self.max_model_len is not None else DEFAULT_MAX_MODEL_LEN
 
 
@@ -302,45 +331,132 @@ def _fraction(value: str) -> float:
     return number
 
 
+_EPILOG = """\
+The model: a local checkpoint directory is read (config.json: layers, KV heads, head size, dtype, context;
+tokenizer.json with 'pip install tokenizers'); known names (Qwen/Qwen3-0.6B, ...) have their shapes built in;
+any other name gets the tiny Llama's shape and the built-in tokenizer.
+
+Environment (read at startup; a bad value exits with status 2 and names the variable):
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``serve`` parser, named ``vllm serve`` like vLLM's."""
     p = _VllmArgumentParser(
         prog=PROG,
         usage=f"{PROG} [model_tag] [options]",
-        description="Start the pdserve simulator of a vLLM OpenAI-compatible server.",
+        description=(
+            "Start pdserve-sim, a simulator of vLLM's OpenAI-compatible server (vLLM's flag names; flags vLLM has "
+            "and the simulator does not model are accepted with no effect, as noted)."
+        ),
+        epilog=_EPILOG + environment_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model_tag", nargs="?", default=None, help="model name or path (default %(default)s)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help=f"model name or local checkpoint directory (default {DEFAULT_MODEL}); see 'The model' below",
+    )
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    p.add_argument("--port", type=_port, default=8000, help="HTTP port (default: %(default)s)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None)
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--max-model-len", type=human_readable_int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1)
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None)
-    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--disable-log-stats", action="store_true", default=False)
-    p.add_argument("--disable-log-requests", action="store_true", default=False)
+    p.add_argument("--served-model-name", nargs="+", default=None, help="model id(s) clients use (default: MODEL)")
+    p.add_argument(
+        "--kv-transfer-config",
+        type=parse_kv_transfer_config,
+        default=None,
+        metavar="JSON",
+        help="KV connector: NixlConnector (pull), OffloadingConnector (cpu_bytes_to_use) or a MultiConnector of them",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM AttentionBackendEnum name (default: CPU_ATTN, FLASH_ATTN with PDSERVE_SIM_GPU=1)",
+    )
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument(
+        "--max-model-len",
+        type=human_readable_int,
+        default=None,
+        help="context length (default: the model's; 1k/1K suffixes)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.9,
+        help="KV cache share: 1 GiB at the default %(default)s, scaled linearly",
+    )
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="accepted (no effect)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="block prefix cache (default: on)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (greedy output never depends on it)")
+    p.add_argument(
+        "--trust-remote-code", action=argparse.BooleanOptionalAction, default=False, help="accepted (no effect)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=_positive_int, default=1, help="reported in kv_transfer_params"
+    )
+    p.add_argument(
+        "--pipeline-parallel-size", "-pp", type=_positive_int, default=1, help="reported in kv_transfer_params"
+    )
+    p.add_argument(
+        "--data-parallel-size", "-dp", type=_positive_int, default=1, help="accepted; the simulator is DP rank 0"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="sizes KV bytes; auto: the checkpoint's, float32 served as bfloat16",
+    )
+    p.add_argument(
+        "--mamba-cache-mode",
+        choices=MAMBA_CACHE_MODES,
+        default=None,
+        help="deprecated; hybrid prefix hits follow align mode",
+    )
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="accepted (no effect)")
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None, help="accepted (no effect)")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_readable_int,
+        default=None,
+        help="KV cache size; blocks = bytes / (block size x KV bytes per token)",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="accepted; /sleep etc. exist in dev mode",
+    )
+    p.add_argument("--disable-log-stats", action="store_true", default=False, help="accepted (no effect)")
+    p.add_argument(
+        "--disable-log-requests", action="store_true", default=False, help="no per-request and access log lines"
+    )
     p.add_argument("--enable-log-requests", action="store_true", default=False, help=argparse.SUPPRESS)
-    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true", default=False)
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None)
-    p.add_argument("--revision", default=None)
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info", help="uvicorn's log level")
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        default=False,
+        help="usage.prompt_tokens_details.cached_tokens",
+    )
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV element size (fp8*: 1 byte)")
+    p.add_argument(
+        "--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default=None, help="accepted (no effect)"
+    )
+    p.add_argument("--revision", default=None, help="accepted (no effect)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a tokenizer.json (or its directory) to tokenize with; needs 'pip install tokenizers'",
+    )
     return p
 
 
@@ -385,5 +501,6 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         kv_cache_dtype=ns.kv_cache_dtype,
         distributed_executor_backend=ns.distributed_executor_backend,
         revision=ns.revision,
+        tokenizer=ns.tokenizer,
         non_default=non_default,
     )

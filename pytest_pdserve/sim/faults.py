@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
+
 DEFAULT_NONDETERMINISTIC_BACKENDS = frozenset({"FLASH_ATTN"})
 TIE_GAP = 1e-3
 """Nats between top-1 and top-2 at the tie position under ``PDSERVE_SIM_TIE_FLIP`` (a near-tie)."""
@@ -49,6 +51,12 @@ class SimEnv:
     tie_flip: bool = False
     override_block_size: int | None = None
     kv_connector_off: bool = False
+    vllm_version: str = DEFAULT_VLLM_VERSION
+
+    @property
+    def vllm_version_tuple(self) -> tuple[int, int, int]:
+        """``vllm_version`` as numbers, for the version-dependent rules of :mod:`pytest_pdserve.sim.vllm_rules`."""
+        return parse_version(self.vllm_version)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> SimEnv:
@@ -105,6 +113,13 @@ class SimEnv:
         crash_code = integer("PDSERVE_SIM_CRASH_EXIT_CODE", 1, 1, 255)
         side_port = integer("VLLM_NIXL_SIDE_CHANNEL_PORT", 5600, 1, 65535)
         workers = integer("PDSERVE_SIM_SPAWN_WORKERS", 0, 0, 64)
+        version = get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
+        try:
+            parse_version(version)
+        except ValueError:
+            raise SimEnvError(
+                f"PDSERVE_SIM_VLLM_VERSION={version!r} is not accepted: expected a vLLM version like 0.32.0"
+            ) from None
         if crash_code is None or side_port is None or workers is None:  # pragma: no cover - defaults given
             raise AssertionError("integer knobs with defaults cannot be None")
         return cls(
@@ -126,6 +141,7 @@ class SimEnv:
             tie_flip=flag("PDSERVE_SIM_TIE_FLIP"),
             override_block_size=integer("PDSERVE_SIM_OVERRIDE_BLOCK_SIZE", None, 1, 1 << 20),
             kv_connector_off=flag("PDSERVE_SIM_KV_CONNECTOR_OFF"),
+            vllm_version=version,
         )
 
 

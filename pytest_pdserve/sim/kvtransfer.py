@@ -46,6 +46,11 @@ def block_payload(block_hash: bytes, size: int) -> bytes:
     return hashlib.shake_256(block_hash).digest(size)
 
 
+def state_payload(last_block_hash: bytes, size: int) -> bytes:
+    """A hybrid model's per-request Mamba state (conv + SSM, all Mamba layers) after the prompt's last block."""
+    return hashlib.shake_256(last_block_hash + b"|mamba-state").digest(size)
+
+
 async def _send(writer: asyncio.StreamWriter, header: Mapping[str, Any], payload: bytes = b"") -> None:
     data = json.dumps(header).encode()
     writer.write(struct.pack(">I", len(data)) + data + payload)
@@ -110,6 +115,9 @@ async def start_side_channel(
                         continue
                     size = meta().bytes_per_block
                     payload = b"".join(block_payload(h, size) for h in hashes)
+                    state_bytes = int(msg.get("state_bytes") or 0)
+                    if state_bytes and hashes:
+                        payload += state_payload(hashes[-1], state_bytes)
                     await _send(
                         writer,
                         {"ok": True, "hashes": [h.hex() for h in hashes], "payload_len": len(payload)},
@@ -148,6 +156,7 @@ async def pull_blocks(
     first_token: int,
     fail_reads: bool = False,
     on_notify_failure: Callable[[], None] | None = None,
+    state_bytes: int = 0,
 ) -> PullResult:
     """Pull the blocks that cover prompt tokens ``[first_token, P)`` from a prefill engine.
 
@@ -170,6 +179,7 @@ async def pull_blocks(
             first_token,
             fail_reads,
             on_notify_failure,
+            state_bytes,
         )
     except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
         raise KVTransferError(f"side channel {host}:{port} broke: {exc!r}") from None
@@ -198,6 +208,7 @@ async def _pull(
     first_token: int,
     fail_reads: bool,
     on_notify_failure: Callable[[], None] | None,
+    state_bytes: int,
 ) -> PullResult:
     meta = await _request(reader, writer, {"op": "get_meta"})
     if meta.get("compat_hash") != compat_hash:
@@ -220,7 +231,7 @@ async def _pull(
     post_started = time.perf_counter()
     if fail_reads:
         raise KVTransferError("NIXL transfer failed: PDSERVE_SIM_FAIL_KV_PULL=1")
-    writer_header = {"op": "read", "request_id": remote_request_id, "block_ids": wanted}
+    writer_header = {"op": "read", "request_id": remote_request_id, "block_ids": wanted, "state_bytes": state_bytes}
     await _send(writer, writer_header)
     post_time = time.perf_counter() - post_started
     reply = await asyncio.wait_for(_recv(reader), HANDSHAKE_TIMEOUT_S)
@@ -234,6 +245,8 @@ async def _pull(
             raise KVTransferError(
                 f"KV payload of remote block {wanted[i]} does not match the prompt (request {remote_request_id})"
             )
+    if state_bytes and wanted and payload[len(wanted) * bytes_per_block :] != state_payload(hashes[-1], state_bytes):
+        raise KVTransferError(f"Mamba state of remote request {remote_request_id} does not match the prompt")
     try:
         ack = await _request(reader, writer, {"op": "notify", "request_id": remote_request_id})
         if not ack.get("ok") and on_notify_failure is not None:

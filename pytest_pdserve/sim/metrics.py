@@ -15,6 +15,10 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 CACHED_TOKEN_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
+OFFLOAD_TRANSFER_TYPES = ("CPU_to_GPU", "GPU_to_CPU")
+OFFLOAD_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+"""vLLM's ``TRANSFER_SIZE_BUCKETS`` (offloading/metrics.py)."""
+
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
 _DESCRIPTOR_BUCKETS = (1.0, 10.0, 100.0, 1000.0, 10000.0, 100000.0)
@@ -29,7 +33,9 @@ class SimMetrics:
     :param cache_config: labels of ``vllm:cache_config_info`` (values are stringified).
     """
 
-    def __init__(self, model_name: str, nixl: bool, cache_config: Mapping[str, object]) -> None:
+    def __init__(
+        self, model_name: str, nixl: bool, cache_config: Mapping[str, object], offloading: bool = False
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         base = ("model_name", "engine")
         self._base = {"model_name": model_name, "engine": "0"}
@@ -95,6 +101,7 @@ class SimMetrics:
             gauge.labels(**self._base).set(0)
         self.engine_sleep_state.labels(**self._base, sleep_state="awake").set(1)
         self.engine_sleep_state.labels(**self._base, sleep_state="weights_offloaded").set(0)
+        self.engine_sleep_state.labels(**self._base, sleep_state="discard_all").set(0)
         self.request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens",
             "Number of prefill tokens processed.",
@@ -175,6 +182,78 @@ class SimMetrics:
                 self.nixl_num_descriptors,
             ):
                 hist.labels(**self._base)
+
+        self.offloading = offloading
+        if offloading:
+            self._offload_families(base)
+
+    def _offload_families(self, base: tuple[str, ...]) -> None:
+        """``vllm:kv_offload_*`` of vLLM's OffloadPromMetrics (CPU spec: the transfer_type names too)."""
+        r = self.registry
+        typed = (*base, "transfer_type")
+        self.kv_offload_total_bytes = Counter(
+            "vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector", typed, registry=r
+        )
+        self.kv_offload_total_time = Counter(
+            "vllm:kv_offload_total_time", "Total time measured by all KV offloading operations", typed, registry=r
+        )
+        self.kv_offload_size = Histogram(
+            "vllm:kv_offload_size",
+            "Histogram of KV offload transfer size, in bytes.",
+            typed,
+            buckets=OFFLOAD_SIZE_BUCKETS,
+            registry=r,
+        )
+        for transfer_type in OFFLOAD_TRANSFER_TYPES:
+            for family in (self.kv_offload_total_bytes, self.kv_offload_total_time, self.kv_offload_size):
+                family.labels(**self._base, transfer_type=transfer_type)
+
+        def flat_counter(name: str, doc: str) -> Counter:
+            c = Counter(name, doc, base, registry=r)
+            c.labels(**self._base)
+            return c
+
+        def flat_histogram(name: str, doc: str) -> Histogram:
+            h = Histogram(name, doc, base, buckets=OFFLOAD_SIZE_BUCKETS, registry=r)
+            h.labels(**self._base)
+            return h
+
+        self.kv_offload_load_bytes = flat_counter(
+            "vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU."
+        )
+        self.kv_offload_load_time = flat_counter(
+            "vllm:kv_offload_load_time", "Total load time from offload storage to GPU, in seconds."
+        )
+        self.kv_offload_load_size = flat_histogram(
+            "vllm:kv_offload_load_size", "Histogram of KV offload load operation size, in bytes."
+        )
+        self.kv_offload_store_bytes = flat_counter(
+            "vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage."
+        )
+        self.kv_offload_store_time = flat_counter(
+            "vllm:kv_offload_store_time", "Total store time from GPU to offload storage, in seconds."
+        )
+        self.kv_offload_store_size = flat_histogram(
+            "vllm:kv_offload_store_size", "Histogram of KV offload store operation size, in bytes."
+        )
+
+    def offload_transfer(self, transfer_type: str, num_bytes: int, seconds: float) -> None:
+        """Record one CPU<->GPU transfer of ``num_bytes`` under both of vLLM's naming schemes."""
+        labels = self._base
+        self.kv_offload_total_bytes.labels(**labels, transfer_type=transfer_type).inc(num_bytes)
+        self.kv_offload_total_time.labels(**labels, transfer_type=transfer_type).inc(seconds)
+        self.kv_offload_size.labels(**labels, transfer_type=transfer_type).observe(num_bytes)
+        load = transfer_type == "CPU_to_GPU"
+        (self.kv_offload_load_bytes if load else self.kv_offload_store_bytes).labels(**labels).inc(num_bytes)
+        (self.kv_offload_load_time if load else self.kv_offload_store_time).labels(**labels).inc(seconds)
+        (self.kv_offload_load_size if load else self.kv_offload_store_size).labels(**labels).observe(num_bytes)
+
+    def record_sleep_state(self, sleep: int, level: int) -> None:
+        """vLLM's ``PrometheusStatLogger.record_sleep_state``: awake / weights_offloaded (level 1) / discard_all (2)."""
+        values = {"awake": 0 if sleep else 1, "weights_offloaded": int(sleep == 1 and level == 1)}
+        values["discard_all"] = int(sleep == 1 and level == 2)
+        for state, value in values.items():
+            self.engine_sleep_state.labels(**self._base, sleep_state=state).set(value)
 
     @property
     def labels(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from types import FrameType
@@ -23,10 +24,10 @@ from typing import Any
 
 import uvicorn
 
-from pytest_pdserve.sim import faults, kvtransfer
+from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
-from pytest_pdserve.sim.cli import KV_CONNECTORS, ServeArgs, resolve_attention_backend
-from pytest_pdserve.sim.engine import VLLM_VERSION, Engine
+from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
+from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
 
 logger = logging.getLogger("pytest_pdserve.sim")
@@ -35,6 +36,13 @@ DEAD_EXIT_DELAY_S = 1.0
 """How long a dead engine keeps answering 503 on /health before the process exits (like vLLM's shutdown)."""
 
 GPU_TENSOR_MIB = 16
+
+GRACEFUL_SHUTDOWN_S = 5
+"""uvicorn's ``timeout_graceful_shutdown``: open connections (streams) get this long after SIGTERM."""
+
+HARD_EXIT_AFTER_S = GRACEFUL_SHUTDOWN_S + 1.0
+"""After SIGTERM the process exits by this deadline even if the event loop is stuck (the guard of issue 16):
+below the plugin's SIGTERM-to-SIGKILL grace of ``min(shutdown_timeout, 10)`` s."""
 
 
 def configure_logging() -> None:
@@ -100,7 +108,7 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
     """Run the simulator until shutdown; returns the process exit status."""
     configure_logging()
     faults.install_default_signal_behaviour(env.ignore_sigterm)
-    logger.info("vLLM API server version %s (pdserve-sim)", VLLM_VERSION)
+    logger.info("vLLM API server version %s (pdserve-sim)", env.vllm_version)
     logger.info("non-default args: %s", dict(args.non_default))
 
     if env.crash_at_startup is not None:
@@ -117,10 +125,19 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
                 f"Unsupported connector type: {kv.kv_connector}. Registered connectors: {', '.join(KV_CONNECTORS)}"
             )
         )
-    if kv is not None and not kv.is_nixl:
-        logger.warning(
-            "pdserve-sim implements only NixlConnector; %s is accepted but transfers nothing", kv.kv_connector
+    if kv is not None and kv.unsimulated():
+        return _startup_error(
+            ValueError(
+                f"pdserve-sim does not simulate {', '.join(kv.unsimulated())} (in --kv-transfer-config); it simulates "
+                f"{', '.join(sorted(SIMULATED_CONNECTORS))}, alone or inside a MultiConnector. Use real vLLM "
+                "(--pd-engine vllm) for other connectors."
+            )
         )
+    if kv is not None and kv.offloading_extra_config is not None:
+        try:
+            offload.cpu_bytes_to_use(kv.offloading_extra_config)
+        except offload.OffloadConfigError as exc:
+            return _startup_error(exc)
     if kv is not None and kv.is_nixl and kv.kv_role == "kv_both":
         logger.warning(
             "Using kv_role='kv_both' with NixlConnector is deprecated. Please set "
@@ -197,12 +214,22 @@ async def _serve_async(
 
         asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
 
-    engine = Engine(args, env, backend, on_dead=on_dead)
+    try:
+        shape = model.resolve(args.model)
+        tok, tok_warning = tokenizer.load(args.tokenizer, shape.directory)
+    except (model.ModelConfigError, tokenizer.TokenizerError) as exc:
+        sock.close()
+        return _startup_error(exc)
+    if tok_warning is not None:
+        logger.warning("%s", tok_warning)
+    engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
+    logger.info("Model shape from %s; tokenizer: %s", shape.source, tok.name)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d bytes per block)",
+        "KV cache: %d blocks of %d tokens (%d bytes per block, %d bytes per token)",
         engine.pool.num_blocks,
         engine.block_size,
         engine.bytes_per_block,
+        engine.bytes_per_token,
     )
     side_channel = None
     if engine.nixl:
@@ -245,7 +272,7 @@ async def _serve_async(
         port=sock.getsockname()[1],
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_log_requests,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         lifespan="on",
     )
     server = _SimServer(config, ignore_sigterm=env.ignore_sigterm)
@@ -275,6 +302,13 @@ async def _announce(server: uvicorn.Server, config: uvicorn.Config) -> None:
         )
 
 
+def _hard_exit(sig: int) -> None:
+    logger.error("Graceful shutdown did not finish within %.0f s of signal %d; exiting now", HARD_EXIT_AFTER_S, sig)
+    for handler in logger.handlers:
+        handler.flush()
+    os._exit(128 + sig)
+
+
 class _SimServer(uvicorn.Server):
     """uvicorn's server, except that SIGTERM honours ``PDSERVE_SIM_IGNORE_SIGTERM`` and a signal ends the
     process normally (cleanup, then status 0) instead of being re-raised after shutdown."""
@@ -282,11 +316,18 @@ class _SimServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ignore_sigterm: bool) -> None:
         super().__init__(config)
         self._ignore_sigterm = ignore_sigterm
+        self._hard_exit: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self._ignore_sigterm:
             logger.warning("Received SIGTERM; ignoring it (PDSERVE_SIM_IGNORE_SIGTERM=1)")
             return
+        if self._hard_exit is None:
+            # Python runs this handler between bytecodes even while the event loop is busy, and a daemon
+            # timer thread gets the GIL from a busy Python loop, so this deadline holds whatever a request does.
+            self._hard_exit = threading.Timer(HARD_EXIT_AFTER_S, _hard_exit, args=(sig,))
+            self._hard_exit.daemon = True
+            self._hard_exit.start()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:

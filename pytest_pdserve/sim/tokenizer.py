@@ -16,6 +16,7 @@ import hashlib
 import re
 from array import array
 from collections.abc import Sequence
+from pathlib import Path
 
 VOCAB_SIZE = 2048
 BOS_ID = 0
@@ -25,7 +26,9 @@ PAD_ID = 3
 FIRST_REGULAR_ID = 4
 SPECIAL_TOKENS = {BOS_ID: "<s>", EOS_ID: "</s>", UNK_ID: "<unk>", PAD_ID: "<pad>"}
 
-_PIECE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+# Words with their leading whitespace; every digit alone and the whitespace before a number apart, as the
+# Llama 3 / Qwen pre-tokenizers split them (" 1950s" -> " ", "1", "9", "5", "0", "s"); punctuation; whitespace.
+_PIECE = re.compile(r"\s*[^\W\d_]+|\d|\s*[^\w\s]|\s*_|\s+")
 _SYLLABLES = (
     "ka",
     "lo",
@@ -48,6 +51,99 @@ _SYLLABLES = (
     "on",
     "ur",
 )
+
+
+class Tokenizer:
+    """The built-in synthetic tokenizer (the functions of this module behind one interface)."""
+
+    name = "built-in"
+    vocab_size = VOCAB_SIZE
+    special_ids: frozenset[int] = frozenset(SPECIAL_TOKENS)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (a leading BOS when ``add_special_tokens``)."""
+        return encode(text, add_bos=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ids, special tokens skipped."""
+        return decode(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one generated id ("" for a special token)."""
+        return "" if token_id in self.special_ids else token_text(token_id)
+
+
+class FileTokenizer(Tokenizer):
+    """A checkpoint's ``tokenizer.json``, through the optional ``tokenizers`` package (what vLLM uses).
+
+    :raises ImportError: ``tokenizers`` is not installed.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import tokenizers  # type: ignore[import-not-found,unused-ignore]  # optional: pip install tokenizers
+
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        self.name = str(path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.special_ids = frozenset(
+            int(i) for i, added in self._tok.get_added_tokens_decoder().items() if added.special
+        )
+        self._texts: dict[int, str] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = "" if token_id in self.special_ids else self.decode([token_id])
+        return text
+
+
+def tokenizers_available() -> bool:
+    """Whether the optional ``tokenizers`` package can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("tokenizers") is not None
+
+
+class TokenizerError(ValueError):
+    """``--tokenizer`` names something the simulator cannot load."""
+
+
+def load(explicit: str | None, model_dir: Path | None) -> tuple[Tokenizer, str | None]:
+    """The tokenizer to serve with, and a warning to log (or None).
+
+    ``--tokenizer DIR`` (or a file) is used, or MODEL's directory when it holds a ``tokenizer.json``; both need
+    the optional ``tokenizers`` package. Without the package an explicit ``--tokenizer`` is an error and a
+    model directory's tokenizer is skipped with a warning (token counts then differ from vLLM's).
+
+    :raises TokenizerError: ``--tokenizer`` is missing, unreadable, or ``tokenizers`` is not installed.
+    """
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise TokenizerError(f"--tokenizer {explicit}: no tokenizer.json there")
+        if not tokenizers_available():
+            raise TokenizerError(
+                f"--tokenizer {explicit} needs the optional 'tokenizers' package: pip install tokenizers"
+            )
+        try:
+            return FileTokenizer(file), None
+        except Exception as exc:  # tokenizers raises its own Exception subclass for bad files
+            raise TokenizerError(f"--tokenizer {explicit}: cannot load {file}: {exc}") from None
+    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+        if not tokenizers_available():
+            return Tokenizer(), (
+                f"{model_dir / 'tokenizer.json'} is not used: the optional 'tokenizers' package is not installed "
+                "(pip install tokenizers); serving with the built-in tokenizer, whose token counts differ"
+            )
+        return FileTokenizer(model_dir / "tokenizer.json"), None
+    return Tokenizer(), None
 
 
 def ids_bytes(ids: Sequence[int]) -> bytes:
@@ -118,12 +214,30 @@ def logprob_of(model_key: bytes, prompt_ids: Sequence[int], position: int, token
 
 
 def top_alternatives(token_id: int, position: int, n: int) -> list[int]:
-    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0)."""
+    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0).
+
+    Bounded by construction: at most ``2 * n`` hash draws, then a linear fill. (Iterating ``perturb`` on
+    its own output, as an earlier version did, can enter a cycle shorter than ``n`` and never return:
+    issue 16, logprobs 3 and 5 hung on some prompts.)
+    """
+    span = VOCAB_SIZE - FIRST_REGULAR_ID
+    n = min(n, span)
     out = [token_id]
+    seen = {token_id}
     salt = position.to_bytes(4, "little")
+    for draw in range(2 * n):
+        if len(out) >= n:
+            return out
+        candidate = perturb(token_id, salt + draw.to_bytes(4, "little"))
+        if candidate not in seen:
+            seen.add(candidate)
+            out.append(candidate)
     candidate = token_id
-    while len(out) < n:
-        candidate = perturb(candidate, salt)
-        if candidate not in out:
+    for _ in range(span):  # the rare draw collisions: next free ids after token_id
+        if len(out) >= n:
+            break
+        candidate = FIRST_REGULAR_ID + (candidate - FIRST_REGULAR_ID + 1) % span
+        if candidate not in seen:
+            seen.add(candidate)
             out.append(candidate)
     return out

@@ -140,6 +140,17 @@ def sim_processes(log_dir: Path) -> Iterator[Callable[..., SimServer]]:
             server.stop()
 
 
+def _letters(i: int) -> str:
+    out = ""
+    while True:
+        out = chr(ord("a") + i % 26) + out
+        i //= 26
+        if i == 0:
+            return out
+
+
 def words(n: int, tag: str = "w") -> str:
-    """A prompt of ``n`` distinct words (``n`` tokens, plus BOS when sent as text)."""
-    return " ".join(f"{tag}{i}" for i in range(n))
+    """A prompt of ``n`` distinct words (``n`` tokens, plus BOS when sent as text).
+
+    Letters only: the built-in tokenizer splits digits one by one, as Llama 3 / Qwen tokenizers do."""
+    return " ".join(f"{tag}{_letters(i)}" for i in range(n))

@@ -12,7 +12,7 @@ import pytest
 from _simproc import NIXL_KVC, SimServer, free_port, metric, sim_processes, words
 
 BLOCK = 128
-BYTES_PER_BLOCK = BLOCK * 1024  # 131072, the tiny Llama's figure in vllm-cpu.md
+BYTES_PER_BLOCK = BLOCK * 1024  # 131072, the tiny Llama's figure in vllm-cpu.md (served with --dtype float32)
 PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -50,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
     def side(port: int) -> dict[str, str]:
         return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
 
-    common = ("--block-size", str(BLOCK))
+    common = ("--block-size", str(BLOCK), "--dtype", "float32")
     with sim_processes(tmp_path_factory.mktemp("pd")) as start:
         servers = {
             "p": start(*common, "--kv-transfer-config", _kvc(kv_role="kv_producer"), env=side(free_port())),

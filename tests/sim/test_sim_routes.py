@@ -116,6 +116,7 @@ def test_completion_shape_and_determinism(servers: dict[str, SimServer]) -> None
         "total_tokens": 9,
         "completion_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": None,
     }
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
@@ -184,7 +185,7 @@ def test_chat_completion(servers: dict[str, SimServer]) -> None:
     [
         ({"prompt": "x", "model": "nope"}, 404, "NotFoundError", "The model `nope` does not exist."),
         ({"prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
-        ({"prompt": "x", "max_tokens": 5000}, 400, "BadRequestError", "maximum context length is 1024"),
+        ({"prompt": "x", "max_tokens": 5000}, 400, "BadRequestError", "cannot be greater than max_model_len=1024"),
         ({"prompt": []}, 400, "BadRequestError", "prompt"),
         ({"prompt": "x", "logprobs": 21}, 400, "BadRequestError", "max allowed: 20"),
     ],

