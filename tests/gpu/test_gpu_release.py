@@ -199,14 +199,8 @@ def _watchdog_pids(pytest_pid: int) -> list[int]:
     "victims",
     [
         pytest.param(("pytest",), id="pytest"),
-        pytest.param(
-            ("watchdog", "pytest"), id="watchdog-then-pytest",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 13 point 4: with the watchdog SIGKILLed first nothing supervises the servers; the "
-                "supervision fix makes this pass (then drop this mark)",
-            ),
-        ),
+        # Issue 13 point 4: with the watchdog SIGKILLed first, the guard (supervise.py) still stops the servers.
+        pytest.param(("watchdog", "pytest"), id="watchdog-then-pytest"),
     ],
 )  # fmt: skip
 def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
