@@ -32,6 +32,7 @@ from pytest_pdserve.settings import (
     add_options,
     get_inventory,
     resolve,
+    settings_origin,
     start_inventory_detection,
 )
 
@@ -99,6 +100,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
             f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
         )
+    given = settings_origin(cfg)
+    if given:
+        lines.append(f"pdserve: settings given: {given}")
     lines += export_env.header_lines(config)
     if _CHECKOUT_NOTE in config.stash:
         lines.append(config.stash[_CHECKOUT_NOTE])

@@ -56,6 +56,7 @@ __all__ = [
     "remedy",
     "resolve",
     "resolve_engine",
+    "settings_origin",
     "short_source",
     "start_inventory_detection",
 ]
@@ -444,6 +445,8 @@ class PDServeConfig:
     """How to run vLLM's CLI: ``(path,)`` or ``(python, "-m", "vllm.entrypoints.cli.main")``."""
     sources: Mapping[str, str]
     """field -> ``--flag`` / ``$ENV`` / ``ini key`` / ``default``."""
+    shadowed: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: types.MappingProxyType({}))
+    """field -> the lower layers that also set it and lost (``$ENV``, ``ini key``), for the report header."""
 
     @property
     def attach_mode(self) -> bool:
@@ -511,18 +514,52 @@ def _ini_text(value: Any) -> str:
     return str(value)
 
 
-def _raw(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> tuple[Any, str]:
-    """(raw value, source) for *s*: CLI > env > ini > default, each layer tested with ``is None``."""
+def settings_origin(cfg: PDServeConfig) -> str:
+    """Every setting not at its default: ``name=value (source; lost: lower sources)``, for the report header.
+
+    A value given in several layers names the ones that lost (``$PDSERVE_SEED`` under ``--pd-seed``), so a CI
+    variable that silently has no effect is visible. Secrets show as ``***``.
+    """
+    parts = []
+    for s in SETTINGS:
+        source = cfg.sources.get(s.name, "default")
+        if source == "default":
+            continue
+        value = getattr(cfg, s.name)
+        shown = (
+            "***"
+            if s.secret
+            else (
+                shlex.join(value)
+                if isinstance(value, tuple) and value and all(isinstance(v, str) for v in value)
+                else str(value)
+            )
+        )
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        lost = cfg.shadowed.get(s.name, ())
+        parts.append(f"{s.name}={shown} ({source}{'; lost: ' + ', '.join(lost) if lost else ''})")
+    return ", ".join(parts)
+
+
+def _layers(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> list[tuple[Any, str]]:
+    """Every (raw value, source) that sets *s*, in precedence order: CLI > env > ini (``is None`` tests)."""
+    found: list[tuple[Any, str]] = []
     cli: Any = config.getoption(s.dest)
     if cli is not None:
-        return (",".join(cli) if isinstance(cli, list) else cli), s.flag
+        found.append(((",".join(cli) if isinstance(cli, list) else cli), s.flag))
     env = environ.get(s.env_var)
     if env is not None and env.strip():
-        return env, f"${s.env_var}"
+        found.append((env, f"${s.env_var}"))
     ini: Any = config.getini(s.ini_key)
     if ini is not None and _ini_text(ini).strip():
-        return _ini_text(ini), f"ini {s.ini_key}"
-    return s.default, "default"
+        found.append((_ini_text(ini), f"ini {s.ini_key}"))
+    return found
+
+
+def _raw(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> tuple[Any, str]:
+    """(raw value, source) for *s*: the first of :func:`_layers`, else the default."""
+    layers = _layers(config, s, environ)
+    return layers[0] if layers else (s.default, "default")
 
 
 def _usage(setting: Setting, raw: Any, source: str, why: str) -> pytest.UsageError:
@@ -588,9 +625,13 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    shadowed: dict[str, tuple[str, ...]] = {}
     for s in SETTINGS:
-        raw, source = _raw(config, s, env)
+        layers = _layers(config, s, env)
+        raw, source = layers[0] if layers else (s.default, "default")
         sources[s.name] = source
+        if len(layers) > 1:
+            shadowed[s.name] = tuple(src for _, src in layers[1:])
         if source == "default" or isinstance(raw, bool):
             values[s.name] = raw
             continue
@@ -637,6 +678,7 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
         engine_reason=reason,
         vllm_argv=argv,
         sources=types.MappingProxyType(sources),
+        shadowed=types.MappingProxyType(shadowed),
     )
 
 

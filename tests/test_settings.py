@@ -432,3 +432,19 @@ def test_collect_only_imports_neither_torch_nor_vllm(
         # found through find_spec("vllm") on the stand-in, without importing it
         assert seen["engine"] == "vllm"
         assert seen["argv"][1:] == ["-m", "vllm.entrypoints.cli.main"]
+
+
+def test_report_header_names_each_given_setting_its_source_and_who_lost(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CI variable shadowed by a flag is visible in the header, not silently ignored; secrets stay hidden."""
+    pytester.makeini("[pytest]\npdserve_seed = 5\npdserve_block_size = 64\n")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    monkeypatch.setenv("PDSERVE_SEED", "7")
+    monkeypatch.setenv("PDSERVE_API_KEY", "hidden-key-123")
+    result = pytester.runpytest_subprocess("--pd-seed=9", "--pd-engine=sim", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines([
+        "pdserve: settings given: engine=sim (--pd-engine), block_size=64 (ini pdserve_block_size), "
+        "seed=9 (--pd-seed; lost: $PDSERVE_SEED, ini pdserve_seed), api_key=*** ($PDSERVE_API_KEY)",
+    ])  # fmt: skip
+    assert "hidden-key-123" not in result.stdout.str()
