@@ -210,14 +210,22 @@ class PDCluster:
     health: ClusterHealth = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.health = ClusterHealth(self.spec.name, self.servers)
+        self.health = ClusterHealth(self.spec.name, lambda: self.servers)
         for server in self.servers:
-            if server.model is None:  # server.complete()/chat() send the served model by default
-                server.model = self.model
-            server.health = self.health
-            if server._client is not None:  # made before the cluster existed (readiness): rebuild it guarded
-                server._client.close()
-                server._client = None
+            self._adopt(server)
+
+    def set_proxy(self, proxy: ServerHandle) -> None:
+        """Put ``proxy`` in front of the cluster (attach mode starts it after the servers answered)."""
+        self.proxy = proxy
+        self._adopt(proxy)
+
+    def _adopt(self, server: ServerHandle) -> None:
+        if server.model is None:  # server.complete()/chat() send the served model by default
+            server.model = self.model
+        server.health = self.health
+        if server._client is not None:  # made before it joined the cluster (readiness): rebuild it guarded
+            server._client.close()
+            server._client = None
 
     @property
     def url(self) -> str:

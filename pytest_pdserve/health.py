@@ -17,7 +17,7 @@ import datetime as _dt
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -68,7 +68,8 @@ class ClusterHealth:
     """The liveness verdict of one cluster, shared by all of its clients."""
 
     cluster: str
-    servers: Sequence[_Server] = ()
+    #: The cluster's servers now (a callable: attach mode puts its proxy in after the cluster exists).
+    servers: Callable[[], Sequence[_Server]]
     died: ServerDied | None = None
 
     def raise_if_dead(self) -> None:
@@ -95,7 +96,7 @@ class ClusterHealth:
 
     def _find_dead(self) -> tuple[_Server, str] | None:
         unhealthy: list[tuple[_Server, str]] = []
-        for server in self.servers:
+        for server in self.servers():
             proc = server.process
             if proc is not None and proc.returncode is not None:
                 return server, f"exited with {describe_returncode(proc.returncode)}"
