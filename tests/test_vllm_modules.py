@@ -24,13 +24,6 @@ REPO = Path(__file__).resolve().parent.parent
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"
 #: The modules import these (not the plugin's dependencies: pyproject's `test` extra has them).
 MODULE_DEPS = ("openai", "regex", "requests")
-#: test_multi_connector_edge_cases.py tests the simulator cannot pass yet, and why (the simulator-fidelity
-#: issue): the offload tier (CPU_to_GPU bytes after eviction) and BPE-like token counts (the module's
-#: PARTIAL_CACHE_PREFIX is >= 128 Qwen tokens but 119 simulator tokens).
-SIM_KNOWN_GAPS = {
-    "test_prefill_cpu_offload_after_gpu_eviction": "simulator has no OffloadingConnector CPU tier yet",
-    "test_partial_decode_gpu_cache_hit_metrics": "simulator tokenizer counts PARTIAL_CACHE_PREFIX as 119 < 128 tokens",
-}
 
 
 def _installed_version() -> str:
@@ -122,10 +115,8 @@ def test_multi_connector_edge_cases_on_the_simulator(pytester: pytest.Pytester, 
     result = run_module(
         pytester, vllm_modules, "test_multi_connector_edge_cases.py", "vllm-multi-connector-edge-case", "sim"
     )
-    outcomes = result.parseoutcomes()
-    failed = {m.group(1) for line in result.outlines if (m := re.match(r"FAILED \S+::(\w+)", line))}
-    assert failed <= set(SIM_KNOWN_GAPS), f"unexpected failures: {failed - set(SIM_KNOWN_GAPS)}"
-    assert outcomes.get("passed", 0) + len(failed) == 9, outcomes
+    # 9/9: the offload tier (CPU->GPU after eviction) and digit-splitting token counts are simulated (issue 16).
+    result.assert_outcomes(passed=9)
     result.stdout.fnmatch_lines(["*preset vllm-multi-connector-edge-case: MultiConnector[[]NixlConnector, "
                                  "OffloadingConnector[]], block size 128*"])  # fmt: skip
 
