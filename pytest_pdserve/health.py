@@ -117,6 +117,15 @@ class ClusterHealth:
         return server, f"stopped answering ({status})"
 
 
+def _verdict(health: ClusterHealth, request: httpx.Request, client_of: str, outcome: str) -> ServerDied | None:
+    """After a 5xx or a transport error: the death that explains it, or None (a healthy cluster's error)."""
+    try:
+        health.check(f"{request.method} {request.url.path} via {client_of}: {outcome}")
+    except ServerDied as died:
+        return died
+    return None
+
+
 class GuardedTransport(httpx.BaseTransport):
     """An httpx transport that turns a dead cluster into :class:`ServerDied` (see the module docstring)."""
 
@@ -127,18 +136,18 @@ class GuardedTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._health.raise_if_dead()
-        what = f"{request.method} {request.url.path} via {self._client_of}"
         try:
             response = self._inner.handle_request(request)
         except httpx.TransportError as exc:
-            self._health.check(f"{what}: {type(exc).__name__}")
+            died = _verdict(self._health, request, self._client_of, type(exc).__name__)
+            if died is not None:
+                raise died from None
             raise
         if response.status_code >= 500:
-            try:
-                self._health.check(f"{what}: HTTP {response.status_code}")
-            except ServerDied:
+            died = _verdict(self._health, request, self._client_of, f"HTTP {response.status_code}")
+            if died is not None:
                 response.close()
-                raise
+                raise died
         return response
 
     def close(self) -> None:
@@ -155,18 +164,18 @@ class AsyncGuardedTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._health.raise_if_dead()
-        what = f"{request.method} {request.url.path} via {self._client_of}"
         try:
             response = await self._inner.handle_async_request(request)
         except httpx.TransportError as exc:
-            self._health.check(f"{what}: {type(exc).__name__}")
+            died = _verdict(self._health, request, self._client_of, type(exc).__name__)
+            if died is not None:
+                raise died from None
             raise
         if response.status_code >= 500:
-            try:
-                self._health.check(f"{what}: HTTP {response.status_code}")
-            except ServerDied:
+            died = _verdict(self._health, request, self._client_of, f"HTTP {response.status_code}")
+            if died is not None:
                 await response.aclose()
-                raise
+                raise died
         return response
 
     async def aclose(self) -> None:
