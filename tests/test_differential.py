@@ -21,8 +21,9 @@ from pytest_pdserve.metrics import wait_settled
 from pytest_pdserve.spec import ClusterSpec
 
 MAX_MODEL_LEN = 512
-#: Until issue 12 lands, real vLLM's decode engine needs float32 (bfloat16 P/D dies on CPU); both run the same args.
-EXTRA_ARGS = ("--dtype", "float32")
+#: Real vLLM on CPU serves float32 (pytest_pdserve/cpu.py, issue 12); the simulator follows vLLM's ``auto`` rule
+#: (a float32 checkpoint served as bfloat16), so it is told the dtype real vLLM runs: KV bytes per block then agree.
+SIM_EXTRA_ARGS = ("--dtype", "float32")
 
 #: The differences the simulator has on purpose: step key -> why. Keys not listed here must be equal.
 BY_DESIGN: dict[str, str] = {
@@ -167,9 +168,9 @@ def run_script(cluster: PDCluster, text_prompts: bool) -> Record:
 
 @pytest.fixture(scope="module")
 def clusters(pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
-    real_spec = ClusterSpec(engine="vllm", max_model_len=MAX_MODEL_LEN, extra_args=EXTRA_ARGS, name="diff-vllm")
+    real_spec = ClusterSpec(engine="vllm", max_model_len=MAX_MODEL_LEN, name="diff-vllm")
     real = pd_cluster_factory(real_spec)
-    sim_spec = ClusterSpec(engine="sim", model=real.model, max_model_len=MAX_MODEL_LEN, extra_args=EXTRA_ARGS,
+    sim_spec = ClusterSpec(engine="sim", model=real.model, max_model_len=MAX_MODEL_LEN, extra_args=SIM_EXTRA_ARGS,
                            name="diff-sim")  # fmt: skip
     sim = pd_cluster_factory(sim_spec)
     yield {"vllm": real, "sim": sim}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -59,10 +60,21 @@ class _ApiError(Exception):
         self.param = param
 
 
+def sanitize_message(message: str) -> str:
+    """vLLM's ``sanitize_message`` (entrypoints/serve/exception_handling/utils.py, 0.32): no memory addresses,
+    tracebacks or file paths in an error's text; absolute paths under /tmp, /home, ... read ``<path>``."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
 def error_response(message: str, err_type: str, status: int, param: str | None = None) -> JSONResponse:
-    """vLLM's ``ErrorResponse`` body."""
+    """vLLM's ``ErrorResponse`` body, its message sanitized as vLLM does."""
     return JSONResponse(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
+        {"error": {"message": sanitize_message(message), "type": err_type, "param": param, "code": status}},
+        status_code=status,
     )
 
 
