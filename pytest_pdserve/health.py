@@ -183,13 +183,21 @@ class AsyncGuardedTransport(httpx.AsyncBaseTransport):
 
 
 def _probe(server: _Server) -> str | None:
-    """None when ``/health`` answers 200, else what it did."""
+    """None when the server's health route answers, else what it did.
+
+    The route is the one its readiness used (a ``--pd-proxy-command`` proxy such as vLLM's toy proxy serves only
+    ``/healthcheck``). Only a refused connection, a timeout or a 5xx (vLLM answers 503 once its engine is dead)
+    counts: a 404 from a proxy without ``/health`` is no death.
+    """
+    proc = server.process
+    url = proc.health_url if proc is not None and proc.health_url else f"{server.url}/health"
+    path = httpx.URL(url).path
     try:
         with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False, headers=server.headers) as client:
-            status = client.get(f"{server.url}/health").status_code
+            status = client.get(url).status_code
     except httpx.HTTPError as exc:
-        return f"GET /health: {type(exc).__name__}"
-    return None if status == 200 else f"GET /health: HTTP {status}"
+        return f"GET {path}: {type(exc).__name__}"
+    return f"GET {path}: HTTP {status}" if status >= 500 else None
 
 
 def _death_time(server: _Server) -> str:

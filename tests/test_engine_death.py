@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,48 @@ def test_a_500_from_a_healthy_cluster_is_not_a_death(pytester: pytest.Pytester, 
     result = _session(pytester, tmp_path, HEALTHY_500_CONFTEST, HEALTHY_500_TESTS, "--no-pd-ready-check")
     result.assert_outcomes(passed=2)
     assert "died" not in result.stdout.str()
+
+
+class _Stub:
+    """A server handle whose health route answers ``status`` (or nothing at all)."""
+
+    def __init__(self, url: str) -> None:
+        self.name, self.url, self.log_path, self.process, self.headers = "proxy", url, None, None, {}
+
+
+def _serve(status: int) -> tuple[str, Callable[[], None]]:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}", lambda: (httpd.shutdown(), httpd.server_close())
+
+
+@pytest.mark.parametrize(("status", "dead"), [(200, False), (404, False), (503, True)])
+def test_only_a_failing_health_route_is_a_death(status: int, dead: bool) -> None:
+    """A custom proxy without /health (vLLM's toy proxy serves /healthcheck) answers 404: not a death."""
+    from pytest_pdserve.health import _probe
+
+    url, stop = _serve(status)
+    try:
+        verdict = _probe(_Stub(url))  # type: ignore[arg-type]
+    finally:
+        stop()
+    assert (verdict is not None) == dead, verdict
+
+
+def test_a_refused_connection_is_a_death() -> None:
+    from pytest_pdserve.health import _probe
+
+    url, stop = _serve(200)
+    stop()
+    assert _probe(_Stub(url)) == "GET /health: ConnectError"  # type: ignore[arg-type]
