@@ -8,6 +8,7 @@ Each engine's cluster is started once for the module and stopped at its end (a r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.errors import ServerExitedEarly
 from pytest_pdserve.fixtures import MANAGER
 from pytest_pdserve.metrics import wait_settled
+from pytest_pdserve.proctree import descendants, proc_table
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
 
@@ -90,6 +92,36 @@ def test_first_request_is_pd_and_no_engine_dies(cluster: PDCluster) -> None:
         assert "died unexpectedly" not in log, f"{server.name}: {log[-2000:]}"
         if cluster.engine == "vllm" and cluster.platform == "cpu":
             assert "dtype=torch.float32" in log, f"{server.name} does not serve float32 (cpu.py)"
+
+
+def test_no_server_process_is_pinned_to_one_core(cluster: PDCluster) -> None:
+    """Every process and thread of every server may run on every core this test may use.
+
+    vLLM's NIXL worker pins itself to the last core of each NUMA node on CPU, so every server's worker shared
+    one core and spun there; P/D requests stalled 10-50 s, the prefill's 30 s KV lease expired and decode
+    answered HTTP 500 (the CI failure after issue 12). The CPU tweaks plugin skips that pin.
+    """
+    allowed = os.sched_getaffinity(0)
+    table = proc_table()
+    checked = 0
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.process is not None and server.process.pid is not None
+        children = descendants(server.process.pid, table)
+        if cluster.engine == "vllm":
+            assert children, f"{server.name}: no EngineCore/worker processes found"  # the check saw the worker
+        for pid in [server.process.pid, *children]:
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except FileNotFoundError:
+                continue  # exited since the snapshot (vLLM's short-lived helpers)
+            for tid in tids:
+                try:
+                    cores = os.sched_getaffinity(tid)
+                except ProcessLookupError:
+                    continue
+                assert cores == allowed, f"{server.name}: pid {pid} thread {tid} runs on cores {sorted(cores)}"
+                checked += 1
+    assert checked >= len(cluster.prefill) + len(cluster.decode)
 
 
 def test_routes(cluster: PDCluster) -> None:

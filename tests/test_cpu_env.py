@@ -94,6 +94,39 @@ def test_plugin_asks_linux_for_amx_in_every_vllm_process() -> None:
     assert out.stdout.split() == ["False", "True"]  # a fresh process lacks it; the plugin got it
 
 
+_AFFINITY_PROBE = r"""
+import os, sys, types
+sys.path.insert(0, sys.argv[1])
+import vllm_nixl_cpu_tweaks as t
+t.register(); t.register()  # idempotent: one wrapper
+full = sorted(os.sched_getaffinity(0))
+def call_from(module_name):
+    module = types.ModuleType(module_name)
+    exec("import os\ndef pin(cores):\n    os.sched_setaffinity(0, cores)", module.__dict__)
+    module.pin({full[-1]})
+    got = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, full)
+    return got
+print(call_from("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker") == full,
+      call_from("vllm.platforms.cpu") == full[-1:])
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to tell a pin from no pin")
+@pytest.mark.parametrize(("pin_env", "expected"), [(None, "True True"), ("1", "False True")])
+def test_plugin_skips_only_the_nixl_workers_core_pin(pin_env: str | None, expected: str) -> None:
+    """vLLM's NIXL worker pins itself to the last core; the plugin skips that call and no other."""
+    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
+    env = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
+    env.pop("VLLM_NIXL_CPU_PIN_KV_CORE", None)
+    if pin_env is not None:
+        env["VLLM_NIXL_CPU_PIN_KV_CORE"] = pin_env
+    out = subprocess.run([sys.executable, "-c", _AFFINITY_PROBE, str(src)], capture_output=True, text=True,
+                         timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == expected
+
+
 def test_cpu_module_is_light() -> None:
     """cpu, vllm_compat and tiny_model must import without pytest, torch or vllm."""
     code = (

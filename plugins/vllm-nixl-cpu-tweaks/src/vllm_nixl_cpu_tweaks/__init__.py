@@ -19,6 +19,15 @@ Linux lets a process execute them only after ``arch_prctl(ARCH_REQ_XCOMP_PERM, X
 vLLM 0.32's CPU worker never calls; the first AMX attention call then dies with SIGILL (exit code -4). oneDNN
 asks on its own AMX GEMM paths, so only processes whose first work is not such a GEMM die (a P/D decode server
 whose first step follows a KV pull). :func:`request_amx_permission` asks in every vLLM process.
+
+Affinity: on the CPU platform, vLLM's NIXL worker calls ``os.sched_setaffinity(0, [last core of each NUMA
+node])`` "to reserve cores for start_load_kv()". That pins the worker's main thread and every thread created
+after it (NIXL's UCX progress and worker threads) to one core, and every server on the host picks the same
+core: prefill and decode workers then spin (``sched_yield`` in vLLM's message queue, a UCX spinlock in NIXL's
+progress thread) on one core while the others idle. Measured on 2 cores: P/D requests stalled 10-50 s
+(decode's ``postXfer`` held the UCX lock in ``sendmsg`` while its progress thread spun on the lock), the
+prefill's 30 s KV lease expired, and decode answered HTTP 500. :func:`keep_cpu_affinity` skips that one call;
+``VLLM_NIXL_CPU_PIN_KV_CORE=1`` keeps vLLM's pin.
 """
 
 from __future__ import annotations
@@ -34,9 +43,14 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["KEEP_ENV", "register", "request_amx_permission"]
+__all__ = ["KEEP_ENV", "PIN_ENV", "keep_cpu_affinity", "register", "request_amx_permission"]
 
 KEEP_ENV = "VLLM_NIXL_KEEP_PROG_THREAD"
+#: ``1`` keeps vLLM's pin of the NIXL worker to the last core of each NUMA node (see the module docstring).
+PIN_ENV = "VLLM_NIXL_CPU_PIN_KV_CORE"
+# Calls to os.sched_setaffinity made by code in this package are the pin we skip; nothing else is touched.
+_NIXL_CONNECTOR_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+_WRAPPED_FLAG = "_vllm_nixl_cpu_tweaks_wrapped"
 
 # The module that really defines nixl_agent_config. The `nixl` meta package re-exports one of these as
 # `nixl._api` (it picks the CUDA 13, CUDA 12 or ROCm build at import time).
@@ -85,9 +99,37 @@ def request_amx_permission() -> bool:
     return True
 
 
+def keep_cpu_affinity() -> bool:
+    """Make ``os.sched_setaffinity`` skip calls from vLLM's NIXL connector; True when the wrapper is in place.
+
+    Only calls whose caller is a module of ``vllm.distributed.kv_transfer.kv_connector.v1.nixl`` and that
+    target this process (pid 0) are skipped; every other caller gets the real function. Idempotent.
+    """
+    if os.environ.get(PIN_ENV) == "1" or not hasattr(os, "sched_setaffinity"):
+        return False
+    real = os.sched_setaffinity
+    if getattr(real, _WRAPPED_FLAG, False):
+        return True
+
+    def sched_setaffinity(pid: int, mask: Any, /) -> None:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if pid == 0 and (caller == _NIXL_CONNECTOR_PACKAGE or caller.startswith(_NIXL_CONNECTOR_PACKAGE + ".")):
+            logger.info("kept CPU affinity %s instead of %s's pin to cores %s (it puts every server's NIXL "
+                        "worker on one core; %s=1 keeps the pin)", sorted(os.sched_getaffinity(0)), caller,
+                        sorted(mask), PIN_ENV)
+            return None
+        return real(pid, mask)
+
+    sched_setaffinity.__doc__ = real.__doc__
+    setattr(sched_setaffinity, _WRAPPED_FLAG, True)
+    os.sched_setaffinity = sched_setaffinity
+    return True
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; idempotent (vLLM may call it more than once)."""
     request_amx_permission()
+    keep_cpu_affinity()
     if os.environ.get(KEEP_ENV) == "1":
         return
     # vLLM sets this only when NIXL is not imported yet; setting it here too covers anything that imports
