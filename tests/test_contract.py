@@ -105,7 +105,8 @@ def test_no_server_process_is_pinned_to_one_core(cluster: PDCluster) -> None:
     table = proc_table()
     checked = 0
     for server in (*cluster.prefill, *cluster.decode):
-        assert server.process is not None and server.process.pid is not None
+        assert server.process is not None
+        assert server.process.pid is not None
         children = descendants(server.process.pid, table)
         if cluster.engine == "vllm":
             assert children, f"{server.name}: no EngineCore/worker processes found"  # the check saw the worker

@@ -91,11 +91,13 @@ def request_amx_permission() -> bool:
     if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(perm)) == 0 and perm.value >> 18 & 1:
         return True
     if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
-        logger.warning("AMX permission refused by the kernel (errno %d); bfloat16 CPU attention may die with "
-                       "SIGILL: serve with --dtype float32", ctypes.get_errno())
+        logger.warning(
+            "AMX permission refused by the kernel (errno %d); bfloat16 CPU attention may die with "
+            "SIGILL: serve with --dtype float32",
+            ctypes.get_errno(),
+        )
         return False
-    logger.info("AMX tile data permission granted to pid %d (vLLM's CPU attention uses AMX for bfloat16)",
-                os.getpid())
+    logger.info("AMX tile data permission granted to pid %d (vLLM's CPU attention uses AMX for bfloat16)", os.getpid())
     return True
 
 
@@ -114,9 +116,14 @@ def keep_cpu_affinity() -> bool:
     def sched_setaffinity(pid: int, mask: Any, /) -> None:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if pid == 0 and (caller == _NIXL_CONNECTOR_PACKAGE or caller.startswith(_NIXL_CONNECTOR_PACKAGE + ".")):
-            logger.info("kept CPU affinity %s instead of %s's pin to cores %s (it puts every server's NIXL "
-                        "worker on one core; %s=1 keeps the pin)", sorted(os.sched_getaffinity(0)), caller,
-                        sorted(mask), PIN_ENV)
+            logger.info(
+                "kept CPU affinity %s instead of %s's pin to cores %s (it puts every server's NIXL "
+                "worker on one core; %s=1 keeps the pin)",
+                sorted(os.sched_getaffinity(0)),
+                caller,
+                sorted(mask),
+                PIN_ENV,
+            )
             return None
         return real(pid, mask)
 
@@ -150,8 +157,7 @@ def _delay_us() -> int:
     except ValueError:
         value = -1
     if value < 1:
-        logger.warning("%s=%r is not a whole number of microseconds >= 1; using %d", DELAY_ENV, raw,
-                       DEFAULT_DELAY_US)
+        logger.warning("%s=%r is not a whole number of microseconds >= 1; using %d", DELAY_ENV, raw, DEFAULT_DELAY_US)
         return DEFAULT_DELAY_US
     return value
 
