@@ -232,9 +232,11 @@ class ClusterManager:
         if cfg.proxy_url is None:
             # The servers answered: only now start a proxy in front of them (it leases its own port only).
             try:
-                cluster.set_proxy(self._start_proxy(
-                    "attached", [*cluster.prefill, *cluster.decode], self._watch(), processes, port_leases, t0
-                ))
+                cluster.set_proxy(
+                    self._start_proxy(
+                        "attached", [*cluster.prefill, *cluster.decode], self._watch(), processes, port_leases, t0
+                    )
+                )
             except BaseException:
                 self._cleanup("attached", processes, None, port_leases)
                 raise
