@@ -3,22 +3,30 @@
 `attach` checks every given prefill/decode (and proxy) URL in parallel - health, served model, block
 size from ``vllm:cache_config_info`` - and builds a `PDCluster` from them; it starts and leases
 nothing. `attach_mismatch` says what a spec asks for that the attached deployment does not have, so
-the manager can skip it instead of faking it. `ClusterManager.attached` (in `manager.py`) calls both,
-and starts the built-in proxy when no proxy URL is given.
+the manager can skip it instead of faking it. `start_attached` is what `ClusterManager.attached` (in
+`manager.py`) runs once per session: it checks the URLs and starts the built-in proxy in front of them
+when no proxy URL is given.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
+from pytest_pdserve import leases
 from pytest_pdserve.cluster import PDCluster, ServerHandle
+from pytest_pdserve.commands import SessionDefaults
+from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import AttachError
 from pytest_pdserve.hints import AUTH_HINT
+from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster
 from pytest_pdserve.metrics import scrape
+from pytest_pdserve.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
 
 #: The roles of an attached deployment, each with its own URL setting.
@@ -31,6 +39,35 @@ _SERVER_SETTINGS = (
     "kv_connector_extra_config", "extra_args", "prefill_extra_args", "decode_extra_args", "env", "prefill_env",
     "decode_env",
 )  # fmt: skip
+
+
+def start_attached(cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults) -> LaunchedCluster:
+    """Check every attached URL, then use the given proxy or start the built-in one in front of the servers.
+
+    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``).
+    """
+    __tracebackhide__ = True
+    t0 = time.monotonic()
+    origin = {role: cfg.source_of(f"{role}_urls" if role != "proxy" else "proxy_url") for role in ROLES}
+    eff = effective(ClusterSpec(name="attached"), defaults)
+    cluster = attach(
+        prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url, model=cfg.model,
+        api_key=eff.api_key, attention_backend=eff.attention_backend,
+        block_size=eff.block_size, check_only=cfg.proxy_url is None, origin=origin,
+    )  # fmt: skip
+    processes: list[ServerProcess] = []
+    port_leases: list[leases.PortLease] = []
+    if cfg.proxy_url is None:
+        # The servers answered: only now start a proxy in front of them (it leases its own port only).
+        try:
+            servers = [*cluster.prefill, *cluster.decode]
+            cluster.set_proxy(launcher.start_proxy("attached", servers, processes, port_leases, t0))
+        except BaseException:
+            launcher.cleanup("attached", processes, None, port_leases)
+            raise
+    cluster.started_seconds = time.monotonic() - t0
+    launcher.report(cluster.describe())
+    return LaunchedCluster(cluster, processes, None, port_leases, "attached")
 
 
 def attach(
