@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from pytest_pdserve.errors import ClusterSpecError
-from pytest_pdserve.spec import KV_CONNECTORS, ClusterSpec
+from pytest_pdserve.spec import KV_CONNECTORS, ClusterSpec, json_object
 
 __all__ = ["parse_kv_connector_config"]
 
@@ -65,12 +65,7 @@ def parse_kv_connector_config(text: str) -> dict[str, Any]:
     :raises ClusterSpecError: not JSON, not an object, an unknown key, ``kv_role`` at the top (pdserve sets it),
         an unsupported connector, or a MultiConnector without a NixlConnector child.
     """
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise ClusterSpecError(f"not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ClusterSpecError('expected a JSON object such as {"kv_connector":"NixlConnector"}')
+    config = json_object(text, "the value", example='{"kv_connector":"NixlConnector"}')
     if "kv_role" in config:
         raise ClusterSpecError("kv_role: pdserve sets it per server (kv_producer on prefill, kv_consumer on decode)")
     unknown = sorted(set(config) - set(TOP_LEVEL_KEYS))

@@ -93,6 +93,17 @@ def _check_int(spec: ClusterSpec, attr: str, high: int, *, optional: bool) -> No
         raise ClusterSpecError(f"ClusterSpec.{attr} must be a whole number from 1 to {high}{none}, got {value!r}")
 
 
+def json_object(text: str, what: str, example: str = "") -> dict[str, Any]:
+    """``text`` parsed as a JSON object; `ClusterSpecError` naming ``what`` (and an ``example``) otherwise."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise ClusterSpecError(f"{what} is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ClusterSpecError(f"{what} must be a JSON object{f' such as {example}' if example else ''}")
+    return parsed
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A P/D topology plus the per-cluster settings that make it different from the session defaults.
@@ -193,12 +204,7 @@ class ClusterSpec:
                 raise ClusterSpecError(f"{what} is not JSON-serialisable: {exc}") from None
             object.__setattr__(self, "kv_connector_extra_config", text)
         elif isinstance(extra, str):
-            try:
-                parsed = json.loads(extra)
-            except ValueError as exc:
-                raise ClusterSpecError(f"ClusterSpec.kv_connector_extra_config is not JSON: {exc}") from None
-            if not isinstance(parsed, dict):
-                raise ClusterSpecError("ClusterSpec.kv_connector_extra_config must be a JSON object")
+            json_object(extra, "ClusterSpec.kv_connector_extra_config")
         for attr in ("env", "prefill_env", "decode_env"):
             object.__setattr__(self, attr, _freeze_env(getattr(self, attr)))
         for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):

@@ -115,64 +115,43 @@ def _build_tokenizer(out: Path) -> Any:
     return hf_tok
 
 
-def _build_llama(out: Path) -> int:
+def _build(out: Path, config_name: str, model_name: str, **shape: object) -> int:
+    """Tokenizer, then a seeded model of ``shape`` with the fields every tiny model shares; returns its size."""
     import torch  # type: ignore[import-not-found,unused-ignore]
-    from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found,unused-ignore]
+    import transformers  # type: ignore[import-not-found,unused-ignore]
 
     tok = _build_tokenizer(out)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    cfg = getattr(transformers, config_name)(
         vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **shape,
     )
-    model = LlamaForCausalLM(cfg)
+    model = getattr(transformers, model_name)(cfg)
     model.save_pretrained(str(out), safe_serialization=True)
     model.generation_config.save_pretrained(str(out))
     return sum(p.numel() for p in model.parameters())
+
+
+def _build_llama(out: Path) -> int:
+    return _build(
+        out, "LlamaConfig", "LlamaForCausalLM",
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
 
 
 def _build_nemotronh(out: Path) -> int:
-    import torch  # type: ignore[import-not-found,unused-ignore]
-    from transformers import NemotronHConfig, NemotronHForCausalLM  # type: ignore[import-not-found,unused-ignore]
-
-    tok = _build_tokenizer(out)
-    torch.manual_seed(0)
-    cfg = NemotronHConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        hybrid_override_pattern="M-*-",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        mamba_num_heads=8,
-        mamba_head_dim=32,
-        ssm_state_size=16,
-        n_groups=1,
-        expand=2,
-        chunk_size=64,
-        conv_kernel=4,
-        max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = NemotronHForCausalLM(cfg)
-    model.save_pretrained(str(out), safe_serialization=True)
-    model.generation_config.save_pretrained(str(out))
-    return sum(p.numel() for p in model.parameters())
+    return _build(
+        out, "NemotronHConfig", "NemotronHForCausalLM",
+        hidden_size=128, hybrid_override_pattern="M-*-", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=2,
+        chunk_size=64, conv_kernel=4,
+    )  # fmt: skip
 
 
 _BUILDERS = {"llama": _build_llama, "nemotronh": _build_nemotronh}

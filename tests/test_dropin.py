@@ -123,7 +123,7 @@ def test_connector_config_becomes_spec_fields() -> None:
     ("config", "match"),
     [
         ("{", "not JSON"),
-        ("[]", "expected a JSON object"),
+        ("[]", "must be a JSON object"),
         ('{"kv_role": "kv_both"}', "kv_role: pdserve sets it per server"),
         ('{"kv_port": 1}', r"unknown key\(s\) \['kv_port'\]"),
         ('{"kv_connector": "LMCacheConnectorV1"}', "is not supported"),

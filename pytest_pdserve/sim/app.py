@@ -164,6 +164,16 @@ def _check_model(body: Mapping[str, Any], engine: Engine) -> None:
         )
 
 
+def _response_head(
+    rid: str, kind: str, created: int, model: str, choice: dict[str, Any], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The keys every completion response starts with, in vLLM's order (tests/test_differential.py)."""
+    return {
+        "id": rid, "object": kind, "created": created, "model": model, "choices": [choice],
+        "service_tier": None, "system_fingerprint": None, "usage": usage,
+    }  # fmt: skip
+
+
 def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
     details = (
         {"cached_tokens": gen.local_hit_tokens + gen.external_tokens}
@@ -392,19 +402,8 @@ def build_app(state: AppState) -> Starlette:
             "prompt_token_ids": gen.prompt_ids if want_ids else None,
             "token_ids": gen.output_ids if want_ids else None,
         }
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": args.served_name,
-                "choices": [choice],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": _usage(engine, gen),
-                "kv_transfer_params": gen.kv_transfer_params,
-            }
-        )
+        head = _response_head(rid, "text_completion", created, args.served_name, choice, _usage(engine, gen))
+        return JSONResponse({**head, "kv_transfer_params": gen.kv_transfer_params})
 
     async def tokenize(request: Request) -> Response:
         # vLLM's POST /tokenize: count a prompt without running the engine (no metric or cache changes).
@@ -469,14 +468,7 @@ def build_app(state: AppState) -> Starlette:
         # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
         return JSONResponse(
             {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": args.served_name,
-                "choices": [choice],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": _usage(engine, gen),
+                **_response_head(rid, "chat.completion", created, args.served_name, choice, _usage(engine, gen)),
                 "prompt_logprobs": None,
                 "prompt_token_ids": gen.prompt_ids if want_ids else None,
                 "prompt_text": None,
