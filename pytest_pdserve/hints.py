@@ -53,6 +53,15 @@ HINTS: tuple[Hint, ...] = (
         "that the plugin is installed in vLLM's environment and that no --dtype bfloat16 is in the extra args",
     ),
     _h(
+        "kv-lease-expired",
+        r"Releasing expired KV blocks for request .* before lease expired",
+        "a prefill server freed a request's KV blocks before decode pulled them (kv_lease_duration in "
+        "kv_connector_extra_config, 30 s by default, ran out), so decode failed the request with HTTP 500 "
+        "(kv_load_failure_policy=fail). On a CPU host, check that vllm-nixl-cpu-tweaks is installed in vLLM's "
+        "environment and VLLM_NIXL_CPU_PIN_KV_CORE is not 1 (vLLM's NIXL worker otherwise pins every server to one "
+        "core, docs/vllm-cpu.md); on a loaded host raise kv_lease_duration with --pd-kv-connector-config",
+    ),
+    _h(
         "port-in-use",
         r"Address already in use|EADDRINUSE|\[Errno 98\]",
         "a port the server needs is taken (HTTP port, VLLM_PORT window or NIXL side channel): a previous "

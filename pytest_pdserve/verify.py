@@ -40,6 +40,7 @@ import httpx
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.errors import ServerStartupError
+from pytest_pdserve.hints import hint_for
 from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
 from pytest_pdserve.prompts import prompt_with_tokens
 
@@ -249,6 +250,16 @@ def _transfer_rows(name: str, before: MetricsSnapshot, after: MetricsSnapshot) -
     return rows
 
 
+def _hints(cluster: PDCluster) -> str:
+    """What the servers' logs say went wrong (hints.py), one line per server with a known signature."""
+    lines = []
+    for server in (*cluster.prefill, *cluster.decode):
+        hint = hint_for(server.read_log(max_bytes=256 * 1024))
+        if hint is not None:
+            lines.append(f"\n  hint ({server.name}): {hint}")
+    return "".join(lines)
+
+
 def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
     """Prove P/D works before a test gets the cluster: one request per decode server through the proxy, each
     of which must move KV (NIXL bytes > 0 and ``external_kv_transfer`` tokens > 0 on a decode server).
@@ -272,7 +283,7 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
             cluster.proxy.complete(prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
         except (AssertionError, httpx.HTTPError) as exc:
             raise NotPDReady(
-                "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}"
+                "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}{_hints(cluster)}"
             ) from None
         deadline = time.monotonic() + timeout
         while True:

@@ -152,3 +152,29 @@ def test_a_refused_connection_is_a_death() -> None:
     url, stop = _serve(200)
     stop()
     assert _probe(_Stub(url)) == "GET /health: ConnectError"  # type: ignore[arg-type]
+
+
+LEASE_CONFTEST = """
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+@pytest.fixture(scope="session")
+def short_lease(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="short-lease", kv_connector_extra_config={"kv_lease_duration": 0.001}))
+"""
+
+
+def test_kv_lease_that_expires_before_the_pull_is_named_in_the_start_failure(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """The CI failure after issue 12 read only "500 Internal server error"; the prefill log says why.
+
+    A prefill whose KV lease runs out before decode pulls (here 1 ms; on a 2-core CPU host, a 30 s stall) frees the
+    blocks, decode fails the request (kv_load_failure_policy=fail), and the P/D-ready check names the lease.
+    """
+    result = _session(pytester, tmp_path, LEASE_CONFTEST, "def test_uses_it(short_lease):\n    pass\n")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "a request through the proxy failed" in out
+    assert re.search(r"hint \(prefill-0\): a prefill server freed a request's KV blocks before decode pulled them", out)
+    assert "VLLM_NIXL_CPU_PIN_KV_CORE" in out

@@ -337,11 +337,12 @@ class Engine:
             self._expired.append(rid)
             if self.nixl:
                 self.metrics.nixl_num_kv_expired_reqs.labels(**self.metrics.labels).inc()
+            # vLLM's wording (nixl/base_worker.py), so hints.py reads both engines' logs alike.
             logger.warning(
-                "KV lease of request %s expired after %.1f s; freeing %d blocks",
+                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) "
+                "before lease expired.",
                 rid,
-                self._lease_duration(),
-                len(lease.block_ids),
+                0,
             )
         self._update_usage()
 
