@@ -39,6 +39,7 @@ import httpx
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.hints import AUTH_HINT, hint_for
+from pytest_pdserve.logfile import log_size, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.redaction import redact_argv
 
@@ -182,14 +183,11 @@ class ServerProcess:
 
     def log_offset(self) -> int:
         """Current size of the log in bytes; remember it to read only what a test produced."""
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
+        return log_size(self.log_path)
 
     def log_tail(self, lines: int = _TAIL_LINES) -> str:
         """The last ``lines`` lines of the log (reads at most a few MB from the end)."""
-        return _tail(self.log_path, lines)
+        return tail_lines(self.log_path, lines)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -420,7 +418,7 @@ def wait_all_ready(
                 for p in pending:
                     if now - last_progress[p.name] >= _PROGRESS_EVERY:
                         last_progress[p.name] = now
-                        on_progress(p.name, now - p.started_at, _tail(p.log_path, 1).strip())
+                        on_progress(p.name, now - p.started_at, p.log_tail(1).strip())
             time.sleep(min(_POLL_INTERVAL, max(0.0, deadline - now)))
     return {p.name: p.ready_seconds() for p in procs}
 
@@ -467,27 +465,6 @@ def _answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _tail(path: Path, lines: int) -> str:
-    """Last ``lines`` lines of a file, reading backwards in chunks (never more than 4 MB)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            end = fh.tell()
-            chunk = 8192
-            data = b""
-            while True:
-                start = max(0, end - chunk)
-                fh.seek(start)
-                data = fh.read(end - start)
-                if start == 0 or data.count(b"\n") > lines or chunk >= 4 << 20:
-                    break
-                chunk *= 4
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:]) + ("\n" if text.endswith("\n") else "")
 
 
 @atexit.register
