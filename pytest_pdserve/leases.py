@@ -376,8 +376,18 @@ def _port_range(low: int, high: int | None) -> tuple[int, int]:
     return low, high
 
 
+def _port_path(lease_dir: Path, port: int) -> Path:
+    return lease_dir / f"port-{port}.lock"
+
+
+def _unlock_ports(lease_dir: Path, ports: Sequence[int], fds: Sequence[int]) -> None:
+    """Unlock ``fds`` (the first ``len(fds)`` of ``ports``)."""
+    for port, fd in zip(ports, fds, strict=False):
+        unlock(fd, _port_path(lease_dir, port))
+
+
 def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
-    path = lease_dir / f"port-{port}.lock"
+    path = _port_path(lease_dir, port)
     fd = try_lock(path)
     if fd is None:
         return None
@@ -411,14 +421,10 @@ def acquire_ports(
             ports.append(port)
             fds.append(fd)
             if len(ports) == count:
-                order = sorted(range(count), key=lambda j: ports[j])
-                return PortLease(
-                    tuple(ports[j] for j in order),
-                    [lease_dir / f"port-{ports[j]}.lock" for j in order],
-                    [fds[j] for j in order],
-                )
-    for port, fd in zip(ports, fds, strict=True):
-        unlock(fd, lease_dir / f"port-{port}.lock")
+                held = sorted(zip(ports, fds, strict=True))  # ascending ports, each with its fd
+                in_order = tuple(p for p, _ in held)
+                return PortLease(in_order, [_port_path(lease_dir, p) for p in in_order], [fd for _, fd in held])
+    _unlock_ports(lease_dir, ports, fds)
     raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
 
 
@@ -443,20 +449,16 @@ def acquire_port_span(
     i = 0
     while i < n_bases:
         base = low + (offset + i) % n_bases
+        span = range(base, base + width)
         fds: list[int] = []
-        for port in range(base, base + width):
+        for port in span:
             fd = _lock_port(lease_dir, port, purpose)
             if fd is None:
                 break
             fds.append(fd)
         if len(fds) == width:
-            return PortLease(
-                tuple(range(base, base + width)),
-                [lease_dir / f"port-{p}.lock" for p in range(base, base + width)],
-                fds,
-            )
-        for port, fd in zip(range(base, base + width), fds, strict=False):
-            unlock(fd, lease_dir / f"port-{port}.lock")
+            return PortLease(tuple(span), [_port_path(lease_dir, p) for p in span], fds)
+        _unlock_ports(lease_dir, span, fds)
         # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
         # point (after it, bases restart at ``low`` and do not contain the busy port).
         i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
@@ -471,7 +473,7 @@ def acquire_fixed_port(lease_dir: Path, port: int, *, purpose: str = "") -> Port
     """
     _port_range(port, port)
     lease_dir = ensure_lease_dir(lease_dir)
-    path = lease_dir / f"port-{port}.lock"
+    path = _port_path(lease_dir, port)
     fd = try_lock(path)
     if fd is None:
         raise LeaseTimeout(f"port {port} is taken: leased by {describe_holder(path)} (another pdserve session)")
