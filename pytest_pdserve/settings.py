@@ -12,13 +12,11 @@ where it came from and what is accepted.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
-import shutil
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_pdserve import owned_flags, redaction
+from pytest_pdserve.engine import VLLM_MODULE_ENTRYPOINT, resolve_engine
 from pytest_pdserve.errors import OwnedFlagError
 from pytest_pdserve.inventory import InventoryError, Platform, parse_simulate_gpus
 from pytest_pdserve.paths import PathError, check_dir
@@ -47,9 +46,6 @@ __all__ = [
     "settings_origin",
     "short_source",
 ]
-
-VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
-"""``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
 
 
 @dataclass(frozen=True)
@@ -221,50 +217,6 @@ def _base_dir(config: pytest.Config, source: str) -> Path:
     if source.startswith("ini ") and config.inipath is not None:
         return config.inipath.parent
     return config.invocation_params.dir
-
-
-def resolve_engine(
-    engine: str,
-    vllm_executable: str,
-    *,
-    which: Callable[[str], str | None] = shutil.which,
-    has_module: Callable[[str], bool] | None = None,
-    python: str = sys.executable,
-) -> tuple[str, str, tuple[str, ...]]:
-    """Decide the engine without importing vllm.
-
-    :returns: ``(resolved_engine, reason, vllm_argv)``; vllm_argv is empty when vLLM is not found.
-    """
-    if engine == "sim":
-        return "sim", "sim: requested", ()
-    argv: tuple[str, ...] = ()
-    found = ""
-    exe = Path(vllm_executable).expanduser()
-    if os.sep in vllm_executable or exe.is_absolute():
-        if exe.is_file() and os.access(exe, os.X_OK):
-            argv, found = (str(exe.resolve()),), f"vllm executable {exe}"
-    else:
-        beside = Path(python).parent / vllm_executable
-        if beside.is_file() and os.access(beside, os.X_OK):
-            argv, found = (str(beside),), f"vllm executable found at {beside}"
-        elif (on_path := which(vllm_executable)) is not None:
-            argv, found = (on_path,), f"vllm executable found at {on_path}"
-    if not argv:
-        check = has_module or _has_module
-        if check("vllm"):
-            argv, found = (python, *VLLM_MODULE_ENTRYPOINT), f"vllm package importable by {python}"
-    if engine == "vllm":
-        return "vllm", f"vllm: requested; {found}" if found else "vllm: requested", argv
-    if argv:
-        return "vllm", f"auto: {found}", argv
-    return "sim", "auto: no vllm executable on PATH or next to python; using the simulator", ()
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> PDServeConfig:
