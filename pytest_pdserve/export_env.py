@@ -25,7 +25,8 @@ import pytest
 from pytest_pdserve.connector import parse_kv_connector_config
 from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory
+from pytest_pdserve.session_inventory import get_inventory
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig
 from pytest_pdserve.spec import ClusterSpec
 
 if TYPE_CHECKING:

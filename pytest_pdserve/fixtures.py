@@ -18,7 +18,8 @@ import pytest
 
 from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.redaction import redact
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, get_inventory, short_source
+from pytest_pdserve.session_inventory import get_inventory
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.spec import ClusterSpec
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from pytest_pdserve import leases
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
-from pytest_pdserve.inventory import Inventory, gpu_processes
+from pytest_pdserve.gpu_probe import gpu_processes
+from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [

@@ -29,28 +29,31 @@ and an open sequence that works in a shared sticky directory (``fs.protected_reg
 
 from __future__ import annotations
 
-import errno
 import logging
-import random
 import re
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
-    from typing import Self
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
-from pytest_pdserve.lockfiles import describe_holder, try_lock, unlock, write_holder
-from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
+from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, write_holder
+
+# Port leases and the lease primitives are re-exported: callers use ``leases.acquire_ports`` and friends (and
+# tests patch them here), so this module stays the one place to lease anything.
+from pytest_pdserve.port_leases import (
+    PortLease,
+    acquire_fixed_port,
+    acquire_port_span,
+    acquire_ports,
+    ephemeral_port_range,
+)
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
     "GpuLease",
+    "Lease",
     "PortLease",
+    "acquire_fixed_port",
     "acquire_gpus",
     "acquire_port_span",
     "acquire_ports",
@@ -69,58 +72,7 @@ _KEY_RE = re.compile(r"[^A-Za-z0-9._-]")
 _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
 
 
-def ensure_lease_dir(lease_dir: Path) -> Path:
-    """Create ``lease_dir`` (and missing parents) world-writable and sticky (mode 1777, like /tmp).
-
-    Only directories created here get that mode (:mod:`pytest_pdserve.paths`): an existing directory is
-    used as it is, never chmodded.
-
-    :raises PathError: a component is not a directory, or we cannot create files in it.
-    """
-    try:
-        return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
-    except PathError as exc:
-        raise PathError(
-            f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "
-            "--pd-lease-dir / $PDSERVE_LEASE_DIR / pdserve_lease_dir"
-        ) from None
-
-
-class _Lease:
-    def __init__(self, paths: list[Path], fds: list[int]) -> None:
-        self._paths = paths
-        self._fds = fds
-
-    @property
-    def fds(self) -> tuple[int, ...]:
-        """The lock fds (hand them to ``Watchdog.hold`` so the lease outlives a killed pytest)."""
-        return tuple(self._fds)
-
-    @property
-    def held(self) -> bool:
-        """Whether the lease is still held."""
-        return bool(self._fds)
-
-    def _release_now(self) -> None:
-        for path, fd in zip(self._paths, self._fds, strict=True):
-            unlock(fd, path)
-        self._fds = []
-
-    def release(self) -> float:
-        """Hand the lease back (idempotent); returns seconds spent in a release gate (none here: 0.0)."""
-        self._release_now()
-        return 0.0
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-
-class GpuLease(_Lease):
+class GpuLease(Lease):
     """GPUs held by this process.
 
     :ivar positions: positions in the caller's ``keys`` list (what ``inventory.child_env`` takes).
@@ -170,25 +122,6 @@ class GpuLease(_Lease):
 
     def __repr__(self) -> str:
         return f"<GpuLease positions={self.positions} keys={self.keys} held={self.held}>"
-
-
-class PortLease(_Lease):
-    """Ports held by this process.
-
-    :ivar ports: the ports, ascending (a span is ``base .. base+width-1``).
-    """
-
-    def __init__(self, ports: tuple[int, ...], paths: list[Path], fds: list[int]) -> None:
-        super().__init__(paths, fds)
-        self.ports = ports
-
-    @property
-    def base(self) -> int:
-        """The first (lowest) port; for spans, what ``VLLM_PORT`` / the side-channel base is set to."""
-        return self.ports[0]
-
-    def __repr__(self) -> str:
-        return f"<PortLease ports={self.ports} held={self.held}>"
 
 
 # ----------------------------------------------------------------------------------------------- GPUs
@@ -336,147 +269,3 @@ def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: li
         return f"pdserve: waiting for {what} (all {len(keys)} leased: {holders})"
     free = [p for p in range(len(keys)) if p not in busy]
     return f"pdserve: waiting for {what} (free positions {free}; leased: {holders})"
-
-
-# ---------------------------------------------------------------------------------------------- ports
-
-
-def ephemeral_port_range() -> tuple[int, int]:
-    """The kernel's ``ip_local_port_range`` (where ``bind(0)``/``connect`` take ports from)."""
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux default
-
-
-def _bind_free(port: int) -> bool:
-    """Whether nobody (leased or not) is bound to the port, on loopback and on all interfaces."""
-    for host in ("127.0.0.1", "0.0.0.0"):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            # No SO_REUSEADDR: a port in TIME_WAIT counts as busy, which is the conservative answer.
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return False
-                if host == "127.0.0.1":
-                    return False  # e.g. EACCES; "0.0.0.0" failures other than EADDRINUSE are ignored
-    return True
-
-
-def _port_range(low: int, high: int | None) -> tuple[int, int]:
-    if high is None:
-        high = ephemeral_port_range()[0] - 1
-    if not (1 <= low <= high <= 65535):
-        raise ClusterSpecError(
-            f"port range low={low} high={high} is invalid; need 1 <= low <= high <= 65535, and the default "
-            f"high is just below the ephemeral range {ephemeral_port_range()}"
-        )
-    return low, high
-
-
-def _lock_port(lease_dir: Path, port: int, purpose: str) -> int | None:
-    path = lease_dir / f"port-{port}.lock"
-    fd = try_lock(path)
-    if fd is None:
-        return None
-    if not _bind_free(port):
-        unlock(fd, path)
-        return None
-    write_holder(path, purpose)
-    return fd
-
-
-def acquire_ports(
-    lease_dir: Path, count: int, *, low: int = 20000, high: int | None = None, purpose: str = ""
-) -> PortLease:
-    """Lease ``count`` (not necessarily adjacent) free ports in ``[low, high]``.
-
-    :param high: defaults to just below the kernel's ephemeral range.
-    :raises LeaseTimeout: the range has fewer than ``count`` free ports.
-    """
-    if not isinstance(count, int) or count < 1:
-        raise ClusterSpecError(f"port count must be a positive integer, got {count!r}")
-    low, high = _port_range(low, high)
-    lease_dir = ensure_lease_dir(lease_dir)
-    size = high - low + 1
-    offset = random.randrange(size)  # spread concurrent runs over the range: fewer collisions
-    ports: list[int] = []
-    fds: list[int] = []
-    for i in range(size):
-        port = low + (offset + i) % size
-        fd = _lock_port(lease_dir, port, purpose)
-        if fd is not None:
-            ports.append(port)
-            fds.append(fd)
-            if len(ports) == count:
-                order = sorted(range(count), key=lambda j: ports[j])
-                return PortLease(
-                    tuple(ports[j] for j in order),
-                    [lease_dir / f"port-{ports[j]}.lock" for j in order],
-                    [fds[j] for j in order],
-                )
-    for port, fd in zip(ports, fds, strict=True):
-        unlock(fd, lease_dir / f"port-{port}.lock")
-    raise LeaseTimeout(f"only {len(ports)} of {count} ports free in {low}-{high} (leased or bound by others)")
-
-
-def acquire_port_span(
-    lease_dir: Path, width: int, *, low: int = 20000, high: int | None = None, purpose: str = ""
-) -> PortLease:
-    """Lease ``width`` adjacent free ports ``base .. base+width-1`` in ``[low, high]``.
-
-    For vLLM's ``VLLM_PORT`` window (it takes ``VLLM_PORT``, ``+1``, ... for internal sockets) and the
-    NIXL side-channel span (base + DP rank).
-
-    :raises LeaseTimeout: no such span is free.
-    """
-    if not isinstance(width, int) or width < 1:
-        raise ClusterSpecError(f"port span width must be a positive integer, got {width!r}")
-    low, high = _port_range(low, high)
-    if width > high - low + 1:
-        raise ClusterSpecError(f"port span width {width} does not fit in {low}-{high}")
-    lease_dir = ensure_lease_dir(lease_dir)
-    n_bases = high - low + 2 - width
-    offset = random.randrange(n_bases)
-    i = 0
-    while i < n_bases:
-        base = low + (offset + i) % n_bases
-        fds: list[int] = []
-        for port in range(base, base + width):
-            fd = _lock_port(lease_dir, port, purpose)
-            if fd is None:
-                break
-            fds.append(fd)
-        if len(fds) == width:
-            return PortLease(
-                tuple(range(base, base + width)),
-                [lease_dir / f"port-{p}.lock" for p in range(base, base + width)],
-                fds,
-            )
-        for port, fd in zip(range(base, base + width), fds, strict=False):
-            unlock(fd, lease_dir / f"port-{port}.lock")
-        # Every base up to the busy port would contain it: skip past it, but not past the wrap-around
-        # point (after it, bases restart at ``low`` and do not contain the busy port).
-        i += min(len(fds) + 1, n_bases - (offset + i) % n_bases)
-    raise LeaseTimeout(f"no {width} adjacent free ports in {low}-{high} (leased or bound by others)")
-
-
-def acquire_fixed_port(lease_dir: Path, port: int, *, purpose: str = "") -> PortLease:
-    """Lease exactly ``port`` (``--pd-proxy-port``: modules that hard-code the proxy at 8192).
-
-    :raises LeaseTimeout: the port is leased by another pdserve run (the message names it) or bound by a
-        process outside pdserve.
-    """
-    _port_range(port, port)
-    lease_dir = ensure_lease_dir(lease_dir)
-    path = lease_dir / f"port-{port}.lock"
-    fd = try_lock(path)
-    if fd is None:
-        raise LeaseTimeout(f"port {port} is taken: leased by {describe_holder(path)} (another pdserve session)")
-    if not _bind_free(port):
-        unlock(fd, path)
-        raise LeaseTimeout(f"port {port} is taken: another process (not pdserve) is bound to it")
-    write_holder(path, purpose)
-    return PortLease((port,), [path], [fd])

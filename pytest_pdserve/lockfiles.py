@@ -1,7 +1,8 @@
 """One lock file in a shared, sticky lease directory: open it safely, flock it, record and describe its holder.
 
-:mod:`pytest_pdserve.leases` builds GPU and port leases on these primitives. The directory is shared by every
-user of the machine, so an entry named like a lock file may be anything: a directory, a symlink (to
+:mod:`pytest_pdserve.leases` (GPUs) and :mod:`pytest_pdserve.port_leases` build on these primitives, on
+:class:`Lease` (lock files held and released together) and on :func:`ensure_lease_dir`. The directory is shared
+by every user of the machine, so an entry named like a lock file may be anything: a directory, a symlink (to
 ``/etc/passwd``, or ``/dev/zero``), a fifo, a hard link to someone's file, another user's file we may not
 write. Such an entry is never followed, written, truncated or read without bound: it counts as *busy* (that GPU
 or port is skipped, or waited for), and its path and what it is are logged once and named in waiting messages.
@@ -18,10 +19,16 @@ import os
 import stat
 import time
 from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
 
+from pytest_pdserve.paths import LEASE_DIR_MODE, PathError, ensure_dir
 from pytest_pdserve.proctree import read_stat
 
-__all__ = ["NotALockFile", "describe_holder", "try_lock", "unlock", "write_holder"]
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
+    from typing import Self
+
+__all__ = ["Lease", "NotALockFile", "describe_holder", "ensure_lease_dir", "try_lock", "unlock", "write_holder"]
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +187,59 @@ def describe_holder(lock_path: Path) -> str:
         return "an unknown holder"
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------- the lease directory and held leases
+
+
+def ensure_lease_dir(lease_dir: Path) -> Path:
+    """Create ``lease_dir`` (and missing parents) world-writable and sticky (mode 1777, like /tmp).
+
+    Only directories created here get that mode (:mod:`pytest_pdserve.paths`): an existing directory is
+    used as it is, never chmodded.
+
+    :raises PathError: a component is not a directory, or we cannot create files in it.
+    """
+    try:
+        return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
+    except PathError as exc:
+        raise PathError(
+            f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "
+            "--pd-lease-dir / $PDSERVE_LEASE_DIR / pdserve_lease_dir"
+        ) from None
+
+
+class Lease:
+    """Lock files held together (one GPU or port each), released together; the base of GPU and port leases."""
+
+    def __init__(self, paths: list[Path], fds: list[int]) -> None:
+        self._paths = paths
+        self._fds = fds
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The lock fds (hand them to ``Watchdog.hold`` so the lease outlives a killed pytest)."""
+        return tuple(self._fds)
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease is still held."""
+        return bool(self._fds)
+
+    def _release_now(self) -> None:
+        for path, fd in zip(self._paths, self._fds, strict=True):
+            unlock(fd, path)
+        self._fds = []
+
+    def release(self) -> float:
+        """Hand the lease back (idempotent); returns seconds spent in a release gate (none here: 0.0)."""
+        self._release_now()
+        return 0.0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()

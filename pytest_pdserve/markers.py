@@ -1,6 +1,6 @@
 """Markers ``cuda``, ``rocm``, ``gpus(n)`` and vLLM's ``distributed(num_gpus=N)``, and the skips.
 
-A test runs only when the session's inventory (see :func:`pytest_pdserve.settings.get_inventory`)
+A test runs only when the session's inventory (see :func:`pytest_pdserve.session_inventory.get_inventory`)
 satisfies every such marker on it. Skip reasons say what is missing and what to change.
 A malformed marker (a bad value, a missing or unknown argument, keyword names included) stops the run
 at collection with a usage error listing each bad test and marker.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from pytest_pdserve.inventory import Inventory
-from pytest_pdserve.settings import get_inventory
+from pytest_pdserve.session_inventory import get_inventory
 
 __all__ = [
     "MARKERS",

@@ -27,14 +27,8 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
 )
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.redaction import redact
-from pytest_pdserve.settings import (
-    PDSERVE_CONFIG,
-    add_options,
-    get_inventory,
-    resolve,
-    settings_origin,
-    start_inventory_detection,
-)
+from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
+from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, resolve, settings_origin
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

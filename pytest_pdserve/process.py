@@ -39,7 +39,9 @@ import httpx
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.hints import AUTH_HINT, hint_for
+from pytest_pdserve.logfile import log_size, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
+from pytest_pdserve.readiness import AuthRefused, ReadinessCheck, readiness_client
 from pytest_pdserve.redaction import redact_argv
 
 __all__ = [
@@ -60,7 +62,6 @@ DEFAULT_STOP_GRACE = 30.0
 """SIGTERM-to-SIGKILL grace used by the context manager and the atexit safety net's callers."""
 
 _POLL_INTERVAL = 0.01  # readiness is noticed within ~10-20 ms of the server answering
-_REQUEST_TIMEOUT = 0.5  # per readiness request; a wedged server costs at most this per round
 _PROGRESS_EVERY = 1.0
 _TAIL_LINES = 50
 
@@ -144,11 +145,11 @@ class ServerProcess:
         self.env: dict[str, str] = dict(env)
         self.env[RUN_TOKEN_ENV] = run_token
         self.env[SERVER_TOKEN_ENV] = self.server_token
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Without a health_url it is never asked: an alive process counts as ready.
+        self._readiness = ReadinessCheck(health_url or "", models_url, model_id, api_key)
         self._popen: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._ready_at: float | None = None
-        self._waiting_for = "the process to start"
         self._stop_report: StopReport | None = None
 
     # ---------------------------------------------------------------- state
@@ -182,14 +183,11 @@ class ServerProcess:
 
     def log_offset(self) -> int:
         """Current size of the log in bytes; remember it to read only what a test produced."""
-        try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return 0
+        return log_size(self.log_path)
 
     def log_tail(self, lines: int = _TAIL_LINES) -> str:
         """The last ``lines`` lines of the log (reads at most a few MB from the end)."""
-        return _tail(self.log_path, lines)
+        return tail_lines(self.log_path, lines)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -246,58 +244,20 @@ class ServerProcess:
             raise ServerExitedEarly(self.name, self._popen.returncode, tail, hint_for(tail), str(self.log_path))
         if self.health_url is not None:
             own = client is None
-            client = client or _client()
+            client = client or readiness_client()
             try:
-                if not self._check(client):
+                if not self._readiness.check(client):
                     return False
+            except AuthRefused as exc:  # will not go away by waiting: kill the server, fail the start now
+                self._kill_now()
+                tail = self.log_tail()
+                raise ServerStartupError(self.name, f"readiness check refused ({exc})", tail, AUTH_HINT,
+                                         str(self.log_path)) from None  # fmt: skip
             finally:
                 if own:
                     client.close()
         self._ready_at = time.monotonic()
         return True
-
-    def _get_ok(self, client: httpx.Client, url: str) -> httpx.Response | None:
-        """``GET url``; the response if it is 200, else None (and what we wait for is remembered)."""
-        try:
-            r = client.get(url, headers=self._headers)
-        except httpx.HTTPError as exc:
-            self._waiting_for = f"GET {url}: {_short(exc)}"
-            return None
-        if r.status_code != 200:
-            self._waiting_for = f"GET {url}: HTTP {r.status_code}"
-            self._fail_on_auth(r.status_code)
-            return None
-        return r
-
-    def _check(self, client: httpx.Client) -> bool:
-        assert self.health_url is not None
-        if self._get_ok(client, self.health_url) is None:
-            return False
-        if self.models_url is None:
-            return True
-        r = self._get_ok(client, self.models_url)
-        if r is None:
-            return False
-        if self.model_id is None:
-            return True
-        try:
-            ids = [m.get("id") for m in r.json().get("data", [])]
-        except (ValueError, AttributeError):
-            self._waiting_for = f"GET {self.models_url}: not an OpenAI model list: {r.text[:200]!r}"
-            return False
-        if self.model_id not in ids:
-            self._waiting_for = f"model {self.model_id!r} in GET {self.models_url} (it lists {ids})"
-            return False
-        return True
-
-    def _fail_on_auth(self, status: int) -> None:
-        """401/403 will not go away by waiting: kill the server and fail the start now, with a hint."""
-        if status not in (401, 403):
-            return
-        self._kill_now()
-        tail = self.log_tail()
-        raise ServerStartupError(self.name, f"readiness check refused ({self._waiting_for})", tail, AUTH_HINT,
-                                 str(self.log_path))  # fmt: skip
 
     def wait_ready(self, deadline: float, on_progress: ProgressCallback | None = None) -> float:
         """Block until ready; return seconds from start() to ready.
@@ -408,7 +368,7 @@ def wait_all_ready(
     """
     procs = list(processes)
     last_progress = {p.name: time.monotonic() for p in procs}
-    with _client() as client:
+    with readiness_client() as client:
         for _ in range(100_000_000):  # bounded by the deadline; the count only guards the loop
             pending = [p for p in procs if not p.poll_ready(client)]
             if not pending:
@@ -420,7 +380,7 @@ def wait_all_ready(
                 for p in pending:
                     if now - last_progress[p.name] >= _PROGRESS_EVERY:
                         last_progress[p.name] = now
-                        on_progress(p.name, now - p.started_at, _tail(p.log_path, 1).strip())
+                        on_progress(p.name, now - p.started_at, p.log_tail(1).strip())
             time.sleep(min(_POLL_INTERVAL, max(0.0, deadline - now)))
     return {p.name: p.ready_seconds() for p in procs}
 
@@ -433,7 +393,7 @@ def _timeout(pending: list[ServerProcess], now: float) -> None:
     raise ServerStartupTimeout(
         first.name,
         now - first.started_at,
-        first._waiting_for,
+        first._readiness.waiting_for,
         tail,
         hint_for(tail),
         str(first.log_path),
@@ -441,16 +401,6 @@ def _timeout(pending: list[ServerProcess], now: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-
-
-def _client() -> httpx.Client:
-    # trust_env=False: an HTTP(S)_PROXY in the environment must not intercept 127.0.0.1 checks.
-    return httpx.Client(trust_env=False, timeout=_REQUEST_TIMEOUT)
-
-
-def _short(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if len(text) < 120 else text[:117] + "..."
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -467,27 +417,6 @@ def _answers(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _tail(path: Path, lines: int) -> str:
-    """Last ``lines`` lines of a file, reading backwards in chunks (never more than 4 MB)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            end = fh.tell()
-            chunk = 8192
-            data = b""
-            while True:
-                start = max(0, end - chunk)
-                fh.seek(start)
-                data = fh.read(end - start)
-                if start == 0 or data.count(b"\n") > lines or chunk >= 4 << 20:
-                    break
-                chunk *= 4
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-lines:]) + ("\n" if text.endswith("\n") else "")
 
 
 @atexit.register

@@ -1,9 +1,7 @@
-"""Settings: one declaration per setting, resolved once into a frozen :class:`PDServeConfig`.
+"""Settings resolved once into a frozen :class:`PDServeConfig`: option registration, precedence, cross-checks.
 
-Each :class:`Setting` derives its command-line flag (``--pd-<kebab>``), ini key
-(``pdserve_<snake>``) and environment variable (``PDSERVE_<UPPER>``) from its name, with explicit
-overrides where vLLM's scripts already use a name (``ATTENTION_BACKEND``,
-``VLLM_SERVE_EXTRA_ARGS``, ``PREFILL_GPU_ID``, ...).
+What settings exist, and how each derives its flag, ini key and env var, is the table in
+:mod:`pytest_pdserve.setting_table`; how one raw value is parsed is :mod:`pytest_pdserve.setting_parsers`.
 
 Precedence: command line > environment > ini > default. Layers are tested with ``is None``, and
 an empty environment variable counts as unset (CI systems often export ``VAR=``). Every value is
@@ -14,389 +12,40 @@ where it came from and what is accepted.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import re
 import shlex
-import shutil
 import sys
-import threading
 import types
-import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
 from pytest_pdserve import owned_flags, redaction
-from pytest_pdserve.commands import proxy_placeholder_problems
+from pytest_pdserve.engine import VLLM_MODULE_ENTRYPOINT, resolve_engine
 from pytest_pdserve.errors import OwnedFlagError
-from pytest_pdserve.extra_args import ExtraArgsError, parse_extra_args
-from pytest_pdserve.inventory import (
-    Inventory,
-    InventoryError,
-    Platform,
-    detect_inventory,
-    parse_simulate_gpus,
-    simulated_inventory,
-)
-from pytest_pdserve.leases import DEFAULT_LEASE_DIR
+from pytest_pdserve.inventory import InventoryError, Platform, parse_simulate_gpus
 from pytest_pdserve.paths import PathError, check_dir
-from pytest_pdserve.spec import ATTENTION_BACKEND_RE, MAX_BLOCK_SIZE, MAX_MODEL_LEN
+from pytest_pdserve.setting_parsers import SettingError, check_raw
+
+# The table's names are re-exported: settings.SETTINGS, settings.remedy, ... are where callers look.
+from pytest_pdserve.setting_table import PATH_SETTINGS, SETTINGS, SETTINGS_BY_NAME, Setting, remedy
 
 __all__ = [
     "PDSERVE_CONFIG",
     "SETTINGS",
+    "SETTINGS_BY_NAME",
     "PDServeConfig",
     "Setting",
     "add_options",
-    "get_inventory",
     "remedy",
     "resolve",
     "resolve_engine",
     "settings_origin",
     "short_source",
-    "start_inventory_detection",
 ]
-
-VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
-"""``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
-#: Bounds where a larger value only costs memory or time (the others live with ClusterSpec, in spec.py).
-MAX_SIMULATED_GPUS = 1024
-MAX_GPU_INDEX = 1023
-#: Raw setting values longer than this (bytes) are refused before parsing (argv elements must stay < 128 KiB).
-MAX_VALUE_BYTES = 64 * 1024
-
-
-class SettingError(ValueError):
-    """A raw setting value is invalid; the message says what would be accepted."""
-
-
-# --------------------------------------------------------------------------- value parsers
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise SettingError(f"accepted values: {', '.join(choices)}")
-        return value
-
-    return parse
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SettingError("accepted values: 1/0, true/false, yes/no, on/off")
-
-
-_INT = re.compile(r"[0-9]+")
-_FLOAT = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
-def _number(
-    kind: type[int] | type[float], low: float, high: float, *, open_low: bool = False, what: str = ""
-) -> Callable[[str], Any]:
-    """One number parser: ASCII digits only (``int()`` also takes ``'1_000'`` and ``'١٢'``), then a range.
-
-    Upper bounds exist where a larger value only costs memory or time.
-    """  # fmt: skip
-    low_text = f"> {low:g}" if open_low else f">= {low:g}"
-    if kind is int:
-        expected = f"expected a whole number from {int(low)} to {int(high)}{what} (digits 0-9 only)"
-    else:
-        expected = f"expected a number{what} {low_text} and <= {high:g}"
-
-    def parse(text: str) -> Any:
-        value_text = text.strip()
-        if not (_INT if kind is int else _FLOAT).fullmatch(value_text):
-            raise SettingError(expected)
-        value = kind(value_text)
-        if value < low or (open_low and value == low) or value > high:
-            raise SettingError(expected)
-        return value
-
-    return parse
-
-
-_seconds = _number(float, 0, 86400, open_low=True, what=" of seconds")
-_utilization = _number(float, 0, 1, open_low=True, what=" (a fraction in (0, 1], e.g. 0.2)")
-
-
-def _text(what: str, max_len: int = 4096) -> Callable[[str], str]:
-    """A non-empty, single-line text value (a model name, a path...)."""
-
-    def parse(text: str) -> str:
-        value = text.strip()
-        if not value:
-            raise SettingError(f"expected {what}, got an empty value")
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise SettingError(f"expected {what}; it contains a control character (newline, tab...)")
-        if len(value) > max_len:
-            raise SettingError(f"expected {what} of at most {max_len} characters, got {len(value)}")
-        return value
-
-    return parse
-
-
-_API_KEY = re.compile(r"[\x21-\x7e]{1,1024}")
-
-
-def _api_key(text: str) -> str:
-    # It goes into an HTTP header (Authorization: Bearer KEY): printable ASCII, no spaces.
-    value = text.strip()
-    if not _API_KEY.fullmatch(value):
-        raise SettingError("expected 1-1024 printable ASCII characters without spaces (it is sent as an HTTP header)")
-    return value
-
-
-def _gpu_ids(text: str) -> tuple[int, ...]:
-    pieces = [p.strip() for p in text.split(",")]
-    accepted = f"expected GPU indices >= 0 (at most {MAX_GPU_INDEX}) separated by commas, e.g. 0 or 0,1"
-    if not pieces or any(not _INT.fullmatch(p) or int(p) > MAX_GPU_INDEX for p in pieces):
-        raise SettingError(accepted)
-    ids = tuple(int(p) for p in pieces)
-    if len(set(ids)) != len(ids):
-        raise SettingError(f"an index is repeated; {accepted}")
-    return ids
-
-
-def _attention_backend(text: str) -> str:
-    value = text.strip()
-    if not ATTENTION_BACKEND_RE.fullmatch(value):
-        raise SettingError("expected a vLLM attention backend name such as FLASH_ATTN, TRITON_ATTN or auto")
-    return value
-
-
-def _extra_args(text: str) -> tuple[str, ...]:
-    try:
-        return parse_extra_args(text)
-    except ExtraArgsError as exc:
-        raise SettingError(str(exc)) from None
-
-
-def _command(text: str) -> tuple[str, ...]:
-    try:
-        argv = tuple(shlex.split(text))
-    except ValueError as exc:
-        raise SettingError(f"cannot split it as a shell command ({exc}); balance the quotes") from None
-    if not argv:
-        raise SettingError("expected a command line, e.g. 'python my_proxy.py --port {port}'")
-    problems = proxy_placeholder_problems(argv)
-    if problems:
-        raise SettingError("; ".join(problems))
-    program = argv[0]
-    if program != "{python}" and shutil.which(program) is None:
-        raise SettingError(f"the program {program!r} is not an executable file, nor on PATH")
-    return argv
-
-
-def _url(text: str) -> str:
-    value = text.strip()
-    expected = "expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8100"
-    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
-        raise SettingError(f"{expected}; it contains a space or control character")
-    try:
-        parsed = urllib.parse.urlsplit(value)
-        hostname = parsed.hostname  # raises ValueError for a malformed [IPv6] host
-    except ValueError as exc:
-        raise SettingError(f"{expected} ({exc})") from None
-    if parsed.scheme not in ("http", "https") or not hostname:
-        raise SettingError(expected)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise SettingError("the port is not a number in 1-65535")
-    return value.rstrip("/")
-
-
-def _urls(text: str) -> tuple[str, ...]:
-    return tuple(_url(p) for p in re.split(r"[,\s]+", text) if p)
-
-
-def _simulate(text: str) -> str:
-    # Cross-checked against the platform in resolve(); here only the shape, digits and the bound.
-    count = text.strip().rpartition(":")[2].strip()
-    if not _INT.fullmatch(count):
-        raise SettingError("use N, cuda:N or rocm:N with N a whole number >= 0 (digits 0-9 only)")
-    if int(count) > MAX_SIMULATED_GPUS:
-        raise SettingError(f"at most {MAX_SIMULATED_GPUS} GPUs can be simulated")
-    try:
-        parse_simulate_gpus(text)
-    except InventoryError as exc:
-        raise SettingError(str(exc)) from None
-    return text.strip()
-
-
-def _export_env(text: str) -> str | None:
-    # "" = export into the environment only; a path = also write `export` lines there; None = off.
-    value = text.strip()
-    if value.lower() in ("1", "true", "yes", "on"):
-        return ""
-    if value.lower() in ("0", "false", "no", "off"):
-        return None
-    return value
-
-
-def _preset(text: str) -> str:
-    from pytest_pdserve.presets import PRESETS
-
-    value = text.strip()
-    if value not in PRESETS and value != "auto":
-        raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
-    return value
-
-
-def _kv_connector_config(text: str) -> str:
-    from pytest_pdserve.connector import parse_kv_connector_config
-    from pytest_pdserve.errors import ClusterSpecError
-
-    try:
-        parse_kv_connector_config(text)
-    except ClusterSpecError as exc:
-        raise SettingError(str(exc)) from None
-    return text.strip()
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 65535:
-        raise SettingError("expected a port number in 1-65535, e.g. 8192")
-    return value
-
-
-# --------------------------------------------------------------------------- the table
-
-Kind = Literal["value", "bool", "append", "optional"]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting: its name, parser and default; flag, ini key and env var derive from the name."""
-
-    name: str
-    help: str
-    parse: Callable[[str], Any]
-    default: Any
-    kind: Kind = "value"
-    cli: str | None = None
-    env: str | None = None
-    ini: str | None = None
-    metavar: str | None = None
-    #: Never shown in an error, the header or a log (the API key).
-    secret: bool = False
-
-    @property
-    def flag(self) -> str:
-        """Command-line flag, ``--pd-<kebab>`` unless overridden."""
-        return self.cli or f"--pd-{self.name.replace('_', '-')}"
-
-    @property
-    def env_var(self) -> str:
-        """Environment variable, ``PDSERVE_<UPPER>`` unless overridden."""
-        return self.env or f"PDSERVE_{self.name.upper()}"
-
-    @property
-    def ini_key(self) -> str:
-        """Ini key, ``pdserve_<snake>`` unless overridden."""
-        return self.ini or f"pdserve_{self.name}"
-
-    @property
-    def dest(self) -> str:
-        """argparse destination (unique across pytest's namespace)."""
-        return f"pdserve_{self.name}"
-
-    @property
-    def remedy(self) -> str:
-        """Every way to set it, for error messages: ``--pd-x / PDSERVE_X / pdserve_x``."""
-        flags = f"{self.flag} / --no-{self.flag[2:]}" if self.kind == "bool" else self.flag
-        return f"{flags} / {self.env_var} / {self.ini_key}"
-
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting("engine", "Server engine: vllm, sim (built-in simulator) or auto (vllm when installed)",
-            _choice("vllm", "sim", "auto"), "auto", metavar="ENGINE"),
-    Setting("model", "Model served by prefill and decode (default: the engine's test model)",
-            _text("a model name or path"), None, metavar="MODEL"),
-    Setting("attention_backend", "vLLM --attention-backend for both servers (P and D must match)",
-            _attention_backend, None, cli="--attention-backend", env="ATTENTION_BACKEND",
-            metavar="BACKEND"),
-    Setting("vllm_serve_extra_args",
-            "Extra vllm serve arguments, comma form '--a,1,--b' or shell form \"--a 1 --b 'x y'\" "
-            "(write --vllm-serve-extra-args=VALUE when VALUE starts with --)",
-            _extra_args, (), cli="--vllm-serve-extra-args", env="VLLM_SERVE_EXTRA_ARGS", metavar="ARGS"),
-    Setting("prefill_gpu_ids", "GPU indices (in the visible list) for the prefill server, e.g. 0 or 0,1 "
-            "(default: leased)", _gpu_ids, None, env="PREFILL_GPU_ID", metavar="IDS"),
-    Setting("decode_gpu_ids", "GPU indices (in the visible list) for the decode server (default: leased)",
-            _gpu_ids, None, env="DECODE_GPU_ID", metavar="IDS"),
-    Setting("share_gpus", "Run every server of a cluster on one GPU, started one after another, each with "
-            "--gpu-memory-utilization 0.4 unless given (TP 1 only)", _bool, False, kind="bool"),
-    Setting("gpu_memory_utilization", "vLLM --gpu-memory-utilization, a fraction in (0, 1]",
-            _utilization, None, env="GPU_MEMORY_UTILIZATION", metavar="FRACTION"),
-    Setting("block_size", "vLLM --block-size", _number(int, 1, MAX_BLOCK_SIZE), None, metavar="N"),
-    Setting("max_model_len", "vLLM --max-model-len", _number(int, 1, MAX_MODEL_LEN), None, metavar="N"),
-    Setting("enforce_eager", "Pass --enforce-eager to vLLM (default: on)", _bool, True, kind="bool"),
-    Setting("seed", "vLLM --seed", _number(int, 0, 2**32 - 1), 0, metavar="N"),
-    Setting("startup_timeout", "Seconds a server may take to become ready", _seconds, 1200.0,
-            metavar="SECONDS"),
-    Setting("shutdown_timeout", "Seconds between SIGTERM and SIGKILL when stopping a server",
-            _number(float, 0, 3600, open_low=True, what=" of seconds"), 30.0, metavar="SECONDS"),
-    Setting("log_dir", "Directory for server logs (default: under pytest's basetemp)", _text("a directory"),
-            None, metavar="DIR"),
-    Setting("platform", "GPU platform: auto (detect), cuda, rocm or cpu",
-            _choice("auto", "cuda", "rocm", "cpu"), "auto", metavar="PLATFORM"),
-    Setting("simulate_gpus", "Simulate N GPUs (N, cuda:N or rocm:N) for marker skips and leasing on CPU CI",
-            _simulate, None, metavar="SPEC"),
-    Setting("gpu_wait", "When no GPU is free: wait for one, or skip the test", _choice("wait", "skip"),
-            "wait", metavar="MODE"),
-    Setting("gpu_wait_timeout", "Seconds to wait for a free GPU", _seconds, 1800.0, metavar="SECONDS"),
-    Setting("vllm_executable", "vllm executable: a path, or a name looked up next to python and on PATH",
-            _text("an executable name or path"), "vllm", metavar="PATH"),
-    Setting("proxy_command", "P/D proxy command (shell-quoted argv template; default: built-in proxy)",
-            _command, None, metavar="COMMAND"),
-    Setting("api_key", "API key the servers require (given to them as VLLM_API_KEY, never on argv)", _api_key,
-            None, metavar="KEY", secret=True),
-    Setting("lease_dir", "Machine-wide directory for GPU and port lease files", _text("a directory"),
-            DEFAULT_LEASE_DIR, metavar="DIR"),
-    Setting("prefill_urls", "Attach to a running prefill server instead of starting one (repeatable)",
-            _urls, (), kind="append", cli="--pd-prefill-url", metavar="URL"),
-    Setting("decode_urls", "Attach to a running decode server instead of starting one (repeatable)",
-            _urls, (), kind="append", cli="--pd-decode-url", metavar="URL"),
-    Setting("proxy_url", "Attach to a running P/D proxy", _url, None, cli="--pd-proxy-url", metavar="URL"),
-    Setting("export_env", "Start the session cluster before collection and export PREFILL_HOST/PORT, "
-            "DECODE_HOST/PORT, PROXY_HOST/PORT, TEST_MODEL, BLOCK_SIZE, ... for vLLM's own test modules "
-            "(=FILE also writes them as export lines)", _export_env, None, kind="optional", metavar="FILE"),
-    Setting("preset", "Server configuration of one of vLLM's nixl_integration scripts for the session cluster: "
-            "vllm-edge-case, vllm-mamba-prefix-cache, vllm-multi-connector-edge-case, "
-            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the module names)", _preset,
-            None, metavar="NAME"),
-    Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
-            "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "
-            "kv_connector_extra_config; pdserve sets kv_role", _kv_connector_config, None, metavar="JSON"),
-    Setting("proxy_port", "Port the session cluster's proxy listens on (leased; for modules that hard-code "
-            "8192)", _port, None, metavar="N"),
-    Setting("cache_salt", "Prefix-cache isolation: per-test (requests sent through the plugin carry the test's own "
-            "vLLM cache_salt) or off (tests share one prefix cache)", _choice("per-test", "off"), "per-test",
-            metavar="MODE"),
-    Setting("request_timeout", "Seconds one request through the plugin's clients may take", _seconds, 600.0,
-            metavar="SECONDS"),
-    Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
-            "server (P/D-ready, not only HTTP-ready)", _bool, True, kind="bool"),
-)  # fmt: skip
-
-SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
-_PATH_SETTINGS = ("log_dir", "lease_dir")
 
 
 @dataclass(frozen=True)
@@ -556,12 +205,6 @@ def _layers(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> li
     return found
 
 
-def _raw(config: pytest.Config, s: Setting, environ: Mapping[str, str]) -> tuple[Any, str]:
-    """(raw value, source) for *s*: the first of :func:`_layers`, else the default."""
-    layers = _layers(config, s, environ)
-    return layers[0] if layers else (s.default, "default")
-
-
 def _usage(setting: Setting, raw: Any, source: str, why: str) -> pytest.UsageError:
     short = f"{raw[:200]}..." if isinstance(raw, str) and len(raw) > 200 else raw
     shown = "the value" if setting.secret else redaction.redact(repr(short))
@@ -574,50 +217,6 @@ def _base_dir(config: pytest.Config, source: str) -> Path:
     if source.startswith("ini ") and config.inipath is not None:
         return config.inipath.parent
     return config.invocation_params.dir
-
-
-def resolve_engine(
-    engine: str,
-    vllm_executable: str,
-    *,
-    which: Callable[[str], str | None] = shutil.which,
-    has_module: Callable[[str], bool] | None = None,
-    python: str = sys.executable,
-) -> tuple[str, str, tuple[str, ...]]:
-    """Decide the engine without importing vllm.
-
-    :returns: ``(resolved_engine, reason, vllm_argv)``; vllm_argv is empty when vLLM is not found.
-    """
-    if engine == "sim":
-        return "sim", "sim: requested", ()
-    argv: tuple[str, ...] = ()
-    found = ""
-    exe = Path(vllm_executable).expanduser()
-    if os.sep in vllm_executable or exe.is_absolute():
-        if exe.is_file() and os.access(exe, os.X_OK):
-            argv, found = (str(exe.resolve()),), f"vllm executable {exe}"
-    else:
-        beside = Path(python).parent / vllm_executable
-        if beside.is_file() and os.access(beside, os.X_OK):
-            argv, found = (str(beside),), f"vllm executable found at {beside}"
-        elif (on_path := which(vllm_executable)) is not None:
-            argv, found = (on_path,), f"vllm executable found at {on_path}"
-    if not argv:
-        check = has_module or _has_module
-        if check("vllm"):
-            argv, found = (python, *VLLM_MODULE_ENTRYPOINT), f"vllm package importable by {python}"
-    if engine == "vllm":
-        return "vllm", f"vllm: requested; {found}" if found else "vllm: requested", argv
-    if argv:
-        return "vllm", f"auto: {found}", argv
-    return "sim", "auto: no vllm executable on PATH or next to python; using the simulator", ()
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> PDServeConfig:
@@ -636,14 +235,14 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             values[s.name] = raw
             continue
         try:
-            _check_raw(raw)
+            check_raw(raw)
             values[s.name] = s.parse(raw)
         except SettingError as exc:
             raise _usage(s, raw, source, str(exc)) from None
     # Secrets are registered before anything can print them (the header, errors, log headers).
     redaction.register(values["api_key"], *(redaction.url_password(u) for u in _all_urls(values)))
     _check_extra_args(values, sources)
-    for name in _PATH_SETTINGS:
+    for name in PATH_SETTINGS:
         if sources[name] != "default" and values[name] is not None:
             path = Path(values[name]).expanduser()
             values[name] = path if path.is_absolute() else _base_dir(config, sources[name]) / path
@@ -686,19 +285,6 @@ def _all_urls(values: Mapping[str, Any]) -> list[str]:
     return [*values["prefill_urls"], *values["decode_urls"], *([values["proxy_url"]] if values["proxy_url"] else [])]
 
 
-def _check_raw(raw: Any) -> None:
-    """What no setting accepts: NUL bytes, undecodable bytes, huge values."""
-    text = raw if isinstance(raw, str) else str(raw)
-    if "\x00" in text:
-        raise SettingError("it contains a NUL byte")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise SettingError("it is not valid UTF-8 (undecodable bytes in the environment?)") from None
-    if size > MAX_VALUE_BYTES:
-        raise SettingError(f"it is {size} bytes long; the limit is {MAX_VALUE_BYTES}")
-
-
 def short_source(source: str) -> str:
     """``VLLM_SERVE_EXTRA_ARGS (env)``, ``pdserve_x (ini)``, ``--flag (command line)``."""
     if source.startswith("$"):
@@ -724,11 +310,6 @@ def _check_extra_args(values: Mapping[str, Any], sources: Mapping[str, str]) -> 
         raise pytest.UsageError(f"pdserve: {exc}") from None
 
 
-def remedy(name: str) -> str:
-    """How to set setting *name*: ``--pd-x / PDSERVE_X / pdserve_x`` (derived from its declaration)."""
-    return SETTINGS_BY_NAME[name].remedy
-
-
 def _check_gpu_sharing(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     """--pd-share-gpus excludes explicit ids; a memory fraction must fit the default cluster's shared GPU."""
     p_ids, d_ids = values["prefill_gpu_ids"], values["decode_gpu_ids"]
@@ -750,94 +331,3 @@ def _check_gpu_sharing(values: Mapping[str, Any], sources: Mapping[str, str]) ->
         s = SETTINGS_BY_NAME["gpu_memory_utilization"]
         why = "--pd-share-gpus" if values["share_gpus"] else "the same prefill and decode GPU ids"
         raise _usage(s, util, sources["gpu_memory_utilization"], f"with {why}, {problem}")
-
-
-# --------------------------------------------------------------------------- inventory (lazy)
-
-
-class _InventoryHolder:
-    """Detects the inventory once, in a background thread started at configure time.
-
-    nvidia-smi takes tens of milliseconds to seconds; running it while pytest loads conftests keeps
-    that off the critical path, and callers that never ask for the inventory never wait for it.
-    A crash in detection is kept and raised to every caller: turning it into a CPU inventory would
-    skip every GPU test and leave CI green on a broken GPU machine.
-    """
-
-    def __init__(self, detect: Callable[[], Inventory], what: str) -> None:
-        self._detect = detect
-        self._what = what
-        self._result: Inventory | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pdserve-inventory", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._result = self._detect()
-        except Exception as exc:  # re-raised by get(), in the caller's thread
-            self._error = exc
-
-    def get(self) -> Inventory:
-        self._thread.join()
-        if self._error is not None:
-            raise pytest.UsageError(
-                f"pdserve: GPU detection ({self._what}) crashed: {_where_raised(self._error)}. Fix the GPU "
-                "stack (nvidia-smi / amd-smi must answer), or set --pd-platform=cpu (PDSERVE_PLATFORM=cpu) "
-                "to run without GPUs"
-            ) from self._error
-        assert self._result is not None
-        return self._result
-
-
-def _where_raised(exc: BaseException) -> str:
-    """``TypeError: msg (at inventory.py:123 in parse_x)``: the error and the innermost frame that raised it."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return f"{type(exc).__name__}: {exc}"
-    code = tb.tb_frame.f_code
-    return f"{type(exc).__name__}: {exc} (at {Path(code.co_filename).name}:{tb.tb_lineno} in {code.co_name})"
-
-
-_INVENTORY = pytest.StashKey[_InventoryHolder]()
-
-
-def start_inventory_detection(config: pytest.Config) -> None:
-    """Begin detecting the inventory for *config* (idempotent); needs PDSERVE_CONFIG set."""
-    if _INVENTORY in config.stash:
-        return
-    cfg = config.stash[PDSERVE_CONFIG]
-    if cfg.simulate_gpus is not None:
-        plat, count = cfg.simulate_gpus
-        src = cfg.sources["simulate_gpus"]
-        where = f"{src}={plat}:{count}" if src.startswith("--") else f"{_describe_source(src)}={plat}:{count}"
-        inv = simulated_inventory(plat, count, f"simulated via {where}")
-        config.stash[_INVENTORY] = _InventoryHolder(lambda: inv, "simulated")
-    else:
-        platform = cfg.platform
-        config.stash[_INVENTORY] = _InventoryHolder(lambda: detect_inventory(platform), f"platform {platform}")
-    if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
-        get_inventory(config)  # explicit GPU ids are checked against the inventory now, at configure time
-
-
-def get_inventory(config: pytest.Config) -> Inventory:
-    """The platform and GPU inventory for this session (detected at most once, cached).
-
-    :raises pytest.UsageError: detection crashed, or an explicit GPU id is not in the inventory.
-    """
-    start_inventory_detection(config)
-    inventory = config.stash[_INVENTORY].get()
-    cfg = config.stash[PDSERVE_CONFIG]
-    if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
-        from pytest_pdserve.gpu_plan import explicit_ids_problem
-
-        problem = explicit_ids_problem(inventory, cfg.prefill_gpu_ids, cfg.decode_gpu_ids)
-        if problem is not None:
-            given = " and ".join(
-                f"{cfg.source_of(n)}={','.join(map(str, getattr(cfg, n)))}"
-                for n in ("prefill_gpu_ids", "decode_gpu_ids") if getattr(cfg, n) is not None
-            )  # fmt: skip
-            raise pytest.UsageError(f"pdserve: {problem} (given by {given})")
-    return inventory

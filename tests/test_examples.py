@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.settings import resolve_engine
+from pytest_pdserve.engine import resolve_engine
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

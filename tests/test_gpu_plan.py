@@ -17,7 +17,7 @@ from pytest_pdserve import leases
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner, explicit_ids_problem
 from pytest_pdserve.inventory import Inventory, simulated_inventory
-from pytest_pdserve.settings import _InventoryHolder
+from pytest_pdserve.session_inventory import InventoryHolder
 from pytest_pdserve.spec import ClusterSpec
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -286,7 +286,7 @@ def test_a_crash_in_gpu_detection_is_an_error_naming_it(
     def crash() -> Inventory:
         raise TypeError("unexpected nvidia-smi output")
 
-    holder = _InventoryHolder(crash, "platform auto")
+    holder = InventoryHolder(crash, "platform auto")
     with pytest.raises(pytest.UsageError) as info:
         holder.get()
     text = str(info.value)
@@ -296,9 +296,9 @@ def test_a_crash_in_gpu_detection_is_an_error_naming_it(
     assert "--pd-platform=cpu" in text
 
     # The same inside a real session: a usage error, not a run that skips every GPU test.
-    import pytest_pdserve.settings as settings
+    import pytest_pdserve.session_inventory as session_inventory
 
-    monkeypatch.setattr(settings, "detect_inventory", lambda platform: crash())
+    monkeypatch.setattr(session_inventory, "detect_inventory", lambda platform: crash())
     pytester.makepyfile("import pytest\n\n@pytest.mark.gpus(1)\ndef test_gpu():\n    pass\n")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

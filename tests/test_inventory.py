@@ -10,24 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.inventory import (
+from pytest_pdserve.gpu_probe import (
     AMD_SMI_LIST,
     NVIDIA_QUERY_APPS,
     NVIDIA_QUERY_GPU,
     CommandResult,
     Gpu,
-    Inventory,
-    InventoryError,
     SystemPaths,
-    detect_inventory,
     gpu_processes,
     parse_amd_smi_list,
     parse_compute_apps,
     parse_kfd_topology,
     parse_nvidia_query_gpu,
     parse_rocm_smi_json,
-    parse_simulate_gpus,
     run_command,
+)
+from pytest_pdserve.inventory import (
+    Inventory,
+    InventoryError,
+    detect_inventory,
+    parse_simulate_gpus,
     select_visible,
     simulated_inventory,
 )
@@ -309,7 +311,7 @@ def test_rocm_tools_when_sysfs_is_absent(tmp_path: Path) -> None:
     runner = FakeRunner({AMD_SMI_LIST: ok((ROCM / "amd-smi-list.json").read_text())})
     inv = detect_inventory(environ={}, runner=runner, paths=paths)
     assert (inv.platform, inv.count, inv.source) == ("rocm", 2, "amd-smi")
-    from pytest_pdserve.inventory import ROCM_SMI_QUERY
+    from pytest_pdserve.gpu_probe import ROCM_SMI_QUERY
 
     runner = FakeRunner({ROCM_SMI_QUERY: ok((ROCM / "rocm-smi.json").read_text())})
     inv = detect_inventory(environ={}, runner=runner, paths=paths)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve._options_table import BEGIN, END, render
-from pytest_pdserve.settings import SETTINGS
+from pytest_pdserve.setting_table import SETTINGS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

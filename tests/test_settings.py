@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.settings import PDSERVE_CONFIG, SETTINGS, PDServeConfig, resolve_engine
+from pytest_pdserve.engine import resolve_engine
+from pytest_pdserve.settings import PDSERVE_CONFIG, SETTINGS, PDServeConfig
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

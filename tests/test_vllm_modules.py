@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve import presets, vllm_compat
-from pytest_pdserve.settings import resolve_engine
+from pytest_pdserve.engine import resolve_engine
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from gpuproof import Inner, PhysicalGpus
 
-from pytest_pdserve.settings import get_inventory
+from pytest_pdserve.session_inventory import get_inventory
 
 HERE = Path(__file__).parent
 PROOF_DIR_ENV = "PDSERVE_GPU_PROOF_DIR"

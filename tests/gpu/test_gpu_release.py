@@ -20,7 +20,7 @@ import pytest
 from gpuproof import Inner, PhysicalGpus, gate_seconds
 
 from pytest_pdserve import leases
-from pytest_pdserve.inventory import gpu_processes
+from pytest_pdserve.gpu_probe import gpu_processes
 
 pytestmark = [pytest.mark.cuda, pytest.mark.gpus(1)]
 
