@@ -39,6 +39,7 @@ from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory
+from pytest_pdserve.port_leases import port_range_from_env
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 from pytest_pdserve.redaction import redact_env
@@ -49,32 +50,6 @@ from pytest_pdserve.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 Reporter = Callable[[str], None]
-
-#: Undocumented knob (tests, firewalled CI hosts): lease every port from ``LOW-HIGH`` instead of the default
-#: range (20000 up to just below the kernel's ephemeral range).
-PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"
-
-
-def port_range_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int | None]:
-    """``(low, high)`` for the port lease calls from ``$PDSERVE_PORT_RANGE``; ``(20000, None)`` (leases'
-    default: up to the ephemeral range) when unset.
-
-    :raises PDServeError: the value is not ``LOW-HIGH`` with ``1 <= LOW <= HIGH <= 65535``.
-    """
-    raw = (os.environ if environ is None else environ).get(PORT_RANGE_ENV, "").strip()
-    if not raw:
-        return 20000, None
-    low, sep, high = raw.partition("-")
-    try:
-        lo, hi = int(low), int(high)
-    except ValueError:
-        lo = hi = 0
-    if not sep or not 1 <= lo <= hi <= 65535:
-        raise PDServeError(
-            f"${PORT_RANGE_ENV}={raw!r} is not a port range: expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, "
-            "e.g. 20000-20999"
-        )
-    return lo, hi
 
 
 @dataclass

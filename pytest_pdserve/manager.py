@@ -23,10 +23,10 @@ from pytest_pdserve.commands import SessionDefaults
 from pytest_pdserve.errors import ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
-from pytest_pdserve.launch import PORT_RANGE_ENV, ClusterLauncher, LaunchedCluster, Reporter, port_range_from_env
+from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
 from pytest_pdserve.spec import ClusterSpec
 
-__all__ = ["PORT_RANGE_ENV", "ClusterManager", "port_range_from_env"]
+__all__ = ["ClusterManager"]
 
 log = logging.getLogger(__name__)
 
