@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _simproc import NIXL_KVC, SimServer, free_port, metric, sim_processes, words
+
+from ._simproc import NIXL_KVC, Metrics, SimServer, free_port, metric, sim_processes, words
 
 # vllm.md section 1.5 / vllm-cpu.md "Metrics seen": the families the simulator must expose.
 REFERENCE_COUNTERS = (
@@ -68,7 +69,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
 
 
 def _free() -> int:
-    from _simproc import free_port
+    from ._simproc import free_port
 
     return free_port()
 
@@ -216,8 +217,8 @@ def test_prefix_cache_arithmetic_361_tokens(servers: dict[str, SimServer]) -> No
     second = s.complete(prompt, max_tokens=3).json()
     after = s.metrics()
 
-    def delta(a: object, b: object, name: str, **labels: str) -> float:
-        return metric(b, name, **labels) - metric(a, name, **labels)  # type: ignore[arg-type]
+    def delta(a: Metrics, b: Metrics, name: str, **labels: str) -> float:
+        return metric(b, name, **labels) - metric(a, name, **labels)
 
     assert first["usage"]["prompt_tokens"] == 361
     assert delta(before, mid, "vllm:prefix_cache_queries_total") == 361
