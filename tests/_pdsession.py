@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,11 +184,11 @@ class Inner:
         """What a ``popen`` inner pytest wrote (stdout and stderr)."""
         return (self.pytester.path / "inner-output.txt").read_text(errors="replace")
 
-    def infos(self) -> list[dict[str, object]]:
-        """Every ``pdinfo`` record written so far."""
+    def infos(self) -> list[dict[str, Any]]:
+        """Every ``pdinfo`` record written so far (JSON, so ``Any`` values; each test knows the keys it wrote)."""
         return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
 
-    def wait_info(self, timeout: float = 60) -> dict[str, object]:
+    def wait_info(self, timeout: float = 60) -> dict[str, Any]:
         """The first ``pdinfo`` record, once one is written."""
         wait_for(lambda: list(self.info_dir.glob("*.json")), timeout, f"cluster up ({self.output()[-3000:]})")
         return self.infos()[0]

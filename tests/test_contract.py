@@ -262,7 +262,11 @@ SPECS = {
     "default": ClusterSpec(),
     "hybrid-ssm": ClusterSpec.hybrid_ssm(),
     "tp2-2x2": ClusterSpec(num_prefill=2, num_decode=2, decode_tp=2, kv_load_failure_policy="recompute"),
-    "extra-args": ClusterSpec(extra_args=("--max-num-seqs", "4"), kv_connector_extra_config={"kv_lease_duration": 60}),
+    # ClusterSpec takes a dict here and stores it as JSON text; its field annotation says only str (see spec.py).
+    "extra-args": ClusterSpec(
+        extra_args=("--max-num-seqs", "4"),
+        kv_connector_extra_config={"kv_lease_duration": 60},  # type: ignore[arg-type]
+    ),
 }
 
 #: Parses argv lists with the installed vLLM's own `vllm serve` parser and validation (one import for all).

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve import vllm_compat
+from pytest_pdserve.cluster import EngineSetup
 from pytest_pdserve.engine import SIM_ARGV, EngineVersionUnknown, engine_setup, vllm_python
 
 
@@ -27,7 +28,7 @@ def _venv(tmp_path: Path, dists: dict[str, str], shebang: str | None = None) -> 
     return exe
 
 
-def _setup(tmp_path: Path, argv: tuple[str, ...]) -> object:
+def _setup(tmp_path: Path, argv: tuple[str, ...]) -> EngineSetup:
     return engine_setup("vllm", vllm_argv=argv, vllm_executable=argv[0], platform="cpu", basetemp=tmp_path)
 
 

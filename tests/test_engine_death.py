@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_pdserve.process import ServerProcess
+
 DYING_CONFTEST = """
 import pytest
 from pytest_pdserve.spec import ClusterSpec
@@ -113,7 +115,11 @@ class _Stub:
     """A server handle whose health route answers ``status`` (or nothing at all)."""
 
     def __init__(self, url: str) -> None:
-        self.name, self.url, self.log_path, self.process, self.headers = "proxy", url, None, None, {}
+        self.name = "proxy"
+        self.url = url
+        self.log_path: Path | None = None
+        self.process: ServerProcess | None = None
+        self.headers: dict[str, str] = {}
 
 
 def _serve(status: int) -> tuple[str, Callable[[], None]]:
@@ -130,7 +136,12 @@ def _serve(status: int) -> tuple[str, Callable[[], None]]:
 
     httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{httpd.server_address[1]}", lambda: (httpd.shutdown(), httpd.server_close())
+
+    def stop() -> None:
+        httpd.shutdown()
+        httpd.server_close()
+
+    return f"http://127.0.0.1:{httpd.server_address[1]}", stop
 
 
 @pytest.mark.parametrize(("status", "dead"), [(200, False), (404, False), (503, True)])
@@ -140,7 +151,7 @@ def test_only_a_failing_health_route_is_a_death(status: int, dead: bool) -> None
 
     url, stop = _serve(status)
     try:
-        verdict = _probe(_Stub(url))  # type: ignore[arg-type]
+        verdict = _probe(_Stub(url))
     finally:
         stop()
     assert (verdict is not None) == dead, verdict
@@ -151,7 +162,7 @@ def test_a_refused_connection_is_a_death() -> None:
 
     url, stop = _serve(200)
     stop()
-    assert _probe(_Stub(url)) == "GET /health: ConnectError"  # type: ignore[arg-type]
+    assert _probe(_Stub(url)) == "GET /health: ConnectError"
 
 
 LEASE_CONFTEST = """

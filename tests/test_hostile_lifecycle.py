@@ -190,7 +190,7 @@ def test_planted_entries_named_like_gpu_locks_are_skipped(inner: Inner) -> None:
     result = inner.run("--pd-simulate-gpus=6")
     result.assert_outcomes(passed=1)
     [info] = inner.infos()
-    used = {s["cvd"] for s in info["servers"] if s["name"] != "proxy"}  # type: ignore[attr-defined]
+    used = {s["cvd"] for s in info["servers"] if s["name"] != "proxy"}
     assert used == {"4", "5"}, used  # the GPUs behind the planted entries were treated as busy
     for i, kind in enumerate(kinds):  # nothing planted was changed or removed
         path = inner.lease_dir / f"gpu-{SIM_GPU.format(i)}.lock"
@@ -365,7 +365,7 @@ def test_sigkill_in_any_order_leaves_no_server_and_no_lease_held_early(
     inner.pytester.makepyfile(HOLD)
     with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
         info = inner.wait_info()
-        servers = {s["name"]: s["pid"] for s in info["servers"]}  # type: ignore[attr-defined]
+        servers = {s["name"]: s["pid"] for s in info["servers"]}
         [watchdog] = _helpers(inner, "watchdog")
         [guard] = _helpers(inner, "supervise")  # one per pytest process
         locks = sorted(inner.lease_dir.glob("*.lock"))
@@ -439,12 +439,12 @@ def test_forked_child_of_pytest_does_not_keep_servers_alive(inner: Inner, monkey
     )
     with inner.popen("--pd-shutdown-timeout=1") as proc:
         info = inner.wait_info()
-        child = int(info["child"])  # type: ignore[call-overload]
+        child = int(info["child"])
         [watchdog] = _helpers(inner, "watchdog")
         try:
             _kill(watchdog)
             _kill(proc.pid)
-            servers = [s["pid"] for s in info["servers"]]  # type: ignore[attr-defined]
+            servers = [s["pid"] for s in info["servers"]]
             wait_for(lambda: not any(_alive(p) for p in servers), 5.0, "servers gone while the fork lives")
             assert _alive(child)
         finally:
@@ -479,7 +479,7 @@ def test_pd_cluster_after_factory_stop_is_a_fresh_cluster(inner: Inner) -> None:
     result = inner.run("-p", "no:randomly")
     result.assert_outcomes(passed=4)
     by_step = {i["step"]: i for i in inner.infos()}
-    pids = {step: {s["pid"] for s in i["servers"]} for step, i in by_step.items()}  # type: ignore[attr-defined]
+    pids = {step: {s["pid"] for s in i["servers"]} for step, i in by_step.items()}
     assert not pids["a"] & pids["c"], "test_c got the stopped cluster"
     assert pids["c"] == pids["d"]
     inner.assert_clean(list(by_step.values()))

@@ -57,12 +57,18 @@ class Holder:
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
-        assert line, "holder process failed to take its lease"
+        if not line:
+            self.kill()
+            pytest.fail("holder process failed to take its lease")
         self.got = [int(x) for x in line.split(",")]
 
     def kill(self) -> None:
+        """SIGKILL, reap and close the pipes (an unclosed pipe is a ResourceWarning, and warnings are errors)."""
         self.proc.kill()
         self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture

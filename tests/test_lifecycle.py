@@ -35,7 +35,7 @@ def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
     result = inner.run()
     result.assert_outcomes(passed=1)
     [info] = inner.infos()
-    servers = {s["name"]: s for s in info["servers"]}  # type: ignore[attr-defined]
+    servers = {s["name"]: s for s in info["servers"]}
     p, d = servers["prefill-0"], servers["decode-0"]
     p_ready_at = p["started_at"] + p["ready_seconds"]
     d_ready_at = d["started_at"] + d["ready_seconds"]
@@ -174,14 +174,14 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
 
     for info in infos:
         gpus, _ = cluster_resources(info)
-        cvds = [s["cvd"] for s in info["servers"] if s["name"] != "proxy"]  # type: ignore[attr-defined]
+        cvds = [s["cvd"] for s in info["servers"] if s["name"] != "proxy"]
         assert len(cvds) == 2, cvds
         assert len(gpus) == 2, cvds  # P and D each have their own GPU
     overlapping = 0
     for a in range(4):
         for b in range(a + 1, 4):
             ia, ib = infos[a], infos[b]
-            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
+            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:
                 overlapping += 1
                 (ga, pa), (gb, pb) = cluster_resources(ia), cluster_resources(ib)
                 assert not ga & gb, f"GPU shared by {ia['test']} and {ib['test']}: {ga & gb}"

@@ -7,7 +7,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,13 +31,13 @@ def gone(pid: int) -> bool:
     return info is None or not info.live
 
 
-def wait_until(cond: object, timeout: float) -> bool:
+def wait_until(cond: Callable[[], object], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
+        if cond():
             return True
         time.sleep(0.01)
-    return bool(cond())  # type: ignore[operator]
+    return bool(cond())
 
 
 def log_value(srv: ServerProcess, key: str, timeout: float = 5.0) -> str:

@@ -170,7 +170,7 @@ def test_server_ignoring_sigterm_is_killed_after_the_shutdown_timeout(inner: Inn
     result = inner.run("--pd-shutdown-timeout=1")
     result.assert_outcomes(passed=1)
     [info] = inner.infos()
-    teardown = inner.session_finished_at() - info["end"]  # type: ignore[operator]
+    teardown = inner.session_finished_at() - info["end"]
     print(f"teardown with SIGTERM ignored and --pd-shutdown-timeout=1: {teardown:.2f}s")
     assert 1.0 <= teardown < 1.0 + 3.0, teardown
     inner.assert_clean([info])
@@ -301,7 +301,7 @@ def test_xdist_on_two_gpus_never_double_books(inner: Inner, run: int) -> None:
     for a, ia in enumerate(infos):
         assert cluster_resources(ia)[0] == {"0", "1"}
         for ib in infos[a + 1 :]:
-            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:  # type: ignore[operator]
+            if ia["start"] < ib["end"] and ib["start"] < ia["end"]:
                 (ga, pa), (gb, pb) = cluster_resources(ia), cluster_resources(ib)
                 assert not ga & gb, f"GPUs {ga & gb} double-booked by {ia['test']} and {ib['test']}"
                 assert not pa & pb, f"ports {pa & pb} shared by {ia['test']} and {ib['test']}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,26 @@ def gone(pid: int) -> bool:
     return info is None or not info.live
 
 
+@pytest.fixture
+def parents() -> Iterator[list[subprocess.Popen[str]]]:
+    """The parents a test started: killed if still running, reaped, their stdout pipe closed (else ResourceWarning)."""
+    made: list[subprocess.Popen[str]] = []
+    yield made
+    for parent in made:
+        parent.kill()
+        parent.wait(10)
+        if parent.stdout is not None:
+            parent.stdout.close()
+
+
 def start_parent(
-    tmp_path: Path, knobs: str, *, watch: bool = True, lease_dir: str = "-", how: str = "kill"
+    parents: list[subprocess.Popen[str]],
+    tmp_path: Path,
+    knobs: str,
+    *,
+    watch: bool = True,
+    lease_dir: str = "-",
+    how: str = "kill",
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     parent = subprocess.Popen(
         [
@@ -83,6 +101,7 @@ def start_parent(
         stdout=subprocess.PIPE,
         text=True,
     )
+    parents.append(parent)
     assert parent.stdout is not None
     line = parent.stdout.readline()
     assert line, f"parent failed; server log:\n{(tmp_path / 'server.log').read_text(errors='replace')}"
@@ -111,8 +130,10 @@ def wait_all_gone(pids: list[int], timeout: float) -> float:
     ],
     ids=["sigkill", "sigkill-ignores-sigterm", "token-only", "os-exit"],
 )
-def test_server_tree_dies_with_its_parent(tmp_path: Path, knobs: str, watch: bool, how: str) -> None:
-    parent, pids = start_parent(tmp_path, knobs, watch=watch, how=how)
+def test_server_tree_dies_with_its_parent(
+    parents: list[subprocess.Popen[str]], tmp_path: Path, knobs: str, watch: bool, how: str
+) -> None:
+    parent, pids = start_parent(parents, tmp_path, knobs, watch=watch, how=how)
     assert os.getsid(pids["watchdog"]) == pids["watchdog"], "the watchdog must lead its own session"
     t0 = time.monotonic()
     if how == "kill":
@@ -127,9 +148,11 @@ def test_server_tree_dies_with_its_parent(tmp_path: Path, knobs: str, watch: boo
     assert "remaining=[]" in log
 
 
-def test_lease_is_held_until_the_watchdog_finished_killing(tmp_path: Path) -> None:
+def test_lease_is_held_until_the_watchdog_finished_killing(
+    parents: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
     lease_dir = tmp_path / "leases"
-    parent, pids = start_parent(tmp_path, "--spawn-child --ignore-sigterm", lease_dir=str(lease_dir))
+    parent, pids = start_parent(parents, tmp_path, "--spawn-child --ignore-sigterm", lease_dir=str(lease_dir))
     parent.kill()
     parent.wait(10)
     # The server ignores SIGTERM, so the watchdog is still in its 1 s grace: the lease must be held.

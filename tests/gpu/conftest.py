@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpuproof import Inner, PhysicalGpus
 
 from pytest_pdserve.session_inventory import get_inventory
+
+from .gpuproof import Inner, PhysicalGpus
 
 HERE = Path(__file__).parent
 PROOF_DIR_ENV = "PDSERVE_GPU_PROOF_DIR"

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gpuproof import Inner, PhysicalGpus, find_line, gate_seconds, ready_seconds
+
+from .gpuproof import Inner, PhysicalGpus, find_line, gate_seconds, ready_seconds
 
 pytestmark = pytest.mark.cuda
 

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpuproof import Inner, PhysicalGpus, gate_seconds
 
 from pytest_pdserve import leases
 from pytest_pdserve.gpu_probe import gpu_processes
+
+from .gpuproof import Inner, PhysicalGpus, gate_seconds
 
 pytestmark = [pytest.mark.cuda, pytest.mark.gpus(1)]
 

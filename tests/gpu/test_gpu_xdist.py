@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from gpuproof import Inner, PhysicalGpus, find_line
+
+from .gpuproof import Inner, PhysicalGpus, find_line
 
 pytestmark = pytest.mark.cuda
 
@@ -196,7 +197,7 @@ def test_four_xdist_workers_on_four_gpus_two_run_two_wait(
 ) -> None:
     """``-n 4`` with four 1P x 1D clusters on four GPUs: two run at once on disjoint GPUs, two wait (with a message)
     and run when a pair is released."""
-    from gpuproof import INNER_CONFTEST
+    from .gpuproof import INNER_CONFTEST
 
     inner.pytester.makeconftest(INNER_CONFTEST + ASKING_CONFTEST_ADDON)
     inner.pytester.makepyfile(test_queue=QUEUE_TEST)

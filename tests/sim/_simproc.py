@@ -22,6 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 READY_TIMEOUT_S = 15.0
 NIXL_KVC = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
 
+#: A :meth:`SimServer.metrics` snapshot: (sample name, sorted labels) -> value.
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
 
 def free_port() -> int:
     """A port that was free a moment ago (bind port 0 on 127.0.0.1)."""
@@ -97,18 +100,18 @@ class SimServer:
             self.proc.wait(timeout=10)
         self._log.close()
 
-    def post(self, path: str, body: Mapping[str, object], **kw: object) -> httpx.Response:
+    def post(self, path: str, body: Mapping[str, object], headers: Mapping[str, str] | None = None) -> httpx.Response:
         """POST JSON to this server."""
-        return httpx.post(self.url + path, json=dict(body), timeout=10.0, **kw)  # type: ignore[arg-type]
+        return httpx.post(self.url + path, json=dict(body), headers=headers, timeout=10.0)
 
     def complete(self, prompt: str | list[int], **body: object) -> httpx.Response:
         """POST /v1/completions with temperature 0 unless given."""
         return self.post("/v1/completions", {"prompt": prompt, "temperature": 0, **body})
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> Metrics:
         """Scrape /metrics: (sample name, sorted labels without model_name/engine) -> value."""
         text = httpx.get(self.url + "/metrics", timeout=5.0).text
-        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        out: Metrics = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in {"model_name", "engine"}))
@@ -116,13 +119,17 @@ class SimServer:
         return out
 
 
-def metric(snapshot: Mapping[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+def metric(snapshot: Metrics, name: str, **labels: str) -> float:
     """One sample value from a :meth:`SimServer.metrics` snapshot (0 when absent)."""
     return snapshot.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+#: What :func:`sim_processes` yields (and the ``sim_factory`` fixture is): start one simulator, not waited for.
+Factory = Callable[..., SimServer]
+
+
 @contextlib.contextmanager
-def sim_processes(log_dir: Path) -> Iterator[Callable[..., SimServer]]:
+def sim_processes(log_dir: Path) -> Iterator[Factory]:
     """Start simulator processes (not waited for); all are SIGKILLed on exit."""
     servers: list[SimServer] = []
 

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from _simproc import SimServer
 
 from pytest_pdserve.sim import tokenizer
 from pytest_pdserve.sim.app import MAX_LOGPROBS, AppState, build_app
@@ -25,6 +24,8 @@ from pytest_pdserve.sim.cli import parse_serve_args
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.server import HARD_EXIT_AFTER_S
+
+from ._simproc import Factory, SimServer
 
 SEEDS_OF_THE_ISSUE = (9, 15, 36, 42, 63, 69, 501)
 
@@ -85,9 +86,9 @@ def test_every_request_of_a_sweep_answers_quickly() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_hang_of_the_issue_answers_for_every_logprobs_value(sim_factory: object) -> None:
+def test_the_hang_of_the_issue_answers_for_every_logprobs_value(sim_factory: Factory) -> None:
     """The reported case on a real process: tiny-nemotronh, 9,000 tokens, max_tokens 10, seed 42, logprobs 0..5."""
-    server: SimServer = sim_factory("--max-model-len", "16384", model="pdserve-sim/tiny-nemotronh")  # type: ignore[operator]
+    server: SimServer = sim_factory("--max-model-len", "16384", model="pdserve-sim/tiny-nemotronh")
     server.wait_ready()
     prompt = _prompt(0, 9000)
     for logprobs in range(6):
@@ -99,9 +100,9 @@ def test_the_hang_of_the_issue_answers_for_every_logprobs_value(sim_factory: obj
 
 
 @pytest.fixture
-def heavy_stream(sim_factory: object) -> Iterator[tuple[SimServer, threading.Thread]]:
+def heavy_stream(sim_factory: Factory) -> Iterator[tuple[SimServer, threading.Thread]]:
     """A server busy with a long streamed request with logprobs (several seconds of per-token work)."""
-    server: SimServer = sim_factory("--max-model-len", "16384")  # type: ignore[operator]
+    server: SimServer = sim_factory("--max-model-len", "16384")
     server.wait_ready()
 
     def run() -> None:

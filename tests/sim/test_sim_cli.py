@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _simproc import child_env, sim_argv
 
 from pytest_pdserve.sim.__main__ import main
 from pytest_pdserve.sim.cli import (
@@ -19,6 +18,8 @@ from pytest_pdserve.sim.cli import (
     resolve_attention_backend,
 )
 from pytest_pdserve.sim.faults import SimEnv, SimEnvError
+
+from ._simproc import child_env, sim_argv
 
 
 def _run(*args: str, console_script: bool = False) -> subprocess.CompletedProcess[str]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from _simproc import NIXL_KVC, SimServer, free_port, metric
 
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import parse_serve_args
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
+
+from ._simproc import NIXL_KVC, Factory, Metrics, SimServer, free_port, metric
 
 BLOCK = 128
 # tiny-nemotronh under --dtype float32: 1 attention layer x K,V x 2 heads x 32 x 4 B = 512 B/token;
@@ -50,15 +51,15 @@ def test_align_mode_hits_only_where_a_mamba_state_was_saved() -> None:
     assert hits("pdserve-sim/tiny-nemotronh") == [0, 256, 0]  # no Mamba state at token 128
 
 
-def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: object) -> None:
-    start = sim_factory  # type: ignore[assignment]
+def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: Factory) -> None:
+    start = sim_factory
     common = ("--block-size", str(BLOCK), "--dtype", "float32", "--kv-transfer-config", NIXL_KVC)
 
     def side() -> dict[str, str]:
         return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
-    p: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")  # type: ignore[operator]
-    d: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")  # type: ignore[operator]
+    p: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")
+    d: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")
     p.wait_ready()
     d.wait_ready()
     prompt = [7] * 300
@@ -71,7 +72,7 @@ def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: object) -> No
     assert out["usage"]["prompt_tokens"] == 300
     p1, d1 = p.metrics(), d.metrics()
 
-    def delta(a: dict, b: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    def delta(a: Metrics, b: Metrics, name: str, **labels: str) -> float:
         return metric(b, name, **labels) - metric(a, name, **labels)
 
     assert delta(p0, p1, "vllm:prompt_tokens_by_source_total", source="local_compute") == 299

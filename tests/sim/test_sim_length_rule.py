@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from _simproc import SimServer
 
 from pytest_pdserve.sim.vllm_rules import LengthError, fit_max_tokens, parse_version
+
+from ._simproc import Factory, SimServer
 
 NEW = parse_version("0.33.0")
 OLD = parse_version("0.30.0")
@@ -50,9 +51,9 @@ def test_old_rule_reserves_max_tokens() -> None:
 
 
 @pytest.mark.parametrize(("version", "status"), [(None, 200), ("0.30.0", 400)])
-def test_served_rule_follows_the_reported_version(sim_factory: object, version: str | None, status: int) -> None:
+def test_served_rule_follows_the_reported_version(sim_factory: Factory, version: str | None, status: int) -> None:
     env = {"PDSERVE_SIM_VLLM_VERSION": version} if version else {}
-    server: SimServer = sim_factory("--max-model-len", "256", env=env)  # type: ignore[operator]
+    server: SimServer = sim_factory("--max-model-len", "256", env=env)
     server.wait_ready()
     assert server.post("/version", {}).status_code == 405
     assert httpx.get(server.url + "/version").json()["version"] == (version or "0.33.0")
@@ -68,7 +69,7 @@ def test_served_rule_follows_the_reported_version(sim_factory: object, version: 
     assert too_long["message"].startswith("This model's maximum context length is 256 tokens.")
 
 
-def test_bad_version_is_refused_at_startup(sim_factory: object) -> None:
-    server: SimServer = sim_factory(env={"PDSERVE_SIM_VLLM_VERSION": "latest"})  # type: ignore[operator]
+def test_bad_version_is_refused_at_startup(sim_factory: Factory) -> None:
+    server: SimServer = sim_factory(env={"PDSERVE_SIM_VLLM_VERSION": "latest"})
     assert server.wait_exit() == 2
     assert "PDSERVE_SIM_VLLM_VERSION='latest' is not accepted" in server.log()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from _simproc import SimServer, sim_processes, words
+
+from ._simproc import SimServer, sim_processes, words
 
 
 @pytest.fixture(scope="module")

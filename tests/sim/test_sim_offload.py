@@ -8,12 +8,13 @@ from typing import Any
 
 import httpx
 import pytest
-from _simproc import SimServer
 
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import parse_serve_args
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
+
+from ._simproc import Factory, SimServer
 
 OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
 MULTI = {
@@ -93,7 +94,7 @@ def test_cpu_tier_restores_blocks_evicted_from_the_gpu(config: dict[str, Any]) -
         ({"kv_connector": "OffloadingConnector"}, "cpu_bytes_to_use must be specified in kv_connector_extra_config"),
     ],
 )  # fmt: skip
-def test_unsimulated_connectors_are_refused(sim_factory: object, config: dict[str, Any], needle: str) -> None:
-    server: SimServer = sim_factory("--kv-transfer-config", json.dumps(config))  # type: ignore[operator]
+def test_unsimulated_connectors_are_refused(sim_factory: Factory, config: dict[str, Any], needle: str) -> None:
+    server: SimServer = sim_factory("--kv-transfer-config", json.dumps(config))
     assert server.wait_exit() == 1
     assert needle in server.log()

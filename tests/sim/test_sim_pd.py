@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from _simproc import NIXL_KVC, SimServer, free_port, metric, sim_processes, words
+
+from ._simproc import NIXL_KVC, SimServer, free_port, metric, sim_processes, words
 
 BLOCK = 128
 BYTES_PER_BLOCK = BLOCK * 1024  # 131072, the tiny Llama's figure in vllm-cpu.md (served with --dtype float32)
@@ -76,7 +77,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
         yield servers
 
 
-def prefill(p: SimServer, prompt: str, endpoint: str = "/v1/completions", **body: Any) -> dict[str, Any]:
+def prefill(
+    p: SimServer, prompt: str | list[dict[str, str]], endpoint: str = "/v1/completions", **body: Any
+) -> dict[str, Any]:
     """What the toy proxy sends to P (max_tokens=1, do_remote_decode)."""
     key = "messages" if endpoint.endswith("chat/completions") else "prompt"
     r = p.post(
@@ -165,7 +168,7 @@ def test_short_prompt_and_streaming_and_chat_through_pd(cluster: dict[str, SimSe
 
     messages = [{"role": "user", "content": "tell me about P/D"}]
     chat_ref = p.post("/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0}).json()
-    chat_params = prefill(p, messages, endpoint="/v1/chat/completions")  # type: ignore[arg-type]
+    chat_params = prefill(p, messages, endpoint="/v1/chat/completions")
     chat = d.post(
         "/v1/chat/completions",
         {"messages": messages, "max_tokens": 6, "temperature": 0, "kv_transfer_params": chat_params},

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from _simproc import NIXL_KVC, SimServer, free_port, metric, sim_processes, words
+
+from ._simproc import NIXL_KVC, Metrics, SimServer, free_port, metric, sim_processes, words
 
 # vllm.md section 1.5 / vllm-cpu.md "Metrics seen": the families the simulator must expose.
 REFERENCE_COUNTERS = (
@@ -68,7 +70,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
 
 
 def _free() -> int:
-    from _simproc import free_port
+    from ._simproc import free_port
 
     return free_port()
 
@@ -216,8 +218,8 @@ def test_prefix_cache_arithmetic_361_tokens(servers: dict[str, SimServer]) -> No
     second = s.complete(prompt, max_tokens=3).json()
     after = s.metrics()
 
-    def delta(a: object, b: object, name: str, **labels: str) -> float:
-        return metric(b, name, **labels) - metric(a, name, **labels)  # type: ignore[arg-type]
+    def delta(a: Metrics, b: Metrics, name: str, **labels: str) -> float:
+        return metric(b, name, **labels) - metric(a, name, **labels)
 
     assert first["usage"]["prompt_tokens"] == 361
     assert delta(before, mid, "vllm:prefix_cache_queries_total") == 361
@@ -280,13 +282,19 @@ def test_reset_prefix_cache_in_dev_mode(servers: dict[str, SimServer]) -> None:
 
 
 def test_log_has_vllm_like_lines(servers: dict[str, SimServer]) -> None:
-    log = servers["plain"].log()
-    for needle in (
+    # A request of its own: the test passes alone too (-k), not only after the module's other tests.
+    assert servers["plain"].complete("hello", max_tokens=1).status_code == 200
+    needles = (
         "Started server process",
         "Uvicorn running on http://127.0.0.1:",
         "non-default args",
         '"POST /v1/completions HTTP/1.1" 200',
         "Finished request cmpl-",
-    ):
+    )
+    deadline = time.monotonic() + 10  # the access line may land just after the response
+    while any(n not in servers["plain"].log() for n in needles) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = servers["plain"].log()
+    for needle in needles:
         assert needle in log, needle
     assert Path(servers["plain"].log_path).exists()
