@@ -130,8 +130,8 @@ class ClusterSpec:
     kv_connector: str = "NixlConnector"
     kv_buffer_device: str | None = None
     kv_load_failure_policy: str | None = None
-    #: JSON text (kept as a string so the spec stays hashable); pass a dict, it is serialised.
-    kv_connector_extra_config: str | None = None
+    #: A dict or JSON text; stored as JSON text (so the spec stays hashable).
+    kv_connector_extra_config: str | Mapping[str, Any] | None = None
     extra_args: tuple[str, ...] = ()
     prefill_extra_args: tuple[str, ...] = ()
     decode_extra_args: tuple[str, ...] = ()
@@ -221,7 +221,10 @@ class ClusterSpec:
 
     def extra_config(self) -> dict[str, Any] | None:
         """`kv_connector_extra_config` as a dict."""
-        return None if self.kv_connector_extra_config is None else dict(json.loads(self.kv_connector_extra_config))
+        extra = self.kv_connector_extra_config  # always JSON text after __post_init__
+        if extra is None:
+            return None
+        return dict(json.loads(extra if isinstance(extra, str) else json.dumps(extra)))
 
     def with_(self, **changes: Any) -> ClusterSpec:
         """A copy with some fields changed (validated again)."""

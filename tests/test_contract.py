@@ -265,7 +265,7 @@ SPECS = {
     # ClusterSpec takes a dict here and stores it as JSON text; its field annotation says only str (see spec.py).
     "extra-args": ClusterSpec(
         extra_args=("--max-num-seqs", "4"),
-        kv_connector_extra_config={"kv_lease_duration": 60},  # type: ignore[arg-type]
+        kv_connector_extra_config={"kv_lease_duration": 60},
     ),
 }
 
