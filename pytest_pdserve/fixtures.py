@@ -110,7 +110,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
         shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
-        share_gpus=cfg.share_gpus,
+        share_gpus=cfg.share_gpus, port_range=cfg.port_range,
         reporter=make_reporter(config, logs / "pdserve.log"),
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check

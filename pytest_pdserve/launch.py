@@ -39,7 +39,7 @@ from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory
-from pytest_pdserve.port_leases import port_range_from_env
+from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 from pytest_pdserve.redaction import redact_env
@@ -79,6 +79,7 @@ class ClusterLauncher:
         shutdown_timeout: float,
         proxy_command: tuple[str, ...] | None,
         report: Reporter,
+        port_range: tuple[int, int | None] = DEFAULT_PORT_RANGE,
     ) -> None:
         self.defaults = defaults
         self.inventory = inventory
@@ -90,7 +91,7 @@ class ClusterLauncher:
         self.proxy_command = proxy_command
         self.report = report
         self.run_token = new_run_token()
-        self.port_range = port_range_from_env()
+        self.port_range = port_range
         self._watchdog: Watchdog | None = None
         self._guard: subprocess.Popen[bytes] | None = None
 

@@ -24,6 +24,7 @@ from pytest_pdserve.errors import ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
+from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["ClusterManager"]
@@ -55,6 +56,7 @@ class ClusterManager:
         decode_gpu_ids: tuple[int, ...] | None = None,
         share_gpus: bool = False,
         proxy_command: tuple[str, ...] | None = None,
+        port_range: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
     ) -> None:
         self._engine_setup = engine_setup
@@ -72,7 +74,7 @@ class ClusterManager:
         self.launcher = ClusterLauncher(
             defaults=defaults, inventory=inventory, gpus=self.gpus, log_dir=log_dir, lease_dir=lease_dir,
             startup_timeout=startup_timeout, shutdown_timeout=shutdown_timeout, proxy_command=proxy_command,
-            report=self.report,
+            report=self.report, port_range=port_range or DEFAULT_PORT_RANGE,
         )  # fmt: skip
         self.run_token = self.launcher.run_token
         self._running: dict[ClusterSpec, LaunchedCluster] = {}

@@ -9,44 +9,35 @@ nothing about our leases. How leases work in general: :mod:`pytest_pdserve.lease
 from __future__ import annotations
 
 import errno
-import os
 import random
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout, PDServeError
+from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
 from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, write_holder
 
 __all__ = [
-    "PORT_RANGE_ENV", "PortLease", "acquire_fixed_port", "acquire_port_span", "acquire_ports", "ephemeral_port_range",
-    "port_range_from_env",
+    "DEFAULT_PORT_RANGE", "PortLease", "acquire_fixed_port", "acquire_port_span", "acquire_ports",
+    "ephemeral_port_range", "parse_port_range",
 ]  # fmt: skip
 
-#: Undocumented knob (tests, firewalled CI hosts): lease every port from ``LOW-HIGH`` instead of the default
-#: range (20000 up to just below the kernel's ephemeral range).
-PORT_RANGE_ENV = "PDSERVE_PORT_RANGE"
+#: Where ports come from when ``--pd-port-range`` is not given: 20000 up to just below the ephemeral range.
+DEFAULT_PORT_RANGE: tuple[int, int | None] = (20000, None)
 
 
-def port_range_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int | None]:
-    """``(low, high)`` for the port lease calls from ``$PDSERVE_PORT_RANGE``; ``(20000, None)`` (leases'
-    default: up to the ephemeral range) when unset.
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``LOW-HIGH`` as ``(low, high)`` (the ``--pd-port-range`` setting).
 
-    :raises PDServeError: the value is not ``LOW-HIGH`` with ``1 <= LOW <= HIGH <= 65535``.
+    :raises ValueError: the text is not ``LOW-HIGH`` with ``1 <= LOW <= HIGH <= 65535``.
     """
-    raw = (os.environ if environ is None else environ).get(PORT_RANGE_ENV, "").strip()
-    if not raw:
-        return 20000, None
-    low, sep, high = raw.partition("-")
+    low, sep, high = text.strip().partition("-")
     try:
         lo, hi = int(low), int(high)
     except ValueError:
         lo = hi = 0
     if not sep or not 1 <= lo <= hi <= 65535:
-        raise PDServeError(
-            f"${PORT_RANGE_ENV}={raw!r} is not a port range: expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, "
-            "e.g. 20000-20999"
-        )
+        raise ValueError("expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 20000-20999")
     return lo, hi
 
 

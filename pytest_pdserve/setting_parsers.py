@@ -17,6 +17,7 @@ from typing import Any
 from pytest_pdserve.commands import proxy_placeholder_problems
 from pytest_pdserve.extra_args import ExtraArgsError, parse_extra_args
 from pytest_pdserve.inventory import InventoryError, parse_simulate_gpus
+from pytest_pdserve.port_leases import parse_port_range
 from pytest_pdserve.spec import ATTENTION_BACKEND_RE
 
 __all__ = [
@@ -253,6 +254,13 @@ def port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise SettingError("expected a port number in 1-65535, e.g. 8192")
     return value
+
+
+def port_range(text: str) -> tuple[int, int]:
+    try:
+        return parse_port_range(text)
+    except ValueError as exc:
+        raise SettingError(str(exc)) from None
 
 
 def check_raw(raw: Any) -> None:

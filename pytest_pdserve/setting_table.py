@@ -26,6 +26,7 @@ from pytest_pdserve.setting_parsers import (
     kv_connector_config,
     number,
     port,
+    port_range,
     preset,
     seconds,
     simulate_gpus,
@@ -146,6 +147,8 @@ SETTINGS: tuple[Setting, ...] = (
             "kv_connector_extra_config; pdserve sets kv_role", kv_connector_config, None, metavar="JSON"),
     Setting("proxy_port", "Port the session cluster's proxy listens on (leased; for modules that hard-code "
             "8192)", port, None, metavar="N"),
+    Setting("port_range", "Lease every server and proxy port from LOW-HIGH (default: 20000 up to the kernel's "
+            "ephemeral range; for firewalled hosts)", port_range, None, metavar="LOW-HIGH"),
     Setting("cache_salt", "Prefix-cache isolation: per-test (requests sent through the plugin carry the test's own "
             "vLLM cache_salt) or off (tests share one prefix cache)", choice("per-test", "off"), "per-test",
             metavar="MODE"),

@@ -83,6 +83,7 @@ class PDServeConfig:
     preset: str | None
     kv_connector_config: str | None
     proxy_port: int | None
+    port_range: tuple[int, int] | None
     cache_salt: str
     request_timeout: float
     ready_check: bool

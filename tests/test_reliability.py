@@ -335,8 +335,8 @@ BAD_INPUTS = [
     ("spec-extra-args-string", [], {}, "", 'ClusterSpec(extra_args="--x")', ["extra_args", "not the string '--x'"]),
     ("spec-owned-flag", [], {}, "", 'ClusterSpec(extra_args=["--port", "1"])', ["--port", "is a flag pdserve owns"]),
     ("spec-env-value", [], {}, "", 'ClusterSpec(env={"A": 1})', ["env value for A must be a string"]),
-    ("port-range-env", [], {"PDSERVE_PORT_RANGE": "9-1"}, "", "ClusterSpec()",
-     ["$PDSERVE_PORT_RANGE='9-1'", "LOW-HIGH"]),
+    ("port-range-env", [], {"PDSERVE_PORT_RANGE": "9-1"}, "", "",
+     ["'9-1' from environment variable PDSERVE_PORT_RANGE is not a valid port_range", "LOW-HIGH"]),
     ("sim-knob-env", [], {}, "", 'ClusterSpec(env={"PDSERVE_SIM_STARTUP_DELAY": "soon"})',
      ["PDSERVE_SIM_STARTUP_DELAY='soon'", "exited with exit code 2"]),
 ]  # fmt: skip
