@@ -114,7 +114,10 @@ def keep_cpu_affinity() -> bool:
         return True
 
     def sched_setaffinity(pid: int, mask: Any, /) -> None:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
+        try:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+        except ValueError:  # no Python frame above (a call from C): not vLLM's pin
+            caller = ""
         if pid == 0 and (caller == _NIXL_CONNECTOR_PACKAGE or caller.startswith(_NIXL_CONNECTOR_PACKAGE + ".")):
             logger.info(
                 "kept CPU affinity %s instead of %s's pin to cores %s (it puts every server's NIXL "
