@@ -47,7 +47,11 @@ def _missing_components(path: Path) -> tuple[Path, list[Path]]:
         except (FileNotFoundError, NotADirectoryError) as exc:
             # ENOTDIR: some ancestor is not a directory; walking up finds and names it.
             if isinstance(exc, FileNotFoundError) and os.path.lexists(current):
-                raise PathError(f"{current} is a dangling symbolic link") from None
+                # Another process may have created it since our stat (concurrent sessions make the lease dir):
+                # look again; only a link whose target is still missing is dangling.
+                if os.path.islink(current) and not os.path.exists(current):
+                    raise PathError(f"{current} is a dangling symbolic link") from None
+                continue
             missing.append(current)
             current = current.parent
             continue
