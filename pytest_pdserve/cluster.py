@@ -42,6 +42,24 @@ class EngineSetup:
     model_resolver: Callable[[ClusterSpec], str] | None = None
 
 
+@dataclass(frozen=True)
+class Reused:
+    """Where a reused cluster came from (``--pd-reuse``, `reuse.py`)."""
+
+    #: The kept cluster's id (what ``pdserve ls`` lists).
+    kept_id: str
+    #: Seconds since it was first started.
+    age_seconds: float
+    #: How long that first start took (what this run did not pay).
+    first_start_seconds: float
+
+    def describe(self) -> str:
+        """``kept cluster pd_cluster-1-ab12cd, 2m05s old (its start took 71.2s)``."""
+        minutes, seconds = divmod(int(self.age_seconds), 60)
+        age = f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+        return f"kept cluster {self.kept_id}, {age} old (its start took {self.first_start_seconds:.1f}s)"
+
+
 @dataclass
 class ServerHandle:
     """One server of a cluster (prefill, decode or proxy), running or attached.
@@ -192,6 +210,8 @@ class PDCluster:
     effective: dict[str, Any] = field(default_factory=dict, repr=False)
     #: Seconds the P/D-ready round trip took after HTTP readiness (None: not run).
     pd_ready_seconds: float | None = None
+    #: Set when this run reused a kept cluster (``--pd-reuse``): which one and how old it is.
+    reused: Reused | None = None
     #: Whether a server died under a test (health.py); every client of the cluster shares it.
     health: ClusterHealth = field(init=False, repr=False)
 
@@ -262,6 +282,8 @@ class PDCluster:
         parts.append(f"proxy={_where(self.proxy)}")
         backend = self.attention_backend or "auto"
         how = "attached" if self.attached else f"ready in {self.started_seconds:.1f}s"
+        if self.reused is not None:
+            how = f"reused {self.reused.describe()}, ready in {self.started_seconds:.2f}s"
         if self.pd_ready_seconds is not None:
             how += f" (P/D round trip {self.pd_ready_seconds:.2f}s)"
         seen = sorted({e.describe() for e in self.effective.values()})

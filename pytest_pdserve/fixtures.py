@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import pytest
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.manager import ClusterManager
+    from pytest_pdserve.reuse import ReuseOptions
 
 
 class ClusterFactory(Protocol):
@@ -55,9 +57,54 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
     Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
     """
     cfg = config.stash[PDSERVE_CONFIG]
-    base = cfg.log_dir if cfg.log_dir is not None else tmp_path_factory.getbasetemp() / "pdserve-logs"
+    if cfg.log_dir is not None:
+        base = cfg.log_dir
+    elif (kept := reuse_options(config)) is not None:
+        # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
+        base = kept.directory / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    else:
+        base = tmp_path_factory.getbasetemp() / "pdserve-logs"
     path = base / worker_id(config) if worker_id(config) != "master" else base
     return ensure_dir(path, LOG_DIR_MODE)
+
+
+REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
+
+
+def reuse_options(config: pytest.Config) -> ReuseOptions | None:
+    """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
+    if REUSE not in config.stash:
+        from pytest_pdserve.reuse import ReuseOptions, default_reuse_dir, ensure_reuse_dir, reuse_decision
+
+        cfg = config.stash[PDSERVE_CONFIG]
+        enabled, _ = reuse_decision(cfg.reuse, os.environ)
+        options = None
+        if enabled and not cfg.attach_mode:
+            options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
+        config.stash[REUSE] = options
+    return config.stash[REUSE]
+
+
+def reuse_header(config: pytest.Config) -> list[str]:
+    """The report header's reuse line: on or why off, and the kept clusters a run may attach to (with their age)."""
+    from pytest_pdserve.reuse import list_kept, reuse_decision
+
+    cfg = config.stash[PDSERVE_CONFIG]
+    enabled, why = reuse_decision(cfg.reuse, os.environ)
+    if cfg.reuse == "off":
+        return []
+    options = reuse_options(config)
+    if not enabled or options is None:
+        return [f"pdserve: reuse {why if not enabled else 'off: attach mode starts no servers'}"]
+    kept = list_kept(options.directory)
+    now = time.time()
+    shown = ", ".join(f"{k.id} ({k.spec_name}, {_age(now - k.created)} old)" for k in kept[:6]) or "none"
+    return [f"pdserve: reuse {why} (idle ttl {options.ttl:g}s, dir {options.directory}); kept clusters: {shown}"]
+
+
+def _age(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
@@ -101,17 +148,20 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         platform=inventory.platform,
         extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
     )
+    kept = reuse_options(config)
+    # The servers' scratch (vLLM's cache root) is part of their environment: a reuse run's must not move.
+    scratch = kept.directory / "scratch" if kept is not None else tmp_path_factory.getbasetemp()
     manager = ClusterManager(
         engine_setup=lambda name: engine_setup(
             name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
-            basetemp=tmp_path_factory.getbasetemp(),
+            basetemp=scratch,
         ),
         default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
         lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
         shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
         share_gpus=cfg.share_gpus, port_range=cfg.port_range,
-        reporter=make_reporter(config, logs / "pdserve.log"),
+        reporter=make_reporter(config, logs / "pdserve.log"), reuse=kept,
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
     return manager

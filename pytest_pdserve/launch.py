@@ -43,6 +43,7 @@ from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 from pytest_pdserve.redaction import redact_env
+from pytest_pdserve.reuse import Claim
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.supervise import start_guard
 from pytest_pdserve.watchdog import Watchdog
@@ -62,6 +63,10 @@ class LaunchedCluster:
     port_leases: list[leases.PortLease]
     label: str
     last_used: float = field(default_factory=time.monotonic)
+    #: ``{component: digest}`` of its configuration (`reuse.fingerprint`), set in a reuse run: what gets it kept.
+    fingerprint: dict[str, str] | None = None
+    #: A kept cluster this run claimed from its keeper (`reuse.Claim`): handed back, not stopped, at the end.
+    claim: Claim | None = None
 
 
 class ClusterLauncher:
@@ -101,12 +106,12 @@ class ClusterLauncher:
         """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token)."""
         if self._guard is None or self._guard.poll() is not None:
             # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
-            self._guard = start_guard(self.run_token, self._orphan_grace(), self.log_dir / "guard.log")
+            self._guard = start_guard(self.run_token, self.orphan_grace(), self.log_dir / "guard.log")
         if self._watchdog is None or not self._watchdog.alive:
             # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
                 self.run_token,
-                grace=self._orphan_grace(),
+                grace=self.orphan_grace(),
                 log_path=self.log_dir / "watchdog.log",
                 wait=False,
             )
@@ -123,7 +128,7 @@ class ClusterLauncher:
                 self._guard.wait(5)
             self._guard = None
 
-    def _orphan_grace(self) -> float:
+    def orphan_grace(self) -> float:
         """SIGTERM-to-SIGKILL grace of the watchdog and the guards, who stop servers when pytest is dead.
 
         At most 3 s, so that no server is alive 5 s after pytest died, even one that ignores SIGTERM.
@@ -346,6 +351,26 @@ class ClusterLauncher:
         return proxy
 
     # ------------------------------------------------------------------ stop
+
+    def disown(self, launched: LaunchedCluster) -> None:
+        """Forget a cluster a reuse keeper now owns: no stop, no lease release, no watchdog sweep of its servers.
+
+        Our lease fds are closed without unlocking (the servers and the keeper hold theirs); the watchdog forgets
+        its groups and drops its copies of the fds.
+        """
+        for s in launched.cluster.servers:
+            s.close()
+        for p in launched.processes:
+            if self._watchdog is not None and p.pgid is not None:
+                self._watchdog.unwatch(p.pgid)
+            p.disown()
+        held = [*(launched.gpu_plan.leases if launched.gpu_plan is not None else ()), *launched.port_leases]
+        names = [f"{launched.label}-gpus", *(f"{launched.label}-ports-{lease.base}" for lease in launched.port_leases)]
+        for lease in held:
+            lease.disown()
+        if self._watchdog is not None:
+            for name in names:
+                self._watchdog.drop(name)
 
     def teardown(self, launched: LaunchedCluster) -> None:
         """Stop a cluster this launcher started (its clients first, then everything `cleanup` undoes)."""

@@ -30,13 +30,14 @@ and an open sequence that works in a shared sticky directory (``fs.protected_reg
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
-from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, write_holder
+from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, want, write_holder
 
 # Port leases and the lease primitives are re-exported: callers use ``leases.acquire_ports`` and friends (and
 # tests patch them here), so this module stays the one place to lease anything.
@@ -60,6 +61,7 @@ __all__ = [
     "ensure_lease_dir",
     "ephemeral_port_range",
     "try_acquire_gpus",
+    "want_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -242,24 +244,37 @@ def acquire_gpus(
     t0 = time.monotonic()
     deadline = t0 + timeout
     last_msg, last_report = "", 0.0
-    while True:
-        lease, busy = _try_gpus(lease_dir, keys, count, contiguous, purpose)
-        if lease is not None:
-            lease.waited = time.monotonic() - t0
-            if lease.waited > 0.5:
-                log.info("leased GPUs %s after waiting %.1fs", lease.keys, lease.waited)
-            return lease
-        msg = _gpu_wait_message(lease_dir, keys, count, busy, contiguous)
-        now = time.monotonic()
-        if now >= deadline:
-            raise LeaseTimeout(
-                f"{msg.replace('waiting for', 'gave up waiting for', 1)} after {timeout:.0f}s. Wait longer "
-                "with --pd-gpu-wait-timeout, skip instead with --pd-gpu-wait=skip, or free the GPUs"
-            )
-        if on_wait is not None and (msg != last_msg or now - last_report >= _REPORT_EVERY):
-            on_wait(f"{msg}; giving up in {deadline - now:.0f}s")
-            last_msg, last_report = msg, now
-        time.sleep(max(0.0, min(poll, deadline - now)))
+    wants: dict[str, int] = {}  # want-file fds: a reuse keeper holding one of these GPUs stops its kept cluster
+    try:
+        while True:
+            lease, busy = _try_gpus(lease_dir, keys, count, contiguous, purpose)
+            if lease is not None:
+                lease.waited = time.monotonic() - t0
+                if lease.waited > 0.5:
+                    log.info("leased GPUs %s after waiting %.1fs", lease.keys, lease.waited)
+                return lease
+            for p in busy:
+                if keys[p] not in wants and (fd := want(want_path(lease_dir, keys[p]))) is not None:
+                    wants[keys[p]] = fd
+            msg = _gpu_wait_message(lease_dir, keys, count, busy, contiguous)
+            now = time.monotonic()
+            if now >= deadline:
+                raise LeaseTimeout(
+                    f"{msg.replace('waiting for', 'gave up waiting for', 1)} after {timeout:.0f}s. Wait longer "
+                    "with --pd-gpu-wait-timeout, skip instead with --pd-gpu-wait=skip, or free the GPUs"
+                )
+            if on_wait is not None and (msg != last_msg or now - last_report >= _REPORT_EVERY):
+                on_wait(f"{msg}; giving up in {deadline - now:.0f}s")
+                last_msg, last_report = msg, now
+            time.sleep(max(0.0, min(poll, deadline - now)))
+    finally:
+        for fd in wants.values():
+            os.close(fd)
+
+
+def want_path(lease_dir: Path, key: str) -> Path:
+    """The want file of GPU ``key``: a run waiting for it holds a shared lock there (`lockfiles.want`)."""
+    return _gpu_path(lease_dir, key).with_suffix(".want")
 
 
 def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:

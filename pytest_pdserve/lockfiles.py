@@ -28,7 +28,9 @@ from pytest_pdserve.proctree import read_stat
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
     from typing import Self
 
-__all__ = ["Lease", "NotALockFile", "describe_holder", "ensure_lease_dir", "try_lock", "unlock", "write_holder"]
+__all__ = [
+    "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir", "try_lock", "unlock", "want", "write_holder",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +191,24 @@ def describe_holder(lock_path: Path) -> str:
         os.close(fd)
 
 
+def want(path: Path) -> int | None:
+    """Say "a run waits for this" on the want file next to a lock (a shared flock, held until the fd is closed).
+
+    A reuse keeper whose kept cluster holds that GPU sees it (:func:`pytest_pdserve.keeper.is_wanted`) and stops
+    the cluster. Returns the fd to close when done waiting, or None (an entry that is not ours: nobody is told).
+    """
+    try:
+        fd = _open_shared(path)
+    except (NotALockFile, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)  # the keeper is looking right now (it holds LOCK_EX for a moment): try again next poll
+        return None
+    return fd
+
+
 # ------------------------------------------------------------------- the lease directory and held leases
 
 
@@ -222,6 +242,11 @@ class Lease:
         return tuple(self._fds)
 
     @property
+    def locks(self) -> tuple[tuple[int, Path], ...]:
+        """``(fd, lock file)`` pairs (what a reuse keeper takes over)."""
+        return tuple(zip(self._fds, self._paths, strict=True))
+
+    @property
     def held(self) -> bool:
         """Whether the lease is still held."""
         return bool(self._fds)
@@ -229,6 +254,14 @@ class Lease:
     def _release_now(self) -> None:
         for path, fd in zip(self._paths, self._fds, strict=True):
             unlock(fd, path)
+        self._fds = []
+
+    def disown(self) -> None:
+        """Close our fds *without* unlocking or removing the files: the lease stays held by the other holders of
+        its fds (the servers, and the reuse keeper they were handed to) and frees when the last of them is gone."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._fds = []
 
     def release(self) -> float:

@@ -11,12 +11,14 @@ handed to tests (`PDCluster`, `ServerHandle`) live in `cluster.py`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_pdserve import leases, reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
 from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster
 from pytest_pdserve.commands import SessionDefaults
@@ -25,6 +27,7 @@ from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
 from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
+from pytest_pdserve.reuse import ReuseOptions
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["ClusterManager"]
@@ -58,6 +61,7 @@ class ClusterManager:
         proxy_command: tuple[str, ...] | None = None,
         port_range: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
+        reuse: ReuseOptions | None = None,
     ) -> None:
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
@@ -85,6 +89,8 @@ class ClusterManager:
         self._counter = 0
         #: ``--pd-proxy-port``: the proxy of these specs listens on the given port (leased like any other).
         self.proxy_ports: dict[ClusterSpec, int] = {}
+        #: ``--pd-reuse``: keep clusters for the next run and attach to kept ones (reuse.py); None: off.
+        self.reuse = reuse
 
     # ------------------------------------------------------------------ public
 
@@ -103,7 +109,7 @@ class ClusterManager:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
             try:
-                running = self._start(spec)
+                running = self._reuse_or_start(spec) if self.reuse is not None else self._start(spec)
             except ClusterUnavailable:
                 raise
             except Exception as exc:
@@ -169,12 +175,26 @@ class ClusterManager:
         return running.cluster
 
     def stop_all(self) -> None:
-        """Stop every cluster, then the watchdog. Safe to call twice."""
+        """Stop every cluster (a reuse run keeps its healthy ones instead), then the watchdog. Safe to call twice."""
         with self._lock:
             items = list(self._running.values())
             self._running.clear()
+        keep = []
         for running in items:
-            self._teardown(running)
+            if running.claim is not None:  # a kept cluster we claimed: hand it back (or have it stopped if it died)
+                if running.cluster.health.died is not None:
+                    self.deaths.append(running.cluster.health.died)
+                    running.claim.stop()
+                else:
+                    running.claim.release()
+                for s in running.cluster.servers:
+                    s.close()
+            elif self._keepable(running):
+                keep.append(running)
+            else:
+                self._teardown(running)
+        if keep:
+            self._keep(keep)
         self.launcher.close()
 
     # ------------------------------------------------------------------ start
@@ -204,6 +224,85 @@ class ClusterManager:
             victim = min(self._running.values(), key=lambda r: r.last_used)
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
             self.stop(victim.cluster.spec)
+
+    def _reuse_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
+        """A kept cluster with this spec's fingerprint, claimed and checked; else a fresh one (saying why)."""
+        assert self.reuse is not None
+        setup = self.engine_for(spec)
+        model = self._resolve_model(spec, setup)
+        wanted = reuse.fingerprint(
+            spec=spec, defaults=self.defaults, setup=setup, model=model, placement=self._placement(spec),
+            proxy_command=self.launcher.proxy_command, environ=os.environ,
+        )  # fmt: skip
+        claim, why = reuse.find_reusable(self.reuse.directory, wanted, spec.name, self.report)
+        if claim is not None:
+            try:
+                running = reuse.adopt(
+                    claim, spec, api_key=self.defaults.api_key,
+                    max_model_len=spec.max_model_len or self.defaults.max_model_len,
+                )  # fmt: skip
+            except Exception as exc:
+                claim.stop()
+                why = f"kept cluster {claim.kept.id} failed its check ({exc}); stopped it"
+            else:
+                self.report(running.cluster.describe())
+                return running
+        if why is not None:
+            self.report(f"pdserve: {spec.name}: starting a fresh cluster: {why}")
+        running = self._start(spec)
+        running.fingerprint = wanted
+        return running
+
+    def _placement(self, spec: ClusterSpec) -> dict[str, object]:
+        """Where a cluster's servers run, as far as settings decide it (part of its reuse fingerprint)."""
+        return {
+            "gpus": [g.uuid or str(g.index) for g in self.inventory.gpus], "platform": self.inventory.platform,
+            "prefill_gpu_ids": self.gpus.prefill_gpu_ids, "decode_gpu_ids": self.gpus.decode_gpu_ids,
+            "share_gpus": self.gpus.share_gpus, "proxy_port": self.proxy_ports.get(spec),
+        }  # fmt: skip
+
+    def _keepable(self, running: LaunchedCluster) -> bool:
+        """A cluster this reuse run started, whose servers all still run."""
+        return (
+            self.reuse is not None
+            and running.fingerprint is not None
+            and running.cluster.health.died is None
+            and bool(running.processes)
+            and all(p.returncode is None and p.pid is not None for p in running.processes)
+        )
+
+    def _keep(self, items: list[LaunchedCluster]) -> None:
+        """Hand ``items`` to a new keeper; if it cannot take them, stop them as usual."""
+        assert self.reuse is not None
+        orders = []
+        for r in items:
+            assert r.fingerprint is not None
+            plan = r.gpu_plan
+            held = [*(plan.leases if plan is not None else ()), *r.port_leases]
+            locks = [(fd, str(path)) for lease in held for fd, path in lease.locks]
+            want = [
+                str(leases.want_path(self.launcher.lease_dir, key))
+                for lease in (plan.leases if plan is not None else ())
+                for key in lease.keys
+            ]
+            orders.append((reuse.cluster_state(r, r.fingerprint, self.run_token), locks, want))
+        try:
+            pid = reuse.keep(
+                orders, reuse_dir=self.reuse.directory, ttl=self.reuse.ttl, grace=self.launcher.orphan_grace(),
+                run_token=self.run_token,
+            )  # fmt: skip
+        except reuse.ReuseError as exc:
+            self.report(f"pdserve: reuse: {exc}; stopping the clusters instead")
+            for r in items:
+                self._teardown(r)
+            return
+        for r in items:
+            self.launcher.disown(r)
+        ids = ", ".join(str(state["id"]) for state, _, _ in orders)
+        self.report(
+            f"pdserve: reuse: kept {ids} for the next --pd-reuse run (keeper pid {pid}; stops after "
+            f"{self.reuse.ttl:g}s idle; `pdserve ls`, `pdserve stop --all`)"
+        )
 
     def _start(self, spec: ClusterSpec) -> LaunchedCluster:
         self._counter += 1

@@ -13,6 +13,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_pdserve import export_env, logs
+from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
     CURRENT_ITEM,
     MANAGER,
@@ -23,6 +24,8 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     pd_cluster_factory,
     pytest_timeout_cancel_timer,
     pytest_timeout_set_timer,
+    reuse_header,
+    reuse_options,
     stop_manager,
 )
 from pytest_pdserve.markers import apply_skips, register_markers
@@ -65,6 +68,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("help", False):
         return  # `pytest --help` must work even when a setting is bad
     config.stash[PDSERVE_CONFIG] = resolve(config)
+    try:
+        reuse_options(config)
+    except PDServeError as exc:  # a reuse dir that is not ours: before any test, like every bad setting
+        raise pytest.UsageError(f"pdserve: --pd-reuse: {exc}") from None
     start_inventory_detection(config)
 
 
@@ -94,6 +101,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
             f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
         )
+    lines += reuse_header(config)
     given = settings_origin(cfg)
     if given:
         lines.append(f"pdserve: settings given: {given}")

@@ -276,6 +276,15 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} is not ready")
         return self._ready_at - self._started_at
 
+    def disown(self) -> None:
+        """Hand the running process over (to the reuse keeper, `reuse.py`): this object never stops it again, nor
+        does the atexit safety net."""
+        _live.discard(self)
+        if self._popen is not None and self._popen.returncode is None:
+            # Popen warns (ResourceWarning) when collected while its child runs; the child is not ours to wait for.
+            self._popen.returncode = 0
+        self._popen = None
+
     def stop(self, grace: float = DEFAULT_STOP_GRACE) -> StopReport:
         """Stop the server and everything it started; idempotent (later calls return the first report).
 

@@ -226,6 +226,18 @@ def export_env(text: str) -> str | None:
     return value
 
 
+def reuse_mode(text: str) -> str:
+    # `--pd-reuse` alone arrives as "1" (the optional kind's const).
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value == "force":
+        return "force"
+    raise SettingError("accepted values: on, off, force (keep clusters even when CI is set)")
+
+
 def preset(text: str) -> str:
     from pytest_pdserve.presets import PRESETS
 

@@ -28,6 +28,7 @@ from pytest_pdserve.setting_parsers import (
     port,
     port_range,
     preset,
+    reuse_mode,
     seconds,
     simulate_gpus,
     text,
@@ -156,11 +157,18 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="SECONDS"),
     Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
             "server (P/D-ready, not only HTTP-ready)", boolean, True, kind="bool"),
+    Setting("reuse", "Keep this run's clusters up when pytest ends and attach the next run with the same "
+            "configuration to them: on, off, or force (also when CI is set); see `pdserve ls` and "
+            "`pdserve stop --all`", reuse_mode, "off", kind="optional", metavar="MODE"),
+    Setting("reuse_ttl", "Seconds a kept cluster may stay idle before its keeper stops it", seconds, 900.0,
+            metavar="SECONDS"),
+    Setting("reuse_dir", "Private directory for kept clusters' state and logs (default: "
+            "${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}/reuse)", text("a directory"), None, metavar="DIR"),
 )  # fmt: skip
 
 SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 #: Settings that name a directory: relative values are resolved against the ini file or the invocation dir.
-PATH_SETTINGS = ("log_dir", "lease_dir")
+PATH_SETTINGS = ("log_dir", "lease_dir", "reuse_dir")
 
 
 def remedy(name: str) -> str:

@@ -87,6 +87,10 @@ class PDServeConfig:
     cache_salt: str
     request_timeout: float
     ready_check: bool
+    reuse: str
+    """``off``, ``on`` or ``force`` as given; :func:`pytest_pdserve.reuse.reuse_decision` says whether it applies."""
+    reuse_ttl: float
+    reuse_dir: Path | None
     resolved_engine: str
     """``vllm`` or ``sim``."""
     engine_reason: str

@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pytest_pdserve.paths import cache_base
+
 __all__ = ["KINDS", "TinyModelError", "cache_root", "ensure_tiny_model", "model_dir", "recipe_hash"]
 
 KINDS = ("llama", "nemotronh")
@@ -160,8 +162,7 @@ _BUILDERS = {"llama": _build_llama, "nemotronh": _build_nemotronh}
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The models directory: ``<cache_dir>/models``, default ``${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}``."""
-    base = cache_dir or os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pytest-pdserve"
-    return Path(base).expanduser() / "models"
+    return (Path(cache_dir).expanduser() if cache_dir else cache_base()) / "models"
 
 
 def _recipe_source() -> str:

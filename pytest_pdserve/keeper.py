@@ -1,0 +1,334 @@
+"""The keeper: owns clusters kept for the next run (``--pd-reuse``) after the pytest that started them is gone.
+
+At the end of a reuse run, pytest starts one keeper for the clusters it started and hands it everything that
+must outlive pytest (:func:`pytest_pdserve.reuse.keep`): the servers' process groups, pids, start times and
+server tokens, and duplicates of the clusters' lease fds (``pass_fds``). The keeper then:
+
+* writes one state file per cluster (``<reuse dir>/<id>.json``, mode 0600) that the next run and ``pdserve ls``
+  read, and removes it when it stops that cluster;
+* listens on an abstract Unix socket (no path to plant or to outgrow 108 bytes; only our uid is served, checked
+  with ``SO_PEERCRED``). A run that attaches *claims* a cluster by keeping a connection open: one claim per
+  cluster at a time, and the kernel ends a claim whose run died. ``stop ID`` / ``stop *`` stop clusters now;
+* stops a cluster when it was idle (unclaimed) for the TTL, when one of its servers died or was replaced
+  (pid and start time), or when another run waits for its GPUs (that run holds a shared lock on the GPU's
+  ``.want`` file, :func:`pytest_pdserve.lockfiles.want`);
+* exits when no cluster is left. Exiting closes its lease fds; a lease frees once the servers holding it are gone.
+
+Supervision does not stop at the keeper: it starts its own guard (:mod:`pytest_pdserve.supervise`) on its own
+lifeline, so a SIGKILLed keeper still takes its servers down (the guard sweeps the run token), and the next
+run removes the state files of a keeper that is gone. Like the watchdog, this module runs under
+``python -I -S`` and imports only the standard library and our stdlib-only modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_pdserve.lockfiles import unlock, write_holder
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, read_stat, terminate
+from pytest_pdserve.supervise import start_guard
+
+__all__ = ["STATE_SUFFIX", "is_wanted", "main", "peer_uid_pid"]
+
+STATE_SUFFIX = ".json"
+_MAX_INPUT = 4 << 20  # what pytest writes on our stdin: a few KB per cluster
+_TICK = 0.5  # seconds between checks of TTL, server liveness and wanted GPUs
+_MAX_LINE = 4096
+
+
+def _say(msg: str) -> None:
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} pdserve-keeper[{os.getpid()}] {msg}\n")
+        sys.stderr.flush()
+
+
+def peer_uid_pid(sock: socket.socket) -> tuple[int, int]:
+    """``(uid, pid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return uid, pid
+
+
+def is_wanted(path: str) -> bool:
+    """Whether some run is waiting for the GPU whose want file is ``path`` (it holds a shared lock on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # no want file: nobody ever waited there
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+class _Kept:
+    """One cluster this keeper owns."""
+
+    def __init__(
+        self, state: dict[str, Any], locks: Sequence[tuple[int, Path]], want: Sequence[str], state_path: Path
+    ) -> None:
+        self.state = state
+        self.id = str(state["id"])
+        self.locks = list(locks)
+        self.want = list(want)
+        self.state_path = state_path
+        self.idle_since = time.monotonic()
+        self.claim: socket.socket | None = None
+
+    @property
+    def servers(self) -> list[dict[str, Any]]:
+        return [*self.state["servers"], self.state["proxy"]]
+
+    def dead_server(self) -> str | None:
+        """The first server whose process is gone or is not the one started (pid reused), else None."""
+        for server in self.servers:
+            info = read_stat(int(server["pid"]))
+            if info is None or info.starttime != int(server["starttime"]):
+                return f"{server['name']} (pid {server['pid']}) is gone"
+        return None
+
+    def stop(self, why: str, grace: float, *, keep_logs: bool) -> None:
+        t0 = time.monotonic()
+        groups = [int(s["pgid"]) for s in self.servers]
+        tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in self.servers]
+        res = terminate(groups, env=tokens, grace=grace, kill_wait=10.0)
+        for fd, path in self.locks:  # the servers are gone: the leases free now (files removed, as on release)
+            with contextlib.suppress(OSError):
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    unlock(fd, path)
+                    continue
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.locks = []
+        with contextlib.suppress(OSError):
+            self.state_path.unlink()
+        if not keep_logs:
+            for server in self.servers:
+                with contextlib.suppress(OSError, KeyError, TypeError):
+                    os.unlink(server["log_path"])
+        if self.claim is not None:
+            with contextlib.suppress(OSError):
+                self.claim.sendall(f"stopped {self.id}: {why}\n".encode())
+                self.claim.close()
+            self.claim = None
+        _say(f"stopped {self.id} ({why}) in {time.monotonic() - t0:.2f}s: left={list(res.remaining)}")
+
+
+class _Keeper:
+    def __init__(self, clusters: list[_Kept], listener: socket.socket, ttl: float, grace: float) -> None:
+        self.clusters = {k.id: k for k in clusters}
+        self.listener = listener
+        self.ttl = ttl
+        self.grace = grace
+        self.conns: dict[socket.socket, bytes] = {}
+        self.stop_all: str | None = None
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.conns.pop(conn, None)
+        for kept in self.clusters.values():
+            if kept.claim is conn:  # the run that claimed it ended (or died): idle from now on
+                kept.claim = None
+                kept.idle_since = time.monotonic()
+                _say(f"{kept.id} released")
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def _answer(self, conn: socket.socket, line: str) -> None:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "claim":
+            kept = self.clusters.get(arg)
+            if kept is None:
+                reply = "unknown"
+            elif kept.claim is not None or any(k.claim is conn for k in self.clusters.values()):
+                reply = "busy"
+            else:
+                kept.claim = conn
+                reply = "ok"
+                _say(f"{kept.id} claimed")
+            conn.sendall(f"{reply}\n".encode())
+        elif cmd == "stop":
+            targets = list(self.clusters) if arg == "*" else [arg] if arg in self.clusters else []
+            for cid in targets:
+                self.clusters.pop(cid).stop("pdserve stop", self.grace, keep_logs=False)
+            conn.sendall((json.dumps({"stopped": targets}) + "\n").encode())
+        elif cmd == "info":
+            now = time.monotonic()
+            info = {
+                cid: {
+                    "claimed": k.claim is not None,
+                    "idle_seconds": 0.0 if k.claim is not None else round(now - k.idle_since, 1),
+                    "ttl": self.ttl,
+                }
+                for cid, k in self.clusters.items()
+            }
+            conn.sendall((json.dumps(info) + "\n").encode())
+        else:
+            conn.sendall(b"error unknown command\n")
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(_MAX_LINE)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        buf = self.conns.get(conn, b"") + data
+        if len(buf) > _MAX_LINE:
+            self._drop(conn)
+            return
+        while b"\n" in buf:
+            line, _, buf = buf.partition(b"\n")
+            try:
+                self._answer(conn, line.decode(errors="replace"))
+            except OSError:
+                self._drop(conn)
+                return
+        self.conns[conn] = buf
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            uid, _pid = peer_uid_pid(conn)
+        except OSError:
+            uid = -1
+        if uid != os.geteuid():  # abstract sockets have no file mode: the peer's uid is the permission
+            _say(f"refused a connection from uid {uid}")
+            conn.close()
+            return
+        self.conns[conn] = b""
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        for cid, kept in list(self.clusters.items()):
+            why = kept.dead_server()
+            keep_logs = why is not None  # a death's log says why: keep it
+            if why is None and kept.claim is None:
+                if now - kept.idle_since >= self.ttl:
+                    why = f"idle for {self.ttl:g}s"
+                elif any(is_wanted(p) for p in kept.want):
+                    why = "another run waits for its GPUs"
+            if why is not None:
+                self.clusters.pop(cid).stop(why, self.grace, keep_logs=keep_logs)
+
+    def run(self) -> None:
+        last = 0.0
+        for _ in range(1 << 40):  # bounded only against a logic error
+            if self.stop_all is not None:
+                for cid in list(self.clusters):
+                    self.clusters.pop(cid).stop(self.stop_all, self.grace, keep_logs=False)
+            if not self.clusters:
+                return
+            ready, _, _ = select.select([self.listener, *self.conns], [], [], _TICK)
+            for sock in ready:
+                if sock is self.listener:
+                    self._accept()
+                else:
+                    self._read(sock)
+            if time.monotonic() - last >= _TICK:
+                last = time.monotonic()
+                self._check()
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(state, fh)
+    os.replace(tmp, path)
+
+
+def _listen(uid: int) -> tuple[socket.socket, str]:
+    for _ in range(10):
+        name = f"pytest-pdserve-keeper-{uid}-{os.urandom(8).hex()}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(16)
+        return sock, name
+    raise OSError("no free abstract socket name")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Keeper entry point; reads its clusters as JSON on stdin, prints ``ready <pid>`` when it owns them."""
+    del argv
+    raw = sys.stdin.buffer.read(_MAX_INPUT)
+    try:
+        order = json.loads(raw)
+        reuse_dir = Path(order["reuse_dir"])
+        ttl, grace, run_token = float(order["ttl"]), float(order["grace"]), str(order["run_token"])
+        items = list(order["clusters"])
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: bad keeper order: {exc}", flush=True)
+        return 2
+    # Detach from pytest: it waits for this first process, which exits at once; the keeper is the child.
+    if os.fork() > 0:
+        os._exit(0)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    listener, name = _listen(os.geteuid())
+    me = read_stat(os.getpid())
+    started = time.time()
+    clusters = []
+    for item in items:
+        state = dict(item["state"])
+        state["keeper"] = {
+            "pid": os.getpid(), "starttime": me.starttime if me else 0, "socket": name, "ttl": ttl,
+            "since": started,
+        }  # fmt: skip
+        path = reuse_dir / f"{state['id']}{STATE_SUFFIX}"
+        _write_state(path, state)
+        locks = [(int(fd), Path(lock)) for fd, lock in item.get("locks", ())]
+        for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
+            write_holder(lock, f"kept for reuse: {state['id']} (pdserve ls)")
+        clusters.append(_Kept(state, locks, item.get("want", ()), path))
+    keeper = _Keeper(clusters, listener, ttl, grace)
+
+    def on_term(signum: int, frame: object) -> None:
+        keeper.stop_all = f"signal {signum}"
+
+    signal.signal(signal.SIGTERM, on_term)
+    # Our own guard: if this keeper is SIGKILLed, it stops every process of the run token (the kept servers).
+    guard = start_guard(run_token, grace, reuse_dir / "guard.log")
+    print(f"ready {os.getpid()} {name}", flush=True)
+    with contextlib.suppress(OSError):
+        os.close(1)  # pytest reads until EOF: we are ready, and pytest may go
+        os.open(os.devnull, os.O_WRONLY)
+    _say(f"keeping {sorted(keeper.clusters)} (ttl {ttl:g}s, token {RUN_TOKEN_ENV}={run_token})")
+    try:
+        keeper.run()
+    finally:
+        _say("no cluster left: exiting")
+        guard.terminate()  # nothing left to guard
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""Keep clusters between runs (``--pd-reuse``): fingerprints, kept-cluster state, claims, hand-over. [pytest-free]
+
+The inner loop of a test author is "edit a test, run pytest": with ``--pd-reuse`` the servers' start (a minute
+or more) is paid once. How:
+
+* **Keep.** When a reuse run ends, :func:`keep` hands every cluster it started (and that is still healthy) to one
+  :mod:`keeper <pytest_pdserve.keeper>` process: their process groups, server tokens and lease fds. pytest then
+  disowns them (no stop, no lease release) and ends; the keeper owns them from then on.
+* **Fingerprint.** Each kept cluster records a :func:`fingerprint`: one digest per component of its effective
+  configuration (every `ClusterSpec` field, every session setting, the engine's command and version, the
+  model, the GPU placement settings, the proxy command, and the environment variables the servers read). Only
+  digests are written, so no secret reaches the state file; differing *names* say why a cluster was not reused.
+* **Attach.** A later reuse run that needs a spec first looks for a kept cluster with the same fingerprint
+  (:func:`find_reusable`): it *claims* it (one run at a time), checks every server is the process that was
+  kept (pid and start time) and answers ``/health``, resets the prefix caches (``POST /reset_prefix_cache``)
+  and hands it out. Anything else starts a fresh cluster and says why.
+* **Isolation.** Per-test cache salts are fresh each session (``--pd-cache-salt``), and the reset at attach
+  empties the caches a previous run warmed. A keeper that is gone is noticed by the next run
+  (:func:`list_kept`), which stops whatever of its servers is left and removes its state.
+
+The state lives in a private directory (:func:`ensure_reuse_dir`: ours, mode 0700, not writable by others);
+every state file is read without following links and parsed defensively, and a file that does not parse is
+removed and named, never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.keeper import STATE_SUFFIX, peer_uid_pid
+from pytest_pdserve.paths import cache_base, ensure_dir
+from pytest_pdserve.proctree import SERVER_TOKEN_ENV, isolated_argv, read_stat, terminate
+
+if TYPE_CHECKING:
+    from pytest_pdserve.cluster import EngineSetup
+    from pytest_pdserve.effective import SessionDefaults
+    from pytest_pdserve.launch import LaunchedCluster
+    from pytest_pdserve.spec import ClusterSpec
+
+__all__ = [
+    "Claim",
+    "ReuseOptions",
+    "KeptCluster",
+    "adopt",
+    "claim",
+    "cluster_state",
+    "keeper_info",
+    "ReuseError",
+    "default_reuse_dir",
+    "differences",
+    "ensure_reuse_dir",
+    "find_reusable",
+    "fingerprint",
+    "keep",
+    "list_kept",
+    "reuse_decision",
+    "stop_kept",
+]
+
+#: Environment variables a server reads, besides its own env delta: a change in any of them starts fresh servers.
+SERVER_ENV_PREFIXES = (
+    "VLLM_", "CUDA_", "HIP_", "ROCR_", "HSA_", "UCX_", "NIXL_", "NCCL_", "OMP_", "MKL_", "KMP_", "HF_",
+    "TRANSFORMERS_", "TORCH", "PYTORCH_", "TRITON_", "LD_", "PYTHON", "PDSERVE_SIM_",
+)  # fmt: skip
+SERVER_ENV_NAMES = ("PATH",)
+_MAX_STATE = 1 << 20
+_CONNECT_TIMEOUT = 2.0
+_KEEPER_START_TIMEOUT = 15.0
+
+
+@dataclass(frozen=True)
+class ReuseOptions:
+    """How a reuse run keeps clusters: where their state lives and how long they may stay idle."""
+
+    directory: Path
+    ttl: float
+
+
+class ReuseError(PDServeError):
+    """The reuse directory is unusable, or a keeper could not take the clusters over."""
+
+
+# --------------------------------------------------------------------------------------------- settings
+
+
+def reuse_decision(mode: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether this run keeps and reuses clusters, and why, in words (for the report header).
+
+    ``on`` is refused when ``CI`` is set (a CI job must start from fresh servers, and nobody would stop what it
+    kept); ``force`` keeps anyway.
+    """
+    if mode == "off":
+        return False, "off"
+    ci = environ.get("CI", "").strip()
+    if mode == "on" and ci.lower() not in ("", "0", "false", "no"):
+        return False, f"off: refused because CI={ci} (a CI job starts fresh servers; --pd-reuse=force keeps them)"
+    return True, "force (CI is set)" if ci and mode == "force" else "on"
+
+
+def default_reuse_dir() -> Path:
+    """``${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}/reuse``."""
+    return cache_base() / "reuse"
+
+
+def ensure_reuse_dir(path: Path) -> Path:
+    """Create the reuse directory (0700) if missing; refuse one that is not ours or that others may write.
+
+    :raises ReuseError: naming the path and what is wrong with it.
+    """
+    try:
+        ensure_dir(path, 0o700)
+        st = os.stat(path)
+    except (PDServeError, OSError) as exc:
+        raise ReuseError(f"reuse directory {path}: {exc}") from None
+    if st.st_uid != os.geteuid():
+        raise ReuseError(f"reuse directory {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise ReuseError(
+            f"reuse directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone could plant "
+            "a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"))
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_identity(model: str) -> str:
+    """The model name, plus size and mtime of a local checkpoint's files (a rebuilt model starts fresh servers)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return model
+    parts = [model]
+    with contextlib.suppress(OSError):
+        for entry in sorted(path.iterdir())[:64]:
+            with contextlib.suppress(OSError):
+                st = entry.stat()
+                parts.append(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def _sim_identity() -> str:
+    """The simulator's source files (size, mtime): editing the simulator starts fresh simulated servers."""
+    sim = Path(__file__).parent / "sim"
+    parts = []
+    for entry in sorted(sim.glob("*.py")):
+        with contextlib.suppress(OSError):
+            st = entry.stat()
+            parts.append(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def fingerprint(
+    *,
+    spec: ClusterSpec,
+    defaults: SessionDefaults,
+    setup: EngineSetup,
+    model: str,
+    placement: Mapping[str, Any],
+    proxy_command: Sequence[str] | None,
+    environ: Mapping[str, str],
+) -> dict[str, str]:
+    """``{component: digest}`` of everything that shapes a cluster's servers (see the module docstring)."""
+    from pytest_pdserve import __version__
+
+    parts: dict[str, str] = {}
+    for f in dataclasses.fields(spec):
+        parts[f"spec.{f.name}"] = _canon(getattr(spec, f.name))
+    for f in dataclasses.fields(defaults):
+        if f.name != "extra_args_source":  # where the args came from does not change the servers
+            parts[f"setting.{f.name}"] = _canon(getattr(defaults, f.name))
+    info = setup.info
+    parts["engine"] = _canon([info.name, list(info.argv_prefix), str(info.version), info.python])
+    if info.name == "sim":
+        parts["engine.simulator"] = _sim_identity()
+    parts["engine.platform_env"] = _canon(setup.platform_env)
+    parts["engine.platform_args"] = _canon(setup.platform_args)
+    parts["model"] = _model_identity(model)
+    for key, value in placement.items():
+        parts[f"placement.{key}"] = _canon(value)
+    parts["proxy_command"] = _canon(proxy_command)
+    parts["pytest-pdserve"] = __version__
+    for name, value in environ.items():
+        if name.startswith(SERVER_ENV_PREFIXES) or name in SERVER_ENV_NAMES:
+            parts[f"env.{name}"] = value
+    return {k: _digest(v) for k, v in sorted(parts.items())}
+
+
+def differences(kept: Mapping[str, str], wanted: Mapping[str, str]) -> list[str]:
+    """Component names whose digests differ (or that only one side has): why a kept cluster does not fit."""
+    return sorted(k for k in {*kept, *wanted} if kept.get(k) != wanted.get(k))
+
+
+# -------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class KeptCluster:
+    """One kept cluster, as its state file describes it."""
+
+    id: str
+    path: Path
+    state: dict[str, Any]
+    fingerprint: dict[str, str]
+    keeper_pid: int
+    keeper_starttime: int
+    socket_name: str
+    created: float
+    kept_since: float
+    ttl: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec_name(self) -> str:
+        return str(self.state.get("spec_name", "?"))
+
+    @property
+    def servers(self) -> list[dict[str, Any]]:
+        return [*self.state["servers"], self.state["proxy"]]
+
+    def keeper_alive(self) -> bool:
+        """Whether the keeper that wrote this state still runs (same pid *and* start time: no pid reuse)."""
+        info = read_stat(self.keeper_pid)
+        return info is not None and info.starttime == self.keeper_starttime
+
+    def dead_server(self) -> str | None:
+        """The first server that is not the process that was kept, else None."""
+        for s in self.servers:
+            info = read_stat(int(s["pid"]))
+            if info is None or info.starttime != int(s["starttime"]):
+                return f"{s['name']} (pid {s['pid']}) is gone"
+        return None
+
+
+def _read_state(path: Path) -> KeptCluster:
+    """Parse one state file (ours, regular, bounded); :raises ValueError: what is wrong with it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError("not a regular file of ours")
+        raw = os.read(fd, _MAX_STATE + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_STATE:
+        raise ValueError("larger than 1 MiB")
+    try:
+        state = json.loads(raw)
+        keeper = state["keeper"]
+        for s in [*state["servers"], state["proxy"]]:
+            int(s["pid"]), int(s["pgid"]), int(s["starttime"]), str(s["token"]), str(s["url"]), str(s["name"])
+        return KeptCluster(
+            id=str(state["id"]), path=path, state=state,
+            fingerprint={str(k): str(v) for k, v in dict(state["fingerprint"]).items()},
+            keeper_pid=int(keeper["pid"]), keeper_starttime=int(keeper["starttime"]), socket_name=str(keeper["socket"]),
+            created=float(state["created"]), kept_since=float(keeper["since"]), ttl=float(keeper["ttl"]),
+        )  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a kept-cluster state ({type(exc).__name__}: {exc})") from None
+
+
+def _sweep(kept: KeptCluster, grace: float) -> None:
+    """Stop what is left of a kept cluster whose keeper is gone (processes found by their server tokens only)."""
+    tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in kept.servers]
+    terminate([], env=tokens, grace=grace, kill_wait=10.0)
+    with contextlib.suppress(OSError):
+        kept.path.unlink()
+
+
+def list_kept(reuse_dir: Path, *, report: Any = None, grace: float = 3.0) -> list[KeptCluster]:
+    """The kept clusters in ``reuse_dir`` whose keeper runs; a keeper that is gone has its leftovers stopped
+    and its state removed, and a file that is not a kept-cluster state is removed (both are reported)."""
+    say = report or (lambda msg: None)
+    found = []
+    try:
+        entries = sorted(reuse_dir.glob(f"*{STATE_SUFFIX}"))
+    except OSError:
+        return []
+    for path in entries[:256]:  # bounded: a directory full of junk must not stall a run
+        try:
+            kept = _read_state(path)
+        except FileNotFoundError:
+            continue  # its keeper stopped it meanwhile
+        except (OSError, ValueError) as exc:
+            say(f"pdserve: reuse: removed {path}: {exc}")
+            with contextlib.suppress(OSError):
+                path.unlink()
+            continue
+        if not kept.keeper_alive():
+            _sweep(kept, grace)
+            say(f"pdserve: reuse: kept cluster {kept.id}'s keeper (pid {kept.keeper_pid}) is gone; stopped its servers")
+            continue
+        found.append(kept)
+    return found
+
+
+# -------------------------------------------------------------------------------------------- keeper talk
+
+
+class Claim:
+    """A kept cluster claimed by this run: the open connection *is* the claim (the kernel ends it if we die)."""
+
+    def __init__(self, kept: KeptCluster, sock: socket.socket) -> None:
+        self.kept = kept
+        self._sock = sock
+
+    def release(self) -> None:
+        """Hand it back to its keeper (idle from now on)."""
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def stop(self) -> None:
+        """Ask its keeper to stop it now (a server died under this run)."""
+        with contextlib.suppress(OSError):
+            _request(self.kept, f"stop {self.kept.id}")
+        self.release()
+
+
+def _connect(kept: KeptCluster) -> socket.socket:
+    """Connect to the keeper, checking the other end is that keeper (its pid and our uid)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_CONNECT_TIMEOUT)
+    try:
+        sock.connect("\0" + kept.socket_name)
+        uid, pid = peer_uid_pid(sock)
+        if uid != os.geteuid() or pid != kept.keeper_pid:
+            raise OSError(f"socket {kept.socket_name} is served by pid {pid} uid {uid}, not by the keeper")
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _readline(sock: socket.socket) -> str:
+    buf = b""
+    for _ in range(64):  # bounded: at most 64 chunks of a reply line
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if b"\n" in buf:
+            break
+    return buf.partition(b"\n")[0].decode(errors="replace")
+
+
+def _request(kept: KeptCluster, line: str, timeout: float = 60.0) -> str:
+    with contextlib.closing(_connect(kept)) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(line.encode() + b"\n")
+        return _readline(sock)
+
+
+def claim(kept: KeptCluster) -> Claim | None:
+    """Claim ``kept`` for this run; None when another run holds it, or its keeper no longer has it."""
+    try:
+        sock = _connect(kept)
+        sock.sendall(f"claim {kept.id}\n".encode())
+        reply = _readline(sock)
+    except OSError:
+        return None
+    if reply != "ok":
+        sock.close()
+        return None
+    sock.settimeout(None)
+    return Claim(kept, sock)
+
+
+def keeper_info(kept: KeptCluster) -> dict[str, Any]:
+    """What the keeper says of ``kept`` now (claimed, idle seconds); empty when it does not answer."""
+    try:
+        info = json.loads(_request(kept, "info", timeout=_CONNECT_TIMEOUT))
+        return dict(info.get(kept.id, {}))
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
+    """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True if it was stopped."""
+    try:
+        reply = json.loads(_request(kept, f"stop {kept.id}"))
+        return kept.id in reply.get("stopped", [])
+    except (OSError, ValueError, AttributeError):
+        if kept.keeper_alive():
+            return False
+        _sweep(kept, grace)
+        return True
+
+
+# --------------------------------------------------------------------------------------------- attach
+
+
+def find_reusable(
+    reuse_dir: Path, wanted: Mapping[str, str], spec_name: str, report: Any
+) -> tuple[Claim | None, str | None]:
+    """Claim a kept cluster whose fingerprint is ``wanted``: ``(claim, None)``, or ``(None, why not)`` where
+    ``why`` names the nearest kept cluster and the components that differ (None when nothing was kept)."""
+    kept = list_kept(reuse_dir, report=report)
+    if not kept:
+        return None, None
+    exact = [k for k in kept if k.fingerprint == wanted]
+    busy = []
+    for k in sorted(exact, key=lambda k: k.created):
+        dead = k.dead_server()
+        if dead is not None:
+            report(f"pdserve: reuse: kept cluster {k.id} not reused: {dead}; stopping it")
+            stop_kept(k)
+            continue
+        got = claim(k)
+        if got is not None:
+            return got, None
+        busy.append(k.id)
+    if busy:
+        return None, f"kept cluster {', '.join(busy)} is in use by another run"
+    nearest = min(kept, key=lambda k: (k.spec_name != spec_name, len(differences(k.fingerprint, wanted))))
+    diff = differences(nearest.fingerprint, wanted)
+    shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
+    return None, f"kept cluster {nearest.id} differs in {shown}"
+
+
+# ---------------------------------------------------------------------------------------------- keep
+
+
+def _server_state(proc: Any, handle: Any) -> dict[str, Any]:
+    info = read_stat(proc.pid)
+    command = handle.command
+    return {
+        "name": proc.name, "role": handle.role, "index": handle.index, "url": handle.url, "pid": proc.pid,
+        "pgid": proc.pgid, "starttime": info.starttime if info is not None else -1, "token": proc.server_token,
+        "log_path": str(proc.log_path), "gpus": list(handle.gpus),
+        "ports": list(dataclasses.astuple(handle.ports)) if handle.ports is not None else None,
+        "argv": list(command.argv) if command is not None else None,
+        # The API key stays out of the file; the next run has it in its own settings (the fingerprint matched).
+        "env": {k: v for k, v in command.env.items() if k != "VLLM_API_KEY"} if command is not None else None,
+        "ready_seconds": handle.ready_seconds,
+    }  # fmt: skip
+
+
+def cluster_state(launched: LaunchedCluster, fingerprint_: Mapping[str, str], run_token: str) -> dict[str, Any]:
+    """What the keeper writes for one cluster (no secret: digests, URLs, pids, tokens, logs)."""
+    cluster = launched.cluster
+    by_name = {p.name: p for p in launched.processes}
+    servers = [_server_state(by_name[h.name], h) for h in (*cluster.prefill, *cluster.decode)]
+    return {
+        "id": f"{launched.label}-{os.urandom(3).hex()}", "spec_name": cluster.spec.name, "label": launched.label,
+        "created": time.time() - cluster.started_seconds, "fingerprint": dict(fingerprint_), "run_token": run_token,
+        "engine": cluster.engine, "model": cluster.model, "vllm_version": cluster.vllm_version,
+        "block_size": cluster.block_size, "attention_backend": cluster.attention_backend,
+        "platform": cluster.platform, "started_seconds": cluster.started_seconds,
+        "pd_ready_seconds": cluster.pd_ready_seconds, "topology": [len(cluster.prefill), len(cluster.decode)],
+        "servers": servers, "proxy": _server_state(by_name["proxy"], cluster.proxy),
+    }  # fmt: skip
+
+
+def keep(
+    items: Iterable[tuple[dict[str, Any], Sequence[tuple[int, str]], Sequence[str]]],
+    *,
+    reuse_dir: Path,
+    ttl: float,
+    grace: float,
+    run_token: str,
+) -> int:
+    """Start one keeper for ``(state, [(lease fd, lock file)], want files)`` items; returns its pid once it owns them.
+
+    :raises ReuseError: it did not say it was ready (its log is ``<reuse_dir>/keeper.log``).
+    """
+    items = list(items)
+    order = {
+        "reuse_dir": str(reuse_dir), "ttl": ttl, "grace": grace, "run_token": run_token,
+        "clusters": [{"state": s, "locks": [list(x) for x in locks], "want": list(want)} for s, locks, want in items],
+    }  # fmt: skip
+    fds = sorted({fd for _, locks, _ in items for fd, _ in locks})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_CACHE_DIR"}
+    log_path = reuse_dir / "keeper.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            isolated_argv("pytest_pdserve.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            env=env, pass_fds=fds, start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    try:
+        proc.stdin.write(json.dumps(order).encode())
+        proc.stdin.close()
+        proc.wait(_KEEPER_START_TIMEOUT)  # the first process forks the keeper and exits at once
+        line = _read_line_within(proc.stdout, _KEEPER_START_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        with contextlib.suppress(OSError):
+            proc.kill()
+        proc.wait(5)
+        raise ReuseError(f"the reuse keeper did not start: {exc}; see {log_path}") from None
+    finally:
+        proc.stdout.close()
+    if not line.startswith("ready "):
+        raise ReuseError(f"the reuse keeper did not start: it said {line!r}; see {log_path}")
+    return int(line.split()[1])
+
+
+def _read_line_within(stream: Any, timeout: float) -> str:
+    import select
+
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf and time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.partition(b"\n")[0].decode(errors="replace")
+
+
+# --------------------------------------------------------------------------------------------- adopt
+
+
+def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
+    """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
+
+    Every server must be the kept process (pid and start time) and answer ``/health``; the prefill and decode
+    prefix caches are reset (a previous run's prompts must not warm this run's); what the servers run is read
+    back as at a fresh start (`verify.verify_cluster`). :raises ReuseError: what failed (the caller stops it).
+    """
+    import httpx
+
+    from pytest_pdserve import verify
+    from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
+    from pytest_pdserve.commands import ServerCommand, ServerPorts
+    from pytest_pdserve.launch import LaunchedCluster
+
+    t0 = time.monotonic()
+    kept = claim.kept
+    state = kept.state
+    dead = kept.dead_server()
+    if dead is not None:
+        raise ReuseError(dead)
+
+    def handle(s: Mapping[str, Any]) -> ServerHandle:
+        command = None
+        if s.get("argv") is not None:
+            env: dict[str, str | None] = dict(s.get("env") or {})
+            env["VLLM_API_KEY"] = api_key  # kept out of the state file; the fingerprint says it is the same key
+            command = ServerCommand(s["role"], int(s["index"]), tuple(s["argv"]), env)
+        ports = ServerPorts(*(int(p) for p in s["ports"])) if s.get("ports") else None
+        return ServerHandle(
+            s["role"], int(s["index"]), str(s["url"]), api_key, Path(s["log_path"]), None, command, ports,
+            tuple(s.get("gpus") or ()), s.get("ready_seconds"),
+        )  # fmt: skip
+
+    servers = [handle(s) for s in state["servers"]]
+    proxy = handle(state["proxy"])
+    if proxy.ports is None:
+        proxy.ports = ServerPorts(proxy.port, 0, 0)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for h in (*servers, proxy):
+        try:
+            status = httpx.get(f"{h.url}/health", headers=headers, timeout=2.0, trust_env=False).status_code
+        except httpx.HTTPError as exc:
+            raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
+        if status != 200:
+            raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
+    cluster = PDCluster(
+        spec=spec, engine=str(state["engine"]), model=str(state["model"]), block_size=int(state["block_size"]),
+        attention_backend=state.get("attention_backend"),
+        prefill=tuple(h for h in servers if h.role == "prefill"),
+        decode=tuple(h for h in servers if h.role == "decode"), proxy=proxy,
+        platform=str(state.get("platform", "cpu")), vllm_version=state.get("vllm_version"),
+        reused=Reused(kept.id, time.time() - kept.created, float(state.get("started_seconds") or 0.0)),
+    )  # fmt: skip
+    for h in (*cluster.prefill, *cluster.decode):
+        try:
+            reset = h.reset_prefix_cache()
+        except AssertionError as exc:
+            raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
+        if not reset:
+            raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+    verify.verify_cluster(cluster, max_model_len=max_model_len)
+    cluster.started_seconds = time.monotonic() - t0
+    return LaunchedCluster(cluster, [], None, [], str(state["label"]), fingerprint=kept.fingerprint, claim=claim)
