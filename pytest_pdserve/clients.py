@@ -18,8 +18,10 @@ carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import ssl
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -137,7 +139,7 @@ def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request)
 class _Transport(httpx.BaseTransport):
     def __init__(self, server: str, inner: httpx.BaseTransport | None = None) -> None:
         self._server = server
-        self._inner = inner or httpx.HTTPTransport()
+        self._inner = inner or http_transport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request = _with_salt(request)
@@ -153,7 +155,7 @@ class _Transport(httpx.BaseTransport):
 class _AsyncTransport(httpx.AsyncBaseTransport):
     def __init__(self, server: str, inner: httpx.AsyncBaseTransport | None = None) -> None:
         self._server = server
-        self._inner = inner or httpx.AsyncHTTPTransport()
+        self._inner = inner or async_http_transport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         request = _with_salt(request)
@@ -166,12 +168,29 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
+@functools.lru_cache(maxsize=1)
+def ssl_context() -> ssl.SSLContext:
+    """One verifying SSL context for every client of this process: building one loads the CA bundle (~25 ms),
+    which each new ``httpx`` transport would otherwise pay again (attaching a kept cluster makes a dozen)."""
+    return httpx.create_ssl_context()
+
+
+def http_transport() -> httpx.HTTPTransport:
+    """A plain transport that shares :func:`ssl_context`."""
+    return httpx.HTTPTransport(verify=ssl_context())
+
+
+def async_http_transport() -> httpx.AsyncHTTPTransport:
+    """An async transport that shares :func:`ssl_context`."""
+    return httpx.AsyncHTTPTransport(verify=ssl_context())
+
+
 def make_client(
     server: str, base_url: str, headers: Mapping[str, str], *, inner: httpx.BaseTransport | None = None
 ) -> httpx.Client:
     """A client for *server* (named in errors, e.g. ``decode-0 (http://127.0.0.1:8200)``).
 
-    :param inner: the transport that really sends (default ``httpx.HTTPTransport()``; tests pass a mock).
+    :param inner: the transport that really sends (default :func:`http_transport`; tests pass a mock).
     """
     # trust_env=False: a corporate HTTP(S)_PROXY must never see our loopback traffic.
     return httpx.Client(

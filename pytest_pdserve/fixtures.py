@@ -96,10 +96,14 @@ def reuse_header(config: pytest.Config) -> list[str]:
     options = reuse_options(config)
     if not enabled or options is None:
         return [f"pdserve: reuse {why if not enabled else 'off: attach mode starts no servers'}"]
-    kept = list_kept(options.directory)
+    cleaned: list[str] = []  # what the listing cleaned up (a keeper that is gone, a file that is no state)
+    kept = list_kept(options.directory, report=cleaned.append)
     now = time.time()
     shown = ", ".join(f"{k.id} ({k.spec_name}, {_age(now - k.created)} old)" for k in kept[:6]) or "none"
-    return [f"pdserve: reuse {why} (idle ttl {options.ttl:g}s, dir {options.directory}); kept clusters: {shown}"]
+    return [
+        f"pdserve: reuse {why} (idle ttl {options.ttl:g}s, dir {options.directory}); kept clusters: {shown}",
+        *cleaned,
+    ]
 
 
 def _age(seconds: float) -> str:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+from pytest_pdserve import clients
 from pytest_pdserve.errors import ServerDied, describe_returncode
 from pytest_pdserve.hints import hint_for
 
@@ -132,7 +133,7 @@ class GuardedTransport(httpx.BaseTransport):
     def __init__(self, health: ClusterHealth, client_of: str, inner: httpx.BaseTransport | None = None) -> None:
         self._health = health
         self._client_of = client_of
-        self._inner = inner or httpx.HTTPTransport()
+        self._inner = inner or clients.http_transport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._health.raise_if_dead()
@@ -160,7 +161,7 @@ class AsyncGuardedTransport(httpx.AsyncBaseTransport):
     def __init__(self, health: ClusterHealth, client_of: str, inner: httpx.AsyncBaseTransport | None = None) -> None:
         self._health = health
         self._client_of = client_of
-        self._inner = inner or httpx.AsyncHTTPTransport()
+        self._inner = inner or clients.async_http_transport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self._health.raise_if_dead()
@@ -193,7 +194,9 @@ def _probe(server: _Server) -> str | None:
     url = proc.health_url if proc is not None and proc.health_url else f"{server.url}/health"
     path = httpx.URL(url).path
     try:
-        with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False, headers=server.headers) as client:
+        with httpx.Client(
+            timeout=PROBE_TIMEOUT_S, trust_env=False, headers=server.headers, transport=clients.http_transport()
+        ) as client:
             status = client.get(url).status_code
     except httpx.HTTPError as exc:
         return f"GET {path}: {type(exc).__name__}"

@@ -104,7 +104,7 @@ class _Kept:
         """The first server whose process is gone or is not the one started (pid reused), else None."""
         for server in self.servers:
             info = read_stat(int(server["pid"]))
-            if info is None or info.starttime != int(server["starttime"]):
+            if info is None or not info.live or info.starttime != int(server["starttime"]):
                 return f"{server['name']} (pid {server['pid']}) is gone"
         return None
 

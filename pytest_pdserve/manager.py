@@ -171,7 +171,10 @@ class ClusterManager:
             running = self._running.pop(spec, None)
         if running is None:
             return None
-        self._teardown(running)
+        if running.claim is not None:  # a kept cluster: the test wants it gone (GPUs, memory), not handed back
+            running.claim.stop()
+        else:
+            self._teardown(running)
         return running.cluster
 
     def stop_all(self) -> None:

@@ -21,18 +21,13 @@ from pathlib import Path
 
 from pytest_pdserve.errors import PDServeError
 
-__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "PathError", "cache_base", "check_dir", "ensure_dir"]
+__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "PathError", "check_dir", "ensure_dir"]
 
 LOG_DIR_MODE = 0o700
 """Logs carry prompts and the servers' own start-up lines: private to the user."""
 
 LEASE_DIR_MODE = 0o1777
 """Like /tmp: every user can create lock files, nobody can remove another user's."""
-
-
-def cache_base() -> Path:
-    """The user's pdserve cache, ``${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}`` (tiny models, kept clusters)."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pytest-pdserve").expanduser()
 
 
 class PathError(PDServeError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import httpx
 
+from pytest_pdserve.clients import http_transport
+
 __all__ = ["REQUEST_TIMEOUT", "AuthRefused", "ReadinessCheck", "readiness_client"]
 
 REQUEST_TIMEOUT = 0.5
@@ -76,7 +78,7 @@ class ReadinessCheck:
 def readiness_client() -> httpx.Client:
     """The client readiness requests go through."""
     # trust_env=False: an HTTP(S)_PROXY in the environment must not intercept 127.0.0.1 checks.
-    return httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT)
+    return httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT, transport=http_transport())
 
 
 def _short(exc: Exception) -> str:

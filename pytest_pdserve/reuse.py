@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.keeper import STATE_SUFFIX, peer_uid_pid
-from pytest_pdserve.paths import cache_base, ensure_dir
-from pytest_pdserve.proctree import SERVER_TOKEN_ENV, isolated_argv, read_stat, terminate
+from pytest_pdserve.paths import ensure_dir
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, read_stat, terminate
+from pytest_pdserve.tiny_model import cache_base
 
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import EngineSetup
@@ -254,13 +255,13 @@ class KeptCluster:
     def keeper_alive(self) -> bool:
         """Whether the keeper that wrote this state still runs (same pid *and* start time: no pid reuse)."""
         info = read_stat(self.keeper_pid)
-        return info is not None and info.starttime == self.keeper_starttime
+        return info is not None and info.live and info.starttime == self.keeper_starttime
 
     def dead_server(self) -> str | None:
         """The first server that is not the process that was kept, else None."""
         for s in self.servers:
             info = read_stat(int(s["pid"]))
-            if info is None or info.starttime != int(s["starttime"]):
+            if info is None or not info.live or info.starttime != int(s["starttime"]):
                 return f"{s['name']} (pid {s['pid']}) is gone"
         return None
 
@@ -502,7 +503,7 @@ def keep(
         "clusters": [{"state": s, "locks": [list(x) for x in locks], "want": list(want)} for s, locks, want in items],
     }  # fmt: skip
     fds = sorted({fd for _, locks, _ in items for fd, _ in locks})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}  # no sweep hits it
     log_path = reuse_dir / "keeper.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -557,6 +558,7 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
     import httpx
 
     from pytest_pdserve import verify
+    from pytest_pdserve.clients import http_transport
     from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
     from pytest_pdserve.commands import ServerCommand, ServerPorts
     from pytest_pdserve.launch import LaunchedCluster
@@ -585,13 +587,14 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
     if proxy.ports is None:
         proxy.ports = ServerPorts(proxy.port, 0, 0)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    for h in (*servers, proxy):
-        try:
-            status = httpx.get(f"{h.url}/health", headers=headers, timeout=2.0, trust_env=False).status_code
-        except httpx.HTTPError as exc:
-            raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
-        if status != 200:
-            raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
+    with httpx.Client(headers=headers, timeout=2.0, trust_env=False, transport=http_transport()) as client:
+        for h in (*servers, proxy):
+            try:
+                status = client.get(f"{h.url}/health").status_code
+            except httpx.HTTPError as exc:
+                raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
+            if status != 200:
+                raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
     cluster = PDCluster(
         spec=spec, engine=str(state["engine"]), model=str(state["model"]), block_size=int(state["block_size"]),
         attention_backend=state.get("attention_backend"),

@@ -42,9 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.paths import cache_base
-
-__all__ = ["KINDS", "TinyModelError", "cache_root", "ensure_tiny_model", "model_dir", "recipe_hash"]
+__all__ = ["KINDS", "TinyModelError", "cache_base", "cache_root", "ensure_tiny_model", "model_dir", "recipe_hash"]
 
 KINDS = ("llama", "nemotronh")
 #: Libraries whose versions change the built files (random init, tokenizer training, serialization).
@@ -158,6 +156,12 @@ def _build_nemotronh(out: Path) -> int:
 
 _BUILDERS = {"llama": _build_llama, "nemotronh": _build_nemotronh}
 # --- recipe end ---
+
+
+def cache_base() -> Path:
+    """The user's pdserve cache, ``${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}``: tiny models, kept clusters
+    (`reuse.py`). Here, not in paths.py, because this file also runs as a stdlib-only script in vLLM's venv."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pytest-pdserve").expanduser()
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
