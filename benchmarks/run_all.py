@@ -20,6 +20,7 @@ from typing import Any
 import bench_bash_way
 import bench_collection
 import bench_proxy
+import bench_reuse
 import bench_startup
 import bench_teardown
 import bench_xdist
@@ -32,6 +33,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "xdist": bench_xdist.run,
     "teardown": bench_teardown.run,
     "bash_way": bench_bash_way.run,
+    "reuse": bench_reuse.run,
 }
 
 
@@ -112,6 +114,15 @@ def targets(results: dict[str, dict[str, Any]]) -> list[list[str]]:
         rows.append(["7   harness only (wall minus the module's own run)", f"{h:.1f}x", "-", ""])
         for module, ratio in b["ratios"].items():
             rows.append([f"7   {module}", f"{ratio:.2f}x", "-", ""])
+    if "reuse" in results:
+        r = results["reuse"]
+        s = r["stats"]
+        rows.append([
+            "8 --pd-reuse: second run, start to first test body (max)",
+            f"{s['second run']['max']:.2f} s vs {s['no cluster']['median']:.2f} s with no cluster", "within 1 s",
+            verdict(r["target_met"]),
+        ])  # fmt: skip
+        rows.append(["8   first run (starts and keeps the cluster)", f"{s['first run']['median']:.2f} s", "-", ""])
     return rows
 
 

@@ -74,13 +74,20 @@ REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
 def reuse_options(config: pytest.Config) -> ReuseOptions | None:
     """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
     if REUSE not in config.stash:
-        from pytest_pdserve.reuse import ReuseOptions, default_reuse_dir, ensure_reuse_dir, reuse_decision
+        from pytest_pdserve.reuse import (
+            ReuseOptions,
+            default_reuse_dir,
+            ensure_reuse_dir,
+            prune_run_logs,
+            reuse_decision,
+        )
 
         cfg = config.stash[PDSERVE_CONFIG]
         enabled, _ = reuse_decision(cfg.reuse, os.environ)
         options = None
         if enabled and not cfg.attach_mode:
             options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
+            prune_run_logs(options.directory)  # each reuse run without --pd-log-dir logs under it
         config.stash[REUSE] = options
     return config.stash[REUSE]
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.lockfiles import unlock, write_holder
+from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, read_stat, terminate
 from pytest_pdserve.supervise import start_guard
 
@@ -228,7 +228,9 @@ class _Keeper:
             why = kept.dead_server()
             keep_logs = why is not None  # a death's log says why: keep it
             if why is None and kept.claim is None:
-                if now - kept.idle_since >= self.ttl:
+                if not kept.state_path.exists():  # e.g. the reuse dir was removed: no run can find it again
+                    why = "its state file is gone"
+                elif now - kept.idle_since >= self.ttl:
                     why = f"idle for {self.ttl:g}s"
                 elif any(is_wanted(p) for p in kept.want):
                     why = "another run waits for its GPUs"
@@ -307,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_state(path, state)
         locks = [(int(fd), Path(lock)) for fd, lock in item.get("locks", ())]
         for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
-            write_holder(lock, f"kept for reuse: {state['id']} (pdserve ls)")
+            write_holder(lock, f"{KEPT_FOR_REUSE}: {state['id']} (pdserve ls)")
         clusters.append(_Kept(state, locks, item.get("want", ()), path))
     keeper = _Keeper(clusters, listener, ttl, grace)
 

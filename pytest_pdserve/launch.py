@@ -68,6 +68,14 @@ class LaunchedCluster:
     #: A kept cluster this run claimed from its keeper (`reuse.Claim`): handed back, not stopped, at the end.
     claim: Claim | None = None
 
+    @property
+    def held_gpus(self) -> int:
+        """GPUs this cluster holds: its plan's, or (a claimed kept cluster, whose keeper holds the leases) the
+        distinct GPUs its servers see."""
+        if self.gpu_plan is not None:
+            return self.gpu_plan.held
+        return len({gpu for s in self.cluster.servers for gpu in s.gpus}) if self.claim is not None else 0
+
 
 class ClusterLauncher:
     """Starts clusters and cleans up after them; owns the session's watchdog and guard (the supervisors)."""

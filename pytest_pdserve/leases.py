@@ -29,6 +29,7 @@ and an open sequence that works in a shared sticky directory (``fs.protected_reg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -37,7 +38,16 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
-from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, want, write_holder
+from pytest_pdserve.lockfiles import (
+    KEPT_FOR_REUSE,
+    Lease,
+    describe_holder,
+    ensure_lease_dir,
+    try_lock,
+    unlock,
+    want,
+    write_holder,
+)
 
 # Port leases and the lease primitives are re-exported: callers use ``leases.acquire_ports`` and friends (and
 # tests patch them here), so this module stays the one place to lease anything.
@@ -72,6 +82,8 @@ flock on NFS is not reliable."""
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9._-]")
 _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
+#: How long a run that skips busy GPUs waits for ones a kept cluster gives up (keeper tick + servers' shutdown).
+KEPT_RELEASE_WAIT = 15.0
 
 
 class GpuLease(Lease):
@@ -206,9 +218,19 @@ def _validate_gpu_request(keys: Sequence[str], count: int) -> None:
 def try_acquire_gpus(
     lease_dir: Path, keys: Sequence[str], count: int, *, contiguous: bool = True, purpose: str = ""
 ) -> GpuLease | None:
-    """Lease ``count`` GPUs now or return None. See :func:`acquire_gpus`."""
+    """Lease ``count`` GPUs now or return None. See :func:`acquire_gpus`.
+
+    GPUs held only by a kept cluster (``--pd-reuse``) are not "busy" for a run that skips: its keeper is told they
+    are wanted, and they are waited for up to :data:`KEPT_RELEASE_WAIT` seconds (its servers' shutdown).
+    """
     _validate_gpu_request(keys, count)
-    lease, _ = _try_gpus(ensure_lease_dir(lease_dir), keys, count, contiguous, purpose)
+    lease_dir = ensure_lease_dir(lease_dir)
+    lease, busy = _try_gpus(lease_dir, keys, count, contiguous, purpose)
+    if lease is None and any(KEPT_FOR_REUSE in describe_holder(_gpu_path(lease_dir, keys[p])) for p in busy):
+        with contextlib.suppress(LeaseTimeout):
+            return acquire_gpus(
+                lease_dir, keys, count, contiguous=contiguous, timeout=KEPT_RELEASE_WAIT, purpose=purpose
+            )
     return lease
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (
     from typing import Self
 
 __all__ = [
+    "KEPT_FOR_REUSE",
     "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir", "try_lock", "unlock", "want", "write_holder",
 ]  # fmt: skip
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 class NotALockFile(Exception):
     """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
 
+
+#: The holder purpose a reuse keeper writes for the leases it holds (`keeper.py`): such a GPU is only kept, not used.
+KEPT_FOR_REUSE = "kept for reuse"
 
 #: Foreign entries seen by this process: path -> why. Such a GPU or port counts as busy, named in messages.
 _FOREIGN: dict[Path, str] = {}

@@ -221,7 +221,7 @@ class ClusterManager:
     def _make_room(self, need: int) -> None:
         """Stop our own least recently used clusters whose GPUs a new spec needs (the factory's contract)."""
         while self._running:
-            held = sum(r.gpu_plan.held for r in self._running.values() if r.gpu_plan)
+            held = sum(r.held_gpus for r in self._running.values())
             if self.inventory.count - held >= need:
                 return
             victim = min(self._running.values(), key=lambda r: r.last_used)

@@ -43,6 +43,7 @@ from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.keeper import STATE_SUFFIX, peer_uid_pid
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, read_stat, terminate
+from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.tiny_model import cache_base
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ __all__ = [
     "fingerprint",
     "keep",
     "list_kept",
+    "prune_run_logs",
     "reuse_decision",
     "stop_kept",
 ]
@@ -80,6 +82,10 @@ SERVER_ENV_NAMES = ("PATH",)
 _MAX_STATE = 1 << 20
 _CONNECT_TIMEOUT = 2.0
 _KEEPER_START_TIMEOUT = 15.0
+_CLAIM_TIMEOUT = 20.0
+_MAX_KEEPER_LOG = 1 << 20
+#: Run log directories kept in ``<reuse dir>/logs`` besides those of kept clusters (like pytest's basetemps).
+KEEP_RUN_LOGS = 5
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,32 @@ def ensure_reuse_dir(path: Path) -> Path:
             "a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
         )
     return path
+
+
+def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 600.0) -> list[Path]:
+    """Remove old run log directories under ``<reuse_dir>/logs``: all but the newest ``keep``, never one a kept
+    cluster still writes to, nor one younger than ``min_age`` seconds (a concurrent run's). Returns what went."""
+    import shutil
+
+    logs = reuse_dir / "logs"
+    try:
+        runs = sorted((p for p in logs.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.name)
+    except OSError:
+        return []
+    used = set()
+    for state_path in reuse_dir.glob(f"*{STATE_SUFFIX}"):
+        with contextlib.suppress(OSError, ValueError):
+            for server in _read_state(state_path).servers:
+                used.add(Path(str(server["log_path"])).resolve())
+    removed = []
+    now = time.time()
+    for run in runs[: max(0, len(runs) - keep)]:
+        with contextlib.suppress(OSError):
+            if now - run.stat().st_mtime < min_age or any(run.resolve() in u.parents for u in used):
+                continue
+            shutil.rmtree(run)
+            removed.append(run)
+    return removed
 
 
 # ------------------------------------------------------------------------------------------ fingerprint
@@ -388,6 +420,7 @@ def claim(kept: KeptCluster) -> Claim | None:
     """Claim ``kept`` for this run; None when another run holds it, or its keeper no longer has it."""
     try:
         sock = _connect(kept)
+        sock.settimeout(_CLAIM_TIMEOUT)  # the keeper may be busy stopping another cluster (a few seconds)
         sock.sendall(f"claim {kept.id}\n".encode())
         reply = _readline(sock)
     except OSError:
@@ -463,8 +496,9 @@ def _server_state(proc: Any, handle: Any) -> dict[str, Any]:
         "log_path": str(proc.log_path), "gpus": list(handle.gpus),
         "ports": list(dataclasses.astuple(handle.ports)) if handle.ports is not None else None,
         "argv": list(command.argv) if command is not None else None,
-        # The API key stays out of the file; the next run has it in its own settings (the fingerprint matched).
-        "env": {k: v for k, v in command.env.items() if k != "VLLM_API_KEY"} if command is not None else None,
+        # The API key stays out of the file (the next run has it in its own settings: the fingerprint matched), and
+        # so does any other secret a spec's env carries (HF_TOKEN, ...): shown as *** in the adopted command.
+        "env": redact_env({k: v for k, v in command.env.items() if k != "VLLM_API_KEY"}) if command else None,
         "ready_seconds": handle.ready_seconds,
     }  # fmt: skip
 
@@ -505,6 +539,9 @@ def keep(
     fds = sorted({fd for _, locks, _ in items for fd, _ in locks})
     env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}  # no sweep hits it
     log_path = reuse_dir / "keeper.log"
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > _MAX_KEEPER_LOG:  # every keeper appends to it: keep one old copy, not all
+            os.replace(log_path, reuse_dir / "keeper.log.1")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             isolated_argv("pytest_pdserve.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -546,6 +583,15 @@ def _read_line_within(stream: Any, timeout: float) -> str:
 
 
 # --------------------------------------------------------------------------------------------- adopt
+
+
+def _asleep(h: Any) -> bool:
+    """Whether a server says it is in vLLM's sleep mode (``GET /is_sleeping``; no such route: awake)."""
+    try:
+        r = h.client.get("/is_sleeping")
+        return r.status_code == 200 and bool(r.json().get("is_sleeping"))
+    except Exception:  # an older server, a body that is not JSON: nothing says it sleeps
+        return False
 
 
 def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
@@ -604,6 +650,8 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
         reused=Reused(kept.id, time.time() - kept.created, float(state.get("started_seconds") or 0.0)),
     )  # fmt: skip
     for h in (*cluster.prefill, *cluster.decode):
+        if _asleep(h):  # a test put it to sleep (dev mode's /sleep) and never woke it: not a usable cluster
+            raise ReuseError(f"{h.name} is asleep (POST /sleep without /wake_up)")
         try:
             reset = h.reset_prefix_cache()
         except AssertionError as exc:

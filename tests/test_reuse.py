@@ -134,6 +134,111 @@ def test_a_killed_keeper_takes_its_servers_down_and_the_next_run_starts_fresh(in
     _stop_all(reuse_dir, inner)
 
 
+def test_sigterm_to_the_keeper_stops_its_clusters(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    os.kill(state["keeper"]["pid"], signal.SIGTERM)
+    inner.gone_within(10.0)
+    assert _states(reuse_dir) == []
+    unheld_locks(inner.lease_dir)
+
+
+def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    inner.pytester.makepyfile(
+        """
+        import time
+
+        def test_up(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+            time.sleep(60)
+        """
+    )
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
+        assert inner.wait_info()["reused"] == state["id"]
+        os.killpg(proc.pid, signal.SIGKILL)  # the worst moment: mid-test, holding the claim
+        proc.wait(30)
+    # The claim died with it; the kept servers did not (they are the keeper's, not that run's watchdog's).
+    kept_pids = [s["pid"] for s in [*state["servers"], state["proxy"]]]
+    assert all(read_stat(pid) is not None for pid in kept_pids)
+    inner.pytester.makepyfile(UP)
+    third = _run(inner, reuse_dir)
+    third.assert_outcomes(passed=1)
+    third.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
+    _stop_all(reuse_dir, inner)
+
+
+def test_a_kept_cluster_left_asleep_is_not_reused(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inner.pytester.makepyfile(
+        """
+        import os
+
+        def test_sleep(pd_cluster_factory):
+            cluster = pd_cluster_factory(extra_args=("--enable-sleep-mode",))
+            cluster.complete("a " * 8, max_tokens=1)
+            if os.environ.get("SLEEP_IT"):
+                for s in (*cluster.prefill, *cluster.decode):
+                    assert s.client.post("/sleep?level=1").status_code == 200  # and never woken
+        """
+    )
+    monkeypatch.setenv("SLEEP_IT", "1")
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    monkeypatch.delenv("SLEEP_IT")
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 is asleep*); stopped it*"])
+    _stop_all(reuse_dir, inner)
+
+
+def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-reuse-secret-0123")
+    inner.pytester.makepyfile(
+        """
+        def test_up(pd_cluster_factory):
+            c = pd_cluster_factory(env={"HF_TOKEN": "hf_secret_token_4567"})
+            assert c.complete("a " * 8, max_tokens=1)["choices"]
+        """
+    )
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    text = "".join(p.read_text() for p in reuse_dir.glob("*.json"))
+    assert text, "nothing kept"
+    assert "sk-reuse-secret-0123" not in text
+    assert "hf_secret_token_4567" not in text
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)  # the key came from this run's settings: the adopted servers accept it
+    second.stdout.fnmatch_lines(["*reused kept cluster*"])
+    _stop_all(reuse_dir, inner)
+
+
+def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    runs = [logs / f"2026010{i}-000000-{i}" for i in range(8)]
+    for r in runs:
+        r.mkdir(parents=True)
+        (r / "pdserve.log").write_text("x")
+        os.utime(r, (0, 0))  # old enough
+    kept_log = runs[0] / "pd-1-prefill-0.log"
+    state = {
+        "id": "k", "fingerprint": {}, "created": 0,
+        "servers": [{"pid": 1, "pgid": 1, "starttime": 0, "token": "t", "url": "u", "name": "prefill-0",
+                     "log_path": str(kept_log)}],
+        "proxy": {"pid": 1, "pgid": 1, "starttime": 0, "token": "t", "url": "u", "name": "proxy", "log_path": ""},
+        "keeper": {"pid": 1, "starttime": 0, "socket": "s", "ttl": 1, "since": 0},
+    }  # fmt: skip
+    (tmp_path / "k.json").write_text(json.dumps(state))
+    removed = reuse.prune_run_logs(tmp_path, keep=5)
+    assert sorted(removed) == runs[1:3]
+    assert runs[0].exists()  # a kept cluster still logs there
+
+
 def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
     _run(inner, reuse_dir).assert_outcomes(passed=1)
@@ -144,6 +249,16 @@ def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path
     assert _states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert f"stopped {state['id']} (prefill-0 (pid {prefill['pid']}) is gone)" in (reuse_dir / "keeper.log").read_text()
+
+
+def test_a_kept_cluster_whose_state_file_is_removed_stops(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [path] = reuse_dir.glob("*.json")
+    path.unlink()  # `rm -rf ~/.cache/pytest-pdserve`: no run could find it again
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
+    assert "its state file is gone" in (reuse_dir / "keeper.log").read_text()
 
 
 def test_a_cluster_another_run_holds_is_not_shared(inner: Inner, reuse_dir: Path) -> None:
@@ -195,6 +310,75 @@ def test_a_run_that_waits_for_the_kept_gpus_gets_them(inner: Inner, reuse_dir: P
     assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
+
+
+def test_a_run_that_skips_busy_gpus_still_gets_the_kept_ones(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir, "--pd-simulate-gpus=2").assert_outcomes(passed=1)
+    other = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait=skip")
+    other.assert_outcomes(passed=1)  # not skipped: only a kept cluster held them
+    assert _states(reuse_dir) == []
+
+
+def test_a_claimed_cluster_makes_room_for_another_spec(inner: Inner, reuse_dir: Path) -> None:
+    # The second run claims the kept 2-GPU cluster, then needs both GPUs for another spec: its own LRU rule must
+    # stop the claimed one (a claimed cluster is never stopped for "wanted" GPUs, so waiting would wait forever).
+    inner.pytester.makepyfile(
+        """
+        def test_a(pd_cluster):
+            assert pd_cluster.complete("a " * 8, max_tokens=1)["choices"]
+
+        def test_b(pd_cluster_factory):
+            other = pd_cluster_factory(name="other", max_model_len=1024)
+            assert other.complete("b " * 8, max_tokens=1)["choices"]
+        """
+    )
+    _run(inner, reuse_dir, "--pd-simulate-gpus=2", "-k", "not test_b").assert_outcomes(passed=1)
+    second = _run(inner, reuse_dir, "--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=30")
+    second.assert_outcomes(passed=2)
+    second.stdout.fnmatch_lines(["*reused kept cluster*", "*stopping cluster pd to free its GPUs*"])
+    assert [s["spec_name"] for s in _states(reuse_dir)] == ["other"]
+    _stop_all(reuse_dir, inner)
+
+
+def test_factory_stop_of_a_reused_cluster_stops_it(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    inner.pytester.makepyfile(
+        """
+        from pytest_pdserve import ClusterSpec
+
+        def test_stop(pd_cluster, pd_cluster_factory):
+            assert pd_cluster.reused is not None
+            pd_cluster_factory.stop(pd_cluster.spec)
+        """
+    )
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    assert "pdserve stop" in (reuse_dir / "keeper.log").read_text()
+    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
+    _stop_all(reuse_dir, inner)
+
+
+def test_xdist_workers_each_claim_their_own_kept_cluster(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_up(pd_cluster, pdinfo, i):
+            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+        """
+    )
+    _run(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
+    first_ids = {s["id"] for s in _states(reuse_dir)}
+    assert len(first_ids) == 2  # one cluster per worker
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    _run(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
+    reused = {i["reused"] for i in inner.infos()}
+    assert reused == first_ids, reused  # each worker attached to a different kept cluster, none started its own
+    _stop_all(reuse_dir, inner)
 
 
 def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
