@@ -127,11 +127,9 @@ class _Kept:
             for server in self.servers:
                 with contextlib.suppress(OSError, KeyError, TypeError):
                     os.unlink(server["log_path"])
-        if self.claim is not None:
+        if self.claim is not None:  # the run holding it learns why (the keeper then drops the connection)
             with contextlib.suppress(OSError):
                 self.claim.sendall(f"stopped {self.id}: {why}\n".encode())
-                self.claim.close()
-            self.claim = None
         _say(f"stopped {self.id} ({why}) in {time.monotonic() - t0:.2f}s: left={list(res.remaining)}")
 
 
@@ -143,6 +141,13 @@ class _Keeper:
         self.grace = grace
         self.conns: dict[socket.socket, bytes] = {}
         self.stop_all: str | None = None
+
+    def _stop(self, cid: str, why: str, *, keep_logs: bool = False) -> None:
+        kept = self.clusters.pop(cid)
+        kept.stop(why, self.grace, keep_logs=keep_logs)
+        if kept.claim is not None:
+            conn, kept.claim = kept.claim, None
+            self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
         self.conns.pop(conn, None)
@@ -170,7 +175,7 @@ class _Keeper:
         elif cmd == "stop":
             targets = list(self.clusters) if arg == "*" else [arg] if arg in self.clusters else []
             for cid in targets:
-                self.clusters.pop(cid).stop("pdserve stop", self.grace, keep_logs=False)
+                self._stop(cid, "pdserve stop")
             conn.sendall((json.dumps({"stopped": targets}) + "\n").encode())
         elif cmd == "info":
             now = time.monotonic()
@@ -235,14 +240,14 @@ class _Keeper:
                 elif any(is_wanted(p) for p in kept.want):
                     why = "another run waits for its GPUs"
             if why is not None:
-                self.clusters.pop(cid).stop(why, self.grace, keep_logs=keep_logs)
+                self._stop(cid, why, keep_logs=keep_logs)
 
     def run(self) -> None:
         last = 0.0
         for _ in range(1 << 40):  # bounded only against a logic error
             if self.stop_all is not None:
                 for cid in list(self.clusters):
-                    self.clusters.pop(cid).stop(self.stop_all, self.grace, keep_logs=False)
+                    self._stop(cid, self.stop_all)
             if not self.clusters:
                 return
             ready, _, _ = select.select([self.listener, *self.conns], [], [], _TICK)

@@ -20,7 +20,7 @@ from typing import Any
 
 from pytest_pdserve import leases, reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
-from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster
+from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
 from pytest_pdserve.errors import ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
@@ -91,6 +91,8 @@ class ClusterManager:
         self.proxy_ports: dict[ClusterSpec, int] = {}
         #: ``--pd-reuse``: keep clusters for the next run and attach to kept ones (reuse.py); None: off.
         self.reuse = reuse
+        #: Kept clusters this run attached to, for the end-of-run summary.
+        self.reused: list[Reused] = []
 
     # ------------------------------------------------------------------ public
 
@@ -249,6 +251,8 @@ class ClusterManager:
                 why = f"kept cluster {claim.kept.id} failed its check ({exc}); stopped it"
             else:
                 self.report(running.cluster.describe())
+                assert running.cluster.reused is not None
+                self.reused.append(running.cluster.reused)
                 return running
         if why is not None:
             self.report(f"pdserve: {spec.name}: starting a fresh cluster: {why}")

@@ -143,6 +143,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     manager = config.stash.get(MANAGER, None)
     for death in manager.deaths if manager is not None else ():
         terminalreporter.write_line(f"pdserve: {death.summary()}", red=True, bold=True)
+    if manager is not None and manager.reused:
+        saved = sum(r.first_start_seconds for r in manager.reused)
+        names = ", ".join(r.describe().removeprefix("kept cluster ") for r in manager.reused)
+        terminalreporter.write_line(f"pdserve: reused {names}: {saved:.1f}s of cluster starts saved (--pd-reuse)")
     for line in export_env.summary_lines(config):
         terminalreporter.write_line(line)
 

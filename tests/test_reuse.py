@@ -80,6 +80,7 @@ def test_second_run_attaches_to_the_kept_cluster_and_stop_all_leaves_nothing(inn
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*reuse on (idle ttl 900s*kept clusters: {state['id']} (pd, *old)*"])
     second.stdout.fnmatch_lines([f"*cluster pd (sim, 1P x 1D) reused kept cluster {state['id']}, *old*"])
+    second.stdout.fnmatch_lines([f"*pdserve: reused {state['id']}, *old (its start took *s of cluster starts saved*"])
     infos = inner.infos()
     first_info = next(i for i in infos if i["reused"] is None)
     second_info = next(i for i in infos if i["reused"] is not None)
@@ -259,6 +260,24 @@ def test_a_kept_cluster_whose_state_file_is_removed_stops(inner: Inner, reuse_di
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
     assert "its state file is gone" in (reuse_dir / "keeper.log").read_text()
+
+
+def test_stopping_a_claimed_cluster_leaves_the_keepers_other_clusters(inner: Inner, reuse_dir: Path) -> None:
+    inner.pytester.makepyfile(
+        """
+        def test_two(pd_cluster, pd_cluster_factory):
+            assert pd_cluster_factory(name="other", max_model_len=1024).complete("a " * 8, max_tokens=1)["choices"]
+        """
+    )
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    kept = {k.spec_name: k for k in reuse.list_kept(reuse_dir)}
+    assert sorted(kept) == ["other", "pd"]
+    held = reuse.claim(kept["pd"])
+    assert held is not None
+    held.stop()  # what a run does for pd_cluster_factory.stop(spec) on a reused cluster
+    assert [k.spec_name for k in reuse.list_kept(reuse_dir)] == ["other"]
+    assert reuse.keeper_info(kept["other"]) != {}, "the keeper must still serve its other cluster"
+    _stop_all(reuse_dir, inner)
 
 
 def test_a_cluster_another_run_holds_is_not_shared(inner: Inner, reuse_dir: Path) -> None:
