@@ -400,6 +400,28 @@ def test_xdist_workers_each_claim_their_own_kept_cluster(inner: Inner, reuse_dir
     _stop_all(reuse_dir, inner)
 
 
+def test_export_env_sessions_reuse_the_kept_cluster(inner: Inner, reuse_dir: Path) -> None:
+    # vLLM's unmodified modules read the exported addresses at import time: the second run exports the kept ones.
+    inner.pytester.makepyfile(
+        test_module="""
+        import json, os, uuid
+        from pathlib import Path
+
+        PORTS = {k: os.environ[k] for k in ("PREFILL_PORT", "DECODE_PORT", "PROXY_PORT")}
+
+        def test_ports():
+            (Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json").write_text(json.dumps(PORTS))
+        """
+    )
+    _run(inner, reuse_dir, "--pd-export-env").assert_outcomes(passed=1)
+    second = _run(inner, reuse_dir, "--pd-export-env")
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(["*reused kept cluster*"])
+    first_ports, second_ports = inner.infos()
+    assert first_ports == second_ports
+    _stop_all(reuse_dir, inner)
+
+
 def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inner.pytester.makepyfile(UP)
     monkeypatch.setenv("CI", "true")
