@@ -21,6 +21,7 @@ import pytest
 from _pdsession import Inner, live_procs, unheld_locks
 
 from pytest_pdserve import cli, reuse
+from pytest_pdserve.leases import acquire_ports
 from pytest_pdserve.proctree import read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -419,6 +420,19 @@ def test_export_env_sessions_reuse_the_kept_cluster(inner: Inner, reuse_dir: Pat
     second.stdout.fnmatch_lines(["*reused kept cluster*"])
     first_ports, second_ports = inner.infos()
     assert first_ports == second_ports
+    _stop_all(reuse_dir, inner)
+
+
+def test_a_fixed_proxy_port_held_by_a_kept_cluster_names_the_keeper(inner: Inner, reuse_dir: Path) -> None:
+    with acquire_ports(inner.pytester.path / "probe-leases", 1) as probe:
+        port = probe.base
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir, f"--pd-proxy-port={port}").assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    other = inner.run(f"--pd-proxy-port={port}")
+    other.assert_outcomes(errors=1)
+    taken = f"*--pd-proxy-port {port}: port {port} is taken: leased by *kept for reuse: {state['id']}*"
+    other.stdout.fnmatch_lines([taken])
     _stop_all(reuse_dir, inner)
 
 
