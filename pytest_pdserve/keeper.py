@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, read_stat, terminate
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
 from pytest_pdserve.supervise import start_guard
 
-__all__ = ["STATE_SUFFIX", "is_wanted", "main", "peer_uid_pid"]
+__all__ = ["STATE_SUFFIX", "gone_server", "is_wanted", "main", "peer_uid_pid"]
 
 STATE_SUFFIX = ".json"
 _MAX_INPUT = 4 << 20  # what pytest writes on our stdin: a few KB per cluster
@@ -61,6 +61,17 @@ def peer_uid_pid(sock: socket.socket) -> tuple[int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     return uid, pid
+
+
+def gone_server(servers: Sequence[dict[str, Any]]) -> str | None:
+    """The first kept server whose process is gone or is not the one that was kept, in words; None if all run.
+
+    The one liveness rule of kept servers: the keeper applies it every tick, a run before it attaches (`reuse.py`).
+    """
+    for server in servers:
+        if not alive_as(int(server["pid"]), int(server["starttime"])):
+            return f"{server['name']} (pid {server['pid']}) is gone"
+    return None
 
 
 def is_wanted(path: str) -> bool:
@@ -101,12 +112,7 @@ class _Kept:
         return [*self.state["servers"], self.state["proxy"]]
 
     def dead_server(self) -> str | None:
-        """The first server whose process is gone or is not the one started (pid reused), else None."""
-        for server in self.servers:
-            info = read_stat(int(server["pid"]))
-            if info is None or not info.live or info.starttime != int(server["starttime"]):
-                return f"{server['name']} (pid {server['pid']}) is gone"
-        return None
+        return gone_server(self.servers)
 
     def stop(self, why: str, grace: float, *, keep_logs: bool) -> None:
         t0 = time.monotonic()

@@ -261,8 +261,8 @@ def _remedy(owned: OwnedFlag) -> str:
         fields = " / ".join(f"ClusterSpec.{f.strip()}" for f in owned.spec_field.split("/"))
         parts.append(fields)
     if owned.setting is not None:
-        # Lazy: the settings table imports pytest; this module is imported by pytest-free code.
-        from pytest_pdserve.settings import remedy
+        # Lazy: the settings table imports spec.py, which imports this module (a cycle at import time).
+        from pytest_pdserve.setting_table import remedy
 
         parts.append(remedy(owned.setting))
     return " or ".join(parts)

@@ -75,6 +75,12 @@ def read_stat(pid: int) -> ProcInfo | None:
         return None
 
 
+def alive_as(pid: int, starttime: int) -> bool:
+    """Whether ``pid`` still runs *and* is the process that had ``starttime`` (not a zombie, not a reused pid)."""
+    info = read_stat(pid)
+    return info is not None and info.live and info.starttime == starttime
+
+
 def proc_table() -> dict[int, ProcInfo]:
     """Snapshot every process visible in ``/proc``."""
     table: dict[int, ProcInfo] = {}

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.keeper import STATE_SUFFIX, peer_uid_pid
+from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
 from pytest_pdserve.paths import ensure_dir
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, read_stat, terminate
+from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
 from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.tiny_model import cache_base
 
@@ -286,16 +286,11 @@ class KeptCluster:
 
     def keeper_alive(self) -> bool:
         """Whether the keeper that wrote this state still runs (same pid *and* start time: no pid reuse)."""
-        info = read_stat(self.keeper_pid)
-        return info is not None and info.live and info.starttime == self.keeper_starttime
+        return alive_as(self.keeper_pid, self.keeper_starttime)
 
     def dead_server(self) -> str | None:
-        """The first server that is not the process that was kept, else None."""
-        for s in self.servers:
-            info = read_stat(int(s["pid"]))
-            if info is None or not info.live or info.starttime != int(s["starttime"]):
-                return f"{s['name']} (pid {s['pid']}) is gone"
-        return None
+        """The first server that is not the process that was kept, else None (the keeper's own rule)."""
+        return gone_server(self.servers)
 
 
 def _read_state(path: Path) -> KeptCluster:
