@@ -521,3 +521,43 @@ def test_pdserve_stop_names_what_it_does_not_know(inner: Inner, reuse_dir: Path)
     )  # fmt: skip
     assert out.returncode == 1
     assert "no kept cluster named nope (kept: none)" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------- pure rules
+
+
+def _fp(**changes: Any) -> dict[str, str]:
+    from pytest_pdserve.cluster import EngineSetup
+    from pytest_pdserve.commands import EngineInfo
+    from pytest_pdserve.effective import SessionDefaults
+    from pytest_pdserve.spec import ClusterSpec
+    from pytest_pdserve.vllm_compat import Version
+
+    base: dict[str, Any] = {
+        "spec": ClusterSpec(), "defaults": SessionDefaults(), "model": "m",
+        "setup": EngineSetup(EngineInfo("vllm", ("/x/vllm",), Version("0.32.0"), "/x/python")),
+        "placement": {"gpus": []}, "proxy_command": None, "environ": {"HOME": "/root", "VLLM_X": "1"},
+    }  # fmt: skip
+    base.update(changes)
+    return reuse.fingerprint(**base)
+
+
+def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
+    from pytest_pdserve.effective import SessionDefaults
+
+    same = _fp()
+    assert reuse.differences(same, _fp()) == []
+    assert reuse.differences(same, _fp(environ={"HOME": "/elsewhere", "VLLM_X": "1"})) == []  # not read by servers
+    assert reuse.differences(same, _fp(environ={"HOME": "/root", "VLLM_X": "2"})) == ["env.VLLM_X"]
+    keyed = _fp(defaults=SessionDefaults(api_key="sk-very-secret-key"))
+    assert reuse.differences(same, keyed) == ["setting.api_key"]
+    assert "sk-very-secret-key" not in json.dumps(keyed)
+    assert reuse.differences(same, _fp(model="other")) == ["model"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "ci", "enabled"),
+    [("off", "", False), ("on", "", True), ("on", "true", False), ("on", "0", True), ("force", "true", True)],
+)
+def test_reuse_decision(mode: str, ci: str, enabled: bool) -> None:
+    assert reuse.reuse_decision(mode, {"CI": ci} if ci else {})[0] is enabled
