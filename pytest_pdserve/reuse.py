@@ -227,7 +227,7 @@ def fingerprint(
     environ: Mapping[str, str],
 ) -> dict[str, str]:
     """``{component: digest}`` of everything that shapes a cluster's servers (see the module docstring)."""
-    from pytest_pdserve import __version__
+    import pytest_pdserve
 
     parts: dict[str, str] = {}
     for f in dataclasses.fields(spec):
@@ -245,7 +245,7 @@ def fingerprint(
     for key, value in placement.items():
         parts[f"placement.{key}"] = _canon(value)
     parts["proxy_command"] = _canon(proxy_command)
-    parts["pytest-pdserve"] = __version__
+    parts["pytest-pdserve"] = pytest_pdserve.__version__
     for name, value in environ.items():
         if name.startswith(SERVER_ENV_PREFIXES) or name in SERVER_ENV_NAMES:
             parts[f"env.{name}"] = value
