@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pdsession import Inner, live_procs, unheld_locks
+from _pdsession import Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
 from pytest_pdserve.leases import acquire_ports
@@ -173,6 +174,42 @@ def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner
     third.assert_outcomes(passed=1)
     third.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
     _stop_all(reuse_dir, inner)
+
+
+def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearly(
+    inner: Inner, reuse_dir: Path
+) -> None:
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    go = inner.pytester.path / "go"
+    inner.pytester.makepyfile(
+        f"""
+        import time
+        from pathlib import Path
+
+        def test_up(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+            deadline = time.monotonic() + 60
+            while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pd_cluster.complete("hello " * 10, max_tokens=2)
+        """
+    )
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
+        assert inner.wait_info()["reused"] == state["id"]
+        os.kill(state["keeper"]["pid"], signal.SIGKILL)  # its guard stops the servers this run is using
+        wait_for(lambda: all(read_stat(s["pid"]) is None or not read_stat(s["pid"]).live for s in state["servers"]),
+                 10.0, "kept servers stopped by the keeper's guard")  # fmt: skip
+        go.touch()
+        assert proc.wait(60) == 1
+    out = inner.output()
+    # The reused cluster's servers are not this run's processes: the death is seen by /health, and said so.
+    assert re.search(r"cluster 'pd': (prefill|decode)-0 stopped answering \(GET /health", out), out[-3000:]
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
 
 
 def test_a_kept_cluster_left_asleep_is_not_reused(
