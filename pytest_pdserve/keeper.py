@@ -231,6 +231,7 @@ class _Keeper:
             _say(f"refused a connection from uid {uid}")
             conn.close()
             return
+        conn.settimeout(5.0)  # a client that stops reading must not stall the keeper in sendall
         self.conns[conn] = b""
 
     def _check(self) -> None:

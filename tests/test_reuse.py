@@ -23,7 +23,7 @@ from _pdsession import Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
 from pytest_pdserve.leases import acquire_ports
-from pytest_pdserve.proctree import read_stat
+from pytest_pdserve.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -201,8 +201,8 @@ def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearl
     with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
         assert inner.wait_info()["reused"] == state["id"]
         os.kill(state["keeper"]["pid"], signal.SIGKILL)  # its guard stops the servers this run is using
-        wait_for(lambda: all(read_stat(s["pid"]) is None or not read_stat(s["pid"]).live for s in state["servers"]),
-                 10.0, "kept servers stopped by the keeper's guard")  # fmt: skip
+        pids = [(s["pid"], s["starttime"]) for s in state["servers"]]
+        wait_for(lambda: not any(alive_as(*p) for p in pids), 10.0, "kept servers stopped by the keeper's guard")
         go.touch()
         assert proc.wait(60) == 1
     out = inner.output()
