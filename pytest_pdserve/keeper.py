@@ -245,7 +245,7 @@ class _Keeper:
                 elif now - kept.idle_since >= self.ttl:
                     why = f"idle for {self.ttl:g}s"
                 elif any(is_wanted(p) for p in kept.want):
-                    why = "another run waits for its GPUs"
+                    why = "another run waits for its leases (GPUs or a fixed port)"
             if why is not None:
                 self._stop(cid, why, keep_logs=keep_logs)
 

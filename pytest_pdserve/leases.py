@@ -40,12 +40,14 @@ from pathlib import Path
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
 from pytest_pdserve.lockfiles import (
     KEPT_FOR_REUSE,
+    KEPT_RELEASE_WAIT,
     Lease,
     describe_holder,
     ensure_lease_dir,
     try_lock,
     unlock,
     want,
+    want_file,
     write_holder,
 )
 
@@ -71,7 +73,6 @@ __all__ = [
     "ensure_lease_dir",
     "ephemeral_port_range",
     "try_acquire_gpus",
-    "want_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,6 @@ flock on NFS is not reliable."""
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9._-]")
 _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages
-#: How long a run that skips busy GPUs waits for ones a kept cluster gives up (keeper tick + servers' shutdown).
-KEPT_RELEASE_WAIT = 15.0
 
 
 class GpuLease(Lease):
@@ -276,7 +275,7 @@ def acquire_gpus(
                     log.info("leased GPUs %s after waiting %.1fs", lease.keys, lease.waited)
                 return lease
             for p in busy:
-                if keys[p] not in wants and (fd := want(want_path(lease_dir, keys[p]))) is not None:
+                if keys[p] not in wants and (fd := want(want_file(_gpu_path(lease_dir, keys[p])))) is not None:
                     wants[keys[p]] = fd
             msg = _gpu_wait_message(lease_dir, keys, count, busy, contiguous)
             now = time.monotonic()
@@ -292,11 +291,6 @@ def acquire_gpus(
     finally:
         for fd in wants.values():
             os.close(fd)
-
-
-def want_path(lease_dir: Path, key: str) -> Path:
-    """The want file of GPU ``key``: a run waiting for it holds a shared lock there (`lockfiles.want`)."""
-    return _gpu_path(lease_dir, key).with_suffix(".want")
 
 
 def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (
     from typing import Self
 
 __all__ = [
-    "KEPT_FOR_REUSE",
-    "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir", "try_lock", "unlock", "want", "write_holder",
+    "KEPT_FOR_REUSE", "KEPT_RELEASE_WAIT", "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir",
+    "lock_from_keeper", "try_lock", "unlock", "want", "want_file", "write_holder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ class NotALockFile(Exception):
 
 #: The holder purpose a reuse keeper writes for the leases it holds (`keeper.py`): such a GPU is only kept, not used.
 KEPT_FOR_REUSE = "kept for reuse"
+#: How long a run waits for a lease only a kept cluster holds (the keeper's 0.5 s tick, then its servers' shutdown).
+KEPT_RELEASE_WAIT = 15.0
 
 #: Foreign entries seen by this process: path -> why. Such a GPU or port counts as busy, named in messages.
 _FOREIGN: dict[Path, str] = {}
@@ -195,6 +197,11 @@ def describe_holder(lock_path: Path) -> str:
         os.close(fd)
 
 
+def want_file(lock_path: Path) -> Path:
+    """Where a run says it waits for the lock at ``lock_path`` (``gpu-X.lock`` -> ``gpu-X.want``): the one rule."""
+    return lock_path.with_suffix(".want")
+
+
 def want(path: Path) -> int | None:
     """Say "a run waits for this" on the want file next to a lock (a shared flock, held until the fd is closed).
 
@@ -211,6 +218,27 @@ def want(path: Path) -> int | None:
         os.close(fd)  # the keeper is looking right now (it holds LOCK_EX for a moment): try again next poll
         return None
     return fd
+
+
+def lock_from_keeper(path: Path, timeout: float) -> int | None:
+    """The lock at ``path`` when only a reuse keeper holds it: say it is wanted (:func:`want`) and wait up to
+    ``timeout`` seconds for the keeper to stop its kept cluster. None when someone else holds it, or on timeout."""
+    if KEPT_FOR_REUSE not in describe_holder(path):
+        return None
+    deadline = time.monotonic() + timeout
+    wanted: int | None = None
+    try:
+        while time.monotonic() < deadline:
+            if wanted is None:
+                wanted = want(want_file(path))
+            fd = try_lock(path)
+            if fd is not None:
+                return fd
+            time.sleep(0.2)
+    finally:
+        if wanted is not None:
+            os.close(wanted)
+    return None
 
 
 # ------------------------------------------------------------------- the lease directory and held leases

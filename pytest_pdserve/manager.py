@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve import leases, reuse
+from pytest_pdserve import reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
 from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
@@ -26,6 +26,7 @@ from pytest_pdserve.errors import ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
+from pytest_pdserve.lockfiles import want_file
 from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.reuse import ReuseOptions
 from pytest_pdserve.spec import ClusterSpec
@@ -287,11 +288,8 @@ class ClusterManager:
             plan = r.gpu_plan
             held = [*(plan.leases if plan is not None else ()), *r.port_leases]
             locks = [(fd, str(path)) for lease in held for fd, path in lease.locks]
-            want = [
-                str(leases.want_path(self.launcher.lease_dir, key))
-                for lease in (plan.leases if plan is not None else ())
-                for key in lease.keys
-            ]
+            # Each lease has a want file: a run waiting for one of its GPUs or its fixed proxy port says so there.
+            want = [str(want_file(Path(path))) for _, path in locks]
             orders.append((reuse.cluster_state(r, r.fingerprint, self.run_token), locks, want))
         try:
             pid = reuse.keep(

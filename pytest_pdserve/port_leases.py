@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
-from pytest_pdserve.lockfiles import Lease, describe_holder, ensure_lease_dir, try_lock, unlock, write_holder
+from pytest_pdserve.lockfiles import (
+    KEPT_RELEASE_WAIT,
+    Lease,
+    describe_holder,
+    ensure_lease_dir,
+    lock_from_keeper,
+    try_lock,
+    unlock,
+    write_holder,
+)
 
 __all__ = [
     "DEFAULT_PORT_RANGE", "PortLease", "acquire_fixed_port", "acquire_port_span", "acquire_ports",
@@ -194,6 +203,8 @@ def acquire_fixed_port(lease_dir: Path, port: int, *, purpose: str = "") -> Port
     lease_dir = ensure_lease_dir(lease_dir)
     path = _port_path(lease_dir, port)
     fd = try_lock(path)
+    if fd is None:  # a kept cluster's proxy (--pd-reuse) gives it up when asked
+        fd = lock_from_keeper(path, KEPT_RELEASE_WAIT)
     if fd is None:
         raise LeaseTimeout(f"port {port} is taken: leased by {describe_holder(path)} (another pdserve session)")
     if not _bind_free(port):

@@ -363,7 +363,7 @@ def test_a_run_that_waits_for_the_kept_gpus_gets_them(inner: Inner, reuse_dir: P
     other = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=60")
     other.assert_outcomes(passed=1)
     other.stdout.fnmatch_lines(["*waiting for*GPU*kept for reuse*"])
-    assert "another run waits for its GPUs" in (reuse_dir / "keeper.log").read_text()
+    assert "another run waits for its leases (GPUs or a fixed port)" in (reuse_dir / "keeper.log").read_text()
     assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
@@ -460,17 +460,21 @@ def test_export_env_sessions_reuse_the_kept_cluster(inner: Inner, reuse_dir: Pat
     _stop_all(reuse_dir, inner)
 
 
-def test_a_fixed_proxy_port_held_by_a_kept_cluster_names_the_keeper(inner: Inner, reuse_dir: Path) -> None:
+def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_needs_it(
+    inner: Inner, reuse_dir: Path
+) -> None:
     with acquire_ports(inner.pytester.path / "probe-leases", 1) as probe:
         port = probe.base
     inner.pytester.makepyfile(UP)
     _run(inner, reuse_dir, f"--pd-proxy-port={port}").assert_outcomes(passed=1)
     [state] = _states(reuse_dir)
-    other = inner.run(f"--pd-proxy-port={port}")
-    other.assert_outcomes(errors=1)
-    taken = f"*--pd-proxy-port {port}: port {port} is taken: leased by *kept for reuse: {state['id']}*"
-    other.stdout.fnmatch_lines([taken])
-    _stop_all(reuse_dir, inner)
+    assert state["proxy"]["url"].endswith(f":{port}")
+    other = inner.run(f"--pd-proxy-port={port}")  # no reuse: it needs that port, and only a keeper holds it
+    other.assert_outcomes(passed=1)
+    assert "another run waits for its leases" in (reuse_dir / "keeper.log").read_text()
+    assert _states(reuse_dir) == []
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
 
 
 def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
