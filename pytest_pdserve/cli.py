@@ -100,9 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--all", action="store_true", help="stop every kept cluster")
     args = parser.parse_args(argv)
     directory = _reuse_dir(args.dir)
-    if not directory.is_dir():
-        print(f"no kept clusters in {directory}" if args.command == "ls" or args.all else "", end="\n")
-        return 0 if args.command == "ls" or args.all else 1
+    if not directory.is_dir():  # nothing was ever kept there: listing or stopping everything is a success
+        if args.command == "ls" or args.all:
+            print(f"no kept clusters in {directory}")
+            return 0
+        names = ", ".join(args.names)
+        print(f"pdserve stop: no kept cluster named {names} (no reuse dir {directory})", file=sys.stderr)
+        return 1
     try:
         if args.command == "ls":
             return _ls(directory, args.json)

@@ -332,9 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Our own guard: if this keeper is SIGKILLed, it stops every process of the run token (the kept servers).
     guard = start_guard(run_token, grace, reuse_dir / "guard.log")
     print(f"ready {os.getpid()} {name}", flush=True)
-    with contextlib.suppress(OSError):
-        os.close(1)  # pytest reads until EOF: we are ready, and pytest may go
-        os.open(os.devnull, os.O_WRONLY)
+    with contextlib.suppress(OSError):  # pytest reads until EOF: we are ready, and pytest may go
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
     _say(f"keeping {sorted(keeper.clusters)} (ttl {ttl:g}s, token {RUN_TOKEN_ENV}={run_token})")
     try:
         keeper.run()

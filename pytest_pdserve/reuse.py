@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import select
 import socket
 import stat
 import subprocess
@@ -562,8 +563,6 @@ def keep(
 
 
 def _read_line_within(stream: Any, timeout: float) -> str:
-    import select
-
     deadline = time.monotonic() + timeout
     buf = b""
     while b"\n" not in buf and time.monotonic() < deadline:

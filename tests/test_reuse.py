@@ -56,8 +56,11 @@ def _states(reuse_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(reuse_dir.glob("*.json"))]
 
 
-def _server_pids(info: dict[str, Any]) -> list[int]:
-    return [s["pid"] for s in info["servers"]]
+def _kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
+    """Run the inner session once with reuse (one passing test) and return the one cluster it kept."""
+    _run(inner, reuse_dir, *extra).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    return state
 
 
 def _stop_all(reuse_dir: Path, inner: Inner) -> None:
@@ -103,8 +106,7 @@ def test_second_run_attaches_to_the_kept_cluster_and_stop_all_leaves_nothing(inn
 
 def test_a_different_configuration_starts_fresh_and_says_why(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [kept] = _states(reuse_dir)
+    kept = _kept_one(inner, reuse_dir)
     second = _run(inner, reuse_dir, "--pd-seed=7")
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*pd: starting a fresh cluster: kept cluster {kept['id']} differs in setting.seed*"])
@@ -126,8 +128,7 @@ def test_an_idle_cluster_stops_after_the_ttl(inner: Inner, reuse_dir: Path) -> N
 
 def test_a_killed_keeper_takes_its_servers_down_and_the_next_run_starts_fresh(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGKILL)
     inner.gone_within(10.0)  # the keeper's guard stopped the kept servers
     second = _run(inner, reuse_dir)
@@ -139,8 +140,7 @@ def test_a_killed_keeper_takes_its_servers_down_and_the_next_run_starts_fresh(in
 
 def test_sigterm_to_the_keeper_stops_its_clusters(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGTERM)
     inner.gone_within(10.0)
     assert _states(reuse_dir) == []
@@ -149,8 +149,7 @@ def test_sigterm_to_the_keeper_stops_its_clusters(inner: Inner, reuse_dir: Path)
 
 def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     inner.pytester.makepyfile(
         """
         import time
@@ -180,8 +179,7 @@ def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearl
     inner: Inner, reuse_dir: Path
 ) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     go = inner.pytester.path / "go"
     inner.pytester.makepyfile(
         f"""
@@ -228,8 +226,7 @@ def test_a_kept_cluster_left_asleep_is_not_reused(
         """
     )
     monkeypatch.setenv("SLEEP_IT", "1")
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     monkeypatch.delenv("SLEEP_IT")
     second = _run(inner, reuse_dir)
     second.assert_outcomes(passed=1)
@@ -280,8 +277,7 @@ def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None
 
 def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     prefill = state["servers"][0]
     os.killpg(prefill["pgid"], signal.SIGKILL)
     inner.gone_within(10.0)  # decode and proxy too: a cluster without its prefill is no cluster
@@ -357,8 +353,7 @@ def test_prefix_cache_is_reset_when_a_run_attaches(inner: Inner, reuse_dir: Path
 
 def test_a_run_that_waits_for_the_kept_gpus_gets_them(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir, "--pd-simulate-gpus=2").assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir, "--pd-simulate-gpus=2")
     # A run without --pd-reuse needs both GPUs: it waits, says so, and the keeper gives them up.
     other = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=60")
     other.assert_outcomes(passed=1)
@@ -400,12 +395,9 @@ def test_a_claimed_cluster_makes_room_for_another_spec(inner: Inner, reuse_dir: 
 
 def test_factory_stop_of_a_reused_cluster_stops_it(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir)
     inner.pytester.makepyfile(
         """
-        from pytest_pdserve import ClusterSpec
-
         def test_stop(pd_cluster, pd_cluster_factory):
             assert pd_cluster.reused is not None
             pd_cluster_factory.stop(pd_cluster.spec)
@@ -466,8 +458,7 @@ def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_nee
     with acquire_ports(inner.pytester.path / "probe-leases", 1) as probe:
         port = probe.base
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir, f"--pd-proxy-port={port}").assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    state = _kept_one(inner, reuse_dir, f"--pd-proxy-port={port}")
     assert state["proxy"]["url"].endswith(f":{port}")
     other = inner.run(f"--pd-proxy-port={port}")  # no reuse: it needs that port, and only a keeper holds it
     other.assert_outcomes(passed=1)
@@ -552,6 +543,13 @@ def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> N
     assert "refused a connection from uid 65534" in (reuse_dir / "keeper.log").read_text()
     assert live_procs(inner.mark), "the kept cluster must still run"
     _stop_all(reuse_dir, inner)
+
+
+def test_pdserve_stop_without_a_reuse_dir_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "never"
+    assert cli.main(["--dir", str(missing), "stop", "--all"]) == 0
+    assert cli.main(["--dir", str(missing), "stop", "pd-1"]) == 1
+    assert not missing.exists()  # looking never creates it
 
 
 def test_pdserve_stop_names_what_it_does_not_know(inner: Inner, reuse_dir: Path) -> None:
