@@ -104,18 +104,29 @@ class ReuseError(PDServeError):
 # --------------------------------------------------------------------------------------------- settings
 
 
+#: pytest's own rule for "running on CI" (``_pytest.compat.running_on_ci``): ``CI`` (GitHub Actions, GitLab,
+#: Buildkite) or ``BUILD_NUMBER`` (Jenkins, which sets no ``CI``), non-empty. Unlike pytest, ``CI=false`` is not CI.
+CI_ENV_VARS = ("CI", "BUILD_NUMBER")
+
+
 def reuse_decision(mode: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether this run keeps and reuses clusters, and why, in words (for the report header).
 
-    ``on`` is refused when ``CI`` is set (a CI job must start from fresh servers, and nobody would stop what it
-    kept); ``force`` keeps anyway.
+    ``on`` is refused on CI (:data:`CI_ENV_VARS`: a CI job must start from fresh servers, and nobody would stop
+    what it kept); ``force`` keeps anyway.
     """
     if mode == "off":
         return False, "off"
-    ci = environ.get("CI", "").strip()
-    if mode == "on" and ci.lower() not in ("", "0", "false", "no"):
-        return False, f"off: refused because CI={ci} (a CI job starts fresh servers; --pd-reuse=force keeps them)"
-    return True, "force (CI is set)" if ci and mode == "force" else "on"
+    ci = next(
+        (f"{var}={value}" for var in CI_ENV_VARS
+         if (value := environ.get(var, "").strip()).lower() not in ("", "0", "false", "no")),
+        None,
+    )  # fmt: skip
+    if ci is None:
+        return True, "on" if mode == "on" else "force"
+    if mode == "on":
+        return False, f"off: refused because {ci} (a CI job starts fresh servers; --pd-reuse=force keeps them)"
+    return True, f"force ({ci} is set)"
 
 
 def default_reuse_dir() -> Path:

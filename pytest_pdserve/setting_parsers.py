@@ -235,7 +235,7 @@ def reuse_mode(text: str) -> str:
         return "off"
     if value == "force":
         return "force"
-    raise SettingError("accepted values: on, off, force (keep clusters even when CI is set)")
+    raise SettingError("accepted values: on, off, force (keep clusters even on CI: CI or BUILD_NUMBER set)")
 
 
 def preset(text: str) -> str:

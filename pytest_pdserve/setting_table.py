@@ -158,7 +158,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
             "server (P/D-ready, not only HTTP-ready)", boolean, True, kind="bool"),
     Setting("reuse", "Keep this run's clusters up when pytest ends and attach the next run with the same "
-            "configuration to them: on, off, or force (also when CI is set); see `pdserve ls` and "
+            "configuration to them: on, off, or force (also on CI: CI or BUILD_NUMBER set); see `pdserve ls` and "
             "`pdserve stop --all`", reuse_mode, "off", kind="optional", metavar="MODE"),
     Setting("reuse_ttl", "Seconds a kept cluster may stay idle before its keeper stops it", seconds, 900.0,
             metavar="SECONDS"),

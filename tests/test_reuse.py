@@ -36,7 +36,8 @@ def test_up(pd_cluster, pdinfo):
 
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
-    monkeypatch.delenv("CI", raising=False)  # CI refuses --pd-reuse=on; the CI case sets it itself
+    for var in reuse.CI_ENV_VARS:  # CI refuses --pd-reuse=on; the CI case sets it itself
+        monkeypatch.delenv(var, raising=False)
     return Inner(pytester, monkeypatch)
 
 
@@ -478,7 +479,7 @@ def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypat
     assert _states(reuse_dir) == []
     forced = inner.run("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")
     forced.assert_outcomes(passed=1)
-    forced.stdout.fnmatch_lines(["*reuse force (CI is set)*", "*kept pd-1-*"])
+    forced.stdout.fnmatch_lines(["*reuse force (CI=true is set)*", "*kept pd-1-*"])
     _stop_all(reuse_dir, inner)
 
 
@@ -595,8 +596,22 @@ def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "ci", "enabled"),
-    [("off", "", False), ("on", "", True), ("on", "true", False), ("on", "0", True), ("force", "true", True)],
+    ("mode", "environ", "enabled"),
+    [
+        ("off", {}, False),
+        ("on", {}, True),
+        ("on", {"CI": "true"}, False),
+        ("on", {"CI": "0"}, True),
+        ("on", {"CI": ""}, True),
+        ("on", {"BUILD_NUMBER": "42"}, False),  # Jenkins sets no CI (pytest's own rule counts BUILD_NUMBER)
+        ("on", {"CI": "false", "BUILD_NUMBER": "7"}, False),
+        ("force", {"CI": "true"}, True),
+        ("force", {}, True),
+    ],
 )
-def test_reuse_decision(mode: str, ci: str, enabled: bool) -> None:
-    assert reuse.reuse_decision(mode, {"CI": ci} if ci else {})[0] is enabled
+def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> None:
+    decided, why = reuse.reuse_decision(mode, environ)
+    assert decided is enabled
+    if not enabled and mode == "on":
+        assert "refused because" in why
+        assert any(f"{k}={v}" in why for k, v in environ.items()), why
