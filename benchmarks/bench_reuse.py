@@ -27,6 +27,8 @@ from typing import Any
 
 from _common import InnerProject, clean_env, load_average, print_table, summary, verdict, write_result
 
+from pytest_pdserve.reuse import CI_ENV_VARS
+
 INNER_TEST = """
 import json, os, time
 
@@ -62,7 +64,8 @@ def measure(engine: str, rounds: int, exe: str | None = None) -> dict[str, Any]:
     """Run the variants on ``engine``; returns the times, their stats, what was left, and whether the target is met."""
     mark = uuid.uuid4().hex
     env = clean_env(PDSERVE_BENCH_MARK=mark)
-    env.pop("CI", None)  # CI refuses --pd-reuse=on
+    for var in CI_ENV_VARS:  # CI refuses --pd-reuse=on
+        env.pop(var, None)
     if exe is not None:
         env["PDSERVE_VLLM_EXECUTABLE"] = exe
     if os.environ.get("PDSERVE_CACHE_DIR"):
