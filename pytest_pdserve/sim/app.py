@@ -1,7 +1,9 @@
 """The simulator's HTTP API: vLLM's OpenAI-compatible routes on starlette.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /metrics``, ``GET /version``, and ``POST /reset_prefix_cache`` when ``VLLM_SERVER_DEV_MODE=1``.
+``GET /metrics``, ``GET /version``, ``POST /reset_prefix_cache`` (and the sleep routes) when
+``VLLM_SERVER_DEV_MODE=1``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` when
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
 Response and error bodies follow vLLM 0.33's shapes.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -47,6 +50,8 @@ class AppState:
 
     engine: Engine
     extra_version_info: dict[str, Any] = field(default_factory=dict)
+    #: Runtime-loaded LoRA adapters, name -> path (vLLM's ``OpenAIServingModels.lora_requests``).
+    loras: dict[str, str] = field(default_factory=dict)
 
 
 class _ApiError(Exception):
@@ -155,13 +160,25 @@ def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
     return value
 
 
-def _check_model(body: Mapping[str, Any], engine: Engine) -> None:
+def _missing_fields(missing: list[str], body: Mapping[str, Any]) -> str:
+    """vLLM's message for a request body that lacks required fields (its pydantic validation handler)."""
+    rows = [
+        f"  {{'type': 'missing', 'loc': 'body.{key}', 'msg': 'Field required', 'input': '<dict of {len(body)} items>'}}"
+        for key in missing
+    ]
+    return f"{len(rows)} validation error{'s' if len(rows) > 1 else ''}:\n" + "\n".join(rows)
+
+
+def _check_model(body: Mapping[str, Any], engine: Engine, loras: Mapping[str, str]) -> str:
+    """The name a response carries: a loaded LoRA adapter's own, else the first served name (vLLM's
+    ``OpenAIServingModels.model_name``); an unknown model is a 404."""
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
-    if model is not None and model not in names:
+    if model is not None and model not in names and model not in loras:
         raise _ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
         )
+    return str(model) if model in loras else engine.args.served_name
 
 
 def _response_head(
@@ -332,7 +349,52 @@ def build_app(state: AppState) -> Starlette:
             }
             for name in names
         ]
+        data += [
+            {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": path, "parent": names[0],
+             "max_model_len": None, "permission": data[0]["permission"]}
+            for name, path in state.loras.items()
+        ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora_adapter(request: Request) -> Response:
+        # vLLM's OpenAIServingModels.load_lora_adapter and _check_load_lora_adapter_request (0.32), in order.
+        body = await body_of(request)
+        missing = [key for key in ("lora_name", "lora_path") if key not in body]
+        if missing:  # vLLM's pydantic LoadLoRAAdapterRequest: both fields are required
+            return error_response(_missing_fields(missing, body), "Bad Request", 400, f"body.{missing[0]}")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return error_response("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if name in (args.served_model_name or (args.model,)):
+            return error_response(
+                f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput", 400
+            )
+        if not body.get("load_inplace") and name in state.loras:
+            return error_response(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                "set 'load_inplace' to True.", "InvalidUserInput", 400,
+            )  # fmt: skip
+        if not args.enable_lora:  # the engine's add_lora (lora_model_runner_mixin._ensure_lora_enabled)
+            return error_response(
+                "Call to add_lora method failed: Worker failed with error 'LoRA is not enabled. Use --enable-lora to "
+                "enable LoRA.', please check the stack trace above for the root cause", "InternalServerError", 500,
+            )  # fmt: skip
+        if not os.path.isdir(str(path)):
+            return error_response(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
+        state.loras[str(name)] = str(path)
+        logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", status_code=200)
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        name = body.get("lora_name")
+        if not name:
+            return error_response("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
+        if name not in state.loras:
+            return error_response(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del state.loras[name]
+        logger.info("Removed LoRA adapter: name '%s'", name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", status_code=200)
 
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -360,7 +422,7 @@ def build_app(state: AppState) -> Starlette:
 
     async def completions(request: Request) -> Response:
         body = await body_of(request)
-        _check_model(body, engine)
+        model = _check_model(body, engine, state.loras)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -391,7 +453,7 @@ def build_app(state: AppState) -> Starlette:
         lp = await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return _stream(engine, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
+            return _stream(engine, model, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
         choice = {
             "index": 0,
             "text": engine.tok.decode(gen.output_ids),
@@ -402,13 +464,13 @@ def build_app(state: AppState) -> Starlette:
             "prompt_token_ids": gen.prompt_ids if want_ids else None,
             "token_ids": gen.output_ids if want_ids else None,
         }
-        head = _response_head(rid, "text_completion", created, args.served_name, choice, _usage(engine, gen))
+        head = _response_head(rid, "text_completion", created, model, choice, _usage(engine, gen))
         return JSONResponse({**head, "kv_transfer_params": gen.kv_transfer_params})
 
     async def tokenize(request: Request) -> Response:
         # vLLM's POST /tokenize: count a prompt without running the engine (no metric or cache changes).
         body = await body_of(request)
-        _check_model(body, engine)
+        _check_model(body, engine, state.loras)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise _ApiError("prompt must be a string (pdserve-sim's /tokenize takes completion prompts only)")
@@ -419,7 +481,7 @@ def build_app(state: AppState) -> Starlette:
 
     async def chat(request: Request) -> Response:
         body = await body_of(request)
-        _check_model(body, engine)
+        model = _check_model(body, engine, state.loras)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _ApiError("messages must be a non-empty list of {role, content} objects")
@@ -445,7 +507,7 @@ def build_app(state: AppState) -> Starlette:
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return _stream(
-                engine, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
+                engine, model, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
             )
         message: dict[str, Any] = {
             "role": "assistant",
@@ -468,7 +530,7 @@ def build_app(state: AppState) -> Starlette:
         # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
         return JSONResponse(
             {
-                **_response_head(rid, "chat.completion", created, args.served_name, choice, _usage(engine, gen)),
+                **_response_head(rid, "chat.completion", created, model, choice, _usage(engine, gen)),
                 "prompt_logprobs": None,
                 "prompt_token_ids": gen.prompt_ids if want_ids else None,
                 "prompt_text": None,
@@ -487,6 +549,10 @@ def build_app(state: AppState) -> Starlette:
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
     ]
+    if engine.env.runtime_lora_updating:
+        # vLLM's serve/lora/api_router.attach_router: the routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+        routes.append(Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]))
+        routes.append(Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]))
     if engine.env.dev_mode:
         # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode.
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
@@ -521,6 +587,7 @@ def _chunk_logprobs(logprobs: dict[str, Any] | None, i: int, chat: bool) -> dict
 
 def _stream(
     engine: Engine,
+    model: str,
     gen: Generation,
     rid: str,
     created: int,
@@ -531,7 +598,6 @@ def _stream(
     chat: bool,
 ) -> StreamingResponse:
     """SSE stream: a chunk per generated token, the finish reason on the last, optional usage, [DONE]."""
-    model = engine.args.served_name
     running = engine.metrics.num_requests_running.labels(**engine.metrics.labels)
 
     async def events() -> AsyncIterator[str]:

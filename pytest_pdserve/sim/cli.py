@@ -187,6 +187,7 @@ class ServeArgs:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    enable_lora: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     trust_remote_code: bool = False
@@ -388,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.9,
         help="KV cache share: 1 GiB at the default %(default)s, scaled linearly",
     )
+    p.add_argument(
+        "--enable-lora", action=argparse.BooleanOptionalAction, default=False, help="LoRA adapters may be loaded"
+    )
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False, help="accepted (no effect)")
     p.add_argument(
         "--enable-prefix-caching",
@@ -482,6 +486,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,
+        enable_lora=ns.enable_lora,
         enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed,
         trust_remote_code=ns.trust_remote_code,

@@ -36,6 +36,7 @@ class SimEnv:
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
     dev_mode: bool = False
+    runtime_lora_updating: bool = False
     startup_delay: float = 0.0
     crash_at_startup: str | None = None
     crash_exit_code: int = 1
@@ -126,6 +127,8 @@ class SimEnv:
             side_channel_host=environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
             side_channel_port=side_port,
             dev_mode=flag("VLLM_SERVER_DEV_MODE"),
+            # vLLM's own parse (envs.py): "1" or "true", anything else off (not an error).
+            runtime_lora_updating=(get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") or "").lower() in ("1", "true"),
             startup_delay=number("PDSERVE_SIM_STARTUP_DELAY", 0.0, 0.0),
             crash_at_startup=environ.get("PDSERVE_SIM_CRASH_AT_STARTUP") or None,
             crash_exit_code=crash_code,
