@@ -246,7 +246,6 @@ class ClusterManager:
                 running = reuse.adopt(
                     claim, spec, api_key=self.defaults.api_key,
                     max_model_len=spec.max_model_len or self.defaults.max_model_len,
-                    pd_ready_check=self.pd_ready_check,
                 )  # fmt: skip
             except Exception as exc:
                 claim.stop()

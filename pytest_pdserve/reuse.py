@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_pdserve.errors import PDServeError, ServerDied
+from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
@@ -627,21 +627,12 @@ def _served_models_changed(server: Mapping[str, Any], now: Any) -> str | None:
     return f"{server['name']} {change}"
 
 
-#: Seconds an attach waits for its P/D round trip's KV to show; a fresh start waits 30 s, but a kept cluster was
-#: P/D-ready before, and starting a fresh one is the remedy anyway.
-ATTACH_ROUND_TRIP_TIMEOUT = 10.0
-
-
-def adopt(
-    claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None, pd_ready_check: bool = True
-) -> LaunchedCluster:
+def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
-    Every server must be the kept process (pid and start time) and answer ``/health``; what the servers run is
-    read back as at a fresh start (`verify.verify_cluster`), and with ``pd_ready_check`` one request through the
-    proxy must move KV again (`verify.pd_round_trip`: a NIXL peer that went bad while kept fails here, not in a
-    test). The prefill and decode prefix caches are reset last (a previous run's prompts must not warm this
-    run's). :raises ReuseError: what failed (the caller stops it).
+    Every server must be the kept process (pid and start time) and answer ``/health``; the prefill and decode
+    prefix caches are reset (a previous run's prompts must not warm this run's); what the servers run is read
+    back as at a fresh start (`verify.verify_cluster`). :raises ReuseError: what failed (the caller stops it).
     """
     import httpx
 
@@ -694,24 +685,16 @@ def adopt(
     for h in (*cluster.prefill, *cluster.decode):
         if _asleep(h):  # a test put it to sleep (dev mode's /sleep) and never woke it: not a usable cluster
             raise ReuseError(f"{h.name} is asleep (POST /sleep without /wake_up)")
-    effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
-    for s in state["servers"]:
-        problem = _served_models_changed(s, effective.get(str(s["name"])))
-        if problem is not None:
-            raise ReuseError(problem)
-    if pd_ready_check:
-        try:
-            cluster.pd_ready_seconds = verify.pd_round_trip(cluster, timeout=ATTACH_ROUND_TRIP_TIMEOUT)
-        except verify.NotPDReady as exc:
-            raise ReuseError(f"not P/D-ready: {exc}") from None
-        except ServerDied as exc:  # its own message says "not restarted": here a fresh cluster is the remedy
-            raise ReuseError(f"not P/D-ready: {exc.server} {exc.what} under the round trip") from None
-    for h in (*cluster.prefill, *cluster.decode):  # after the round trip: its blocks go too
         try:
             reset = h.reset_prefix_cache()
         except AssertionError as exc:
             raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
         if not reset:
             raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+    effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
+    for s in state["servers"]:
+        problem = _served_models_changed(s, effective.get(str(s["name"])))
+        if problem is not None:
+            raise ReuseError(problem)
     cluster.started_seconds = time.monotonic() - t0
     return LaunchedCluster(cluster, [], None, [], str(state["label"]), fingerprint=kept.fingerprint, claim=claim)

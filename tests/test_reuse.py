@@ -326,29 +326,6 @@ def test_a_kept_cluster_with_a_lora_adapter_a_test_loaded_is_not_reused(
     _stop_all(reuse_dir, inner)
 
 
-def test_a_kept_cluster_that_no_longer_moves_kv_is_not_reused(inner: Inner, reuse_dir: Path) -> None:
-    """An attach proves P/D again (one KV round trip): a kept cluster whose engines fail under the first request
-    of the second run answers /health and reads back its configuration, but must not be handed to a test."""
-    inner.pytester.makepyfile(
-        """
-        from pytest_pdserve.spec import ClusterSpec
-
-        def test_up(pd_cluster_factory, pdinfo):
-            # Request 1 of each server is the start's round trip; request 2 would be the attach's.
-            cluster = pd_cluster_factory(ClusterSpec(env={"PDSERVE_SIM_ENGINE_DIES_ON_REQUEST": "2"}))
-            pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None)
-        """
-    )
-    state = _kept_one(inner, reuse_dir)
-    second = _run(inner, reuse_dir)
-    second.assert_outcomes(passed=1)
-    second.stdout.fnmatch_lines(
-        [f"*kept cluster {state['id']} failed its check (not P/D-ready: prefill-0 stopped answering*); stopped it*"]
-    )
-    assert [i["reused"] for i in inner.infos()] == [None, None]
-    _stop_all(reuse_dir, inner)
-
-
 def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_API_KEY", "sk-reuse-secret-0123")
     inner.pytester.makepyfile(
