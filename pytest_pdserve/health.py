@@ -118,8 +118,24 @@ class ClusterHealth:
         return server, f"stopped answering ({status})"
 
 
-def _verdict(health: ClusterHealth, request: httpx.Request, client_of: str, outcome: str) -> ServerDied | None:
-    """After a 5xx or a transport error: the death that explains it, or None (a healthy cluster's error)."""
+def _verdict(
+    health: ClusterHealth,
+    request: httpx.Request,
+    client_of: str,
+    response: httpx.Response | None = None,
+    error: httpx.TransportError | None = None,
+) -> ServerDied | None:
+    """The death that explains a request's outcome, or None: the one rule both transports follow.
+
+    Only a transport error or a 5xx makes the cluster's servers be probed; any other answer, and an error of a
+    healthy cluster, is the caller's to see.
+    """
+    if error is not None:
+        outcome = type(error).__name__
+    elif response is not None and response.status_code >= 500:
+        outcome = f"HTTP {response.status_code}"
+    else:
+        return None
     try:
         health.check(f"{request.method} {request.url.path} via {client_of}: {outcome}")
     except ServerDied as died:
@@ -140,15 +156,14 @@ class GuardedTransport(httpx.BaseTransport):
         try:
             response = self._inner.handle_request(request)
         except httpx.TransportError as exc:
-            died = _verdict(self._health, request, self._client_of, type(exc).__name__)
+            died = _verdict(self._health, request, self._client_of, error=exc)
             if died is not None:
                 raise died from None
             raise
-        if response.status_code >= 500:
-            died = _verdict(self._health, request, self._client_of, f"HTTP {response.status_code}")
-            if died is not None:
-                response.close()
-                raise died
+        died = _verdict(self._health, request, self._client_of, response=response)
+        if died is not None:
+            response.close()
+            raise died
         return response
 
     def close(self) -> None:
@@ -168,15 +183,14 @@ class AsyncGuardedTransport(httpx.AsyncBaseTransport):
         try:
             response = await self._inner.handle_async_request(request)
         except httpx.TransportError as exc:
-            died = _verdict(self._health, request, self._client_of, type(exc).__name__)
+            died = _verdict(self._health, request, self._client_of, error=exc)
             if died is not None:
                 raise died from None
             raise
-        if response.status_code >= 500:
-            died = _verdict(self._health, request, self._client_of, f"HTTP {response.status_code}")
-            if died is not None:
-                await response.aclose()
-                raise died
+        died = _verdict(self._health, request, self._client_of, response=response)
+        if died is not None:
+            await response.aclose()
+            raise died
         return response
 
     async def aclose(self) -> None:
