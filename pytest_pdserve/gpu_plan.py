@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pytest_pdserve import leases
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
-from pytest_pdserve.gpu_probe import gpu_processes
+from pytest_pdserve.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.spec import ClusterSpec
 
@@ -42,8 +42,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: How long the release gate waits for nvidia-smi to stop listing our pids on a GPU.
-GPU_RELEASE_TIMEOUT = 60.0
 #: ``--gpu-memory-utilization`` of each server on a shared GPU when none is given. vLLM's own shared-GPU
 #: P/D configs cap it at 0.35-0.4 per engine; 0.4 + 0.4 leaves a fifth of the GPU for the two CUDA
 #: contexts and memory outside vLLM's budget (the second engine checks its fraction against what is
@@ -315,19 +313,18 @@ class GpuPlanner:
             waited += lease.release(wait_until=gate, timeout=GPU_RELEASE_TIMEOUT)
         return waited if gate is not None and plan.leases else None
 
+    def gated_keys(self, plan: GpuPlan) -> tuple[str, ...] | None:
+        """The GPUs whose release waits for nvidia-smi (`gpu_probe.pids_off_gpus`): on real CUDA only."""
+        if self.inventory.platform != "cuda" or self.inventory.simulated or not plan.leases:
+            return None
+        return tuple(plan.keys)
+
     def _release_gate(self, plan: GpuPlan, our_pids: set[int]) -> Callable[[], bool] | None:
         """On real CUDA: hand a GPU back only when nvidia-smi lists none of our pids on it."""
-        if self.inventory.platform != "cuda" or self.inventory.simulated:
+        uuids = self.gated_keys(plan)
+        if uuids is None:
             return None
-        uuids = set(plan.keys)
-
-        def gate() -> bool:
-            apps = gpu_processes()
-            if apps is None:  # nvidia-smi failed: nothing to wait on
-                return True
-            return not any(a.uuid in uuids and a.pid in our_pids for a in apps)
-
-        return gate
+        return lambda: pids_off_gpus(uuids, our_pids)
 
 
 def _unavailable(message: str) -> Exception:

@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
     "AMD_SMI_LIST",
+    "GPU_RELEASE_TIMEOUT",
     "NVIDIA_QUERY_APPS",
     "NVIDIA_QUERY_GPU",
     "ROCM_SMI_QUERY",
@@ -37,6 +39,8 @@ __all__ = [
     "SystemPaths",
     "gpu_processes",
     "parse_amd_smi_list",
+    "pids_off_gpus",
+    "wait_for_gate",
     "parse_compute_apps",
     "parse_kfd_topology",
     "parse_nvidia_query_gpu",
@@ -388,6 +392,38 @@ def probe_rocm(runner: Runner, paths: SystemPaths) -> tuple[list[Gpu], str, bool
     if has_kfd or found_tool:
         return [], "/dev/kfd present but no GPU listed" if has_kfd else "ROCm tools list no GPU", True
     return [], "no /dev/kfd", False
+
+
+#: How long a release gate waits for nvidia-smi to stop listing our pids on a GPU (then it releases anyway).
+GPU_RELEASE_TIMEOUT = 60.0
+
+
+def pids_off_gpus(uuids: Collection[str], pids: Collection[int], runner: Runner = run_command) -> bool:
+    """The release gate's rule: nvidia-smi lists none of ``pids`` on the GPUs ``uuids`` (True when it fails:
+    nothing to wait on). A GPU goes back to the leases only then, so the next server's memory check (vLLM's
+    ``--gpu-memory-utilization`` against free memory) does not see the last one's."""
+    apps = gpu_processes(runner)
+    if apps is None:
+        return True
+    return not any(a.uuid in uuids and a.pid in pids for a in apps)
+
+
+def wait_for_gate(gate: Callable[[], bool], timeout: float, poll: float = 0.2) -> str | None:
+    """Poll ``gate`` every ``poll`` s until it holds or ``timeout`` passes; None when it held, else why not.
+
+    The caller releases either way (holding a GPU forever would be worse) and logs the reason; the leases'
+    release and the keeper's stop share this loop.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if gate():
+                return None
+        except Exception as exc:  # a gate that breaks must not keep the GPU
+            return f"the gate failed ({type(exc).__name__}: {exc})"
+        if time.monotonic() >= deadline:
+            return f"not satisfied after {timeout:.1f}s"
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 def gpu_processes(runner: Runner = run_command) -> list[GpuProcess] | None:

@@ -12,6 +12,8 @@ server tokens, and duplicates of the clusters' lease fds (``pass_fds``). The kee
 * stops a cluster when it was idle (unclaimed) for the TTL, when one of its servers died or was replaced
   (pid and start time), or when another run waits for its GPUs (that run holds a shared lock on the GPU's
   ``.want`` file, :func:`pytest_pdserve.lockfiles.want`);
+* on real CUDA, hands a stopped cluster's GPU leases back only once nvidia-smi lists none of its servers on them
+  (the release gate pytest itself runs, :func:`pytest_pdserve.gpu_probe.pids_off_gpus`);
 * exits when no cluster is left. Exiting closes its lease fds; a lease frees once the servers holding it are gone.
 
 Supervision does not stop at the keeper: it starts its own guard (:mod:`pytest_pdserve.supervise`) on its own
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_pdserve.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
 from pytest_pdserve.supervise import start_guard
@@ -119,6 +122,12 @@ class _Kept:
         groups = [int(s["pgid"]) for s in self.servers]
         tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in self.servers]
         res = terminate(groups, env=tokens, grace=grace, kill_wait=10.0)
+        gated = self.state.get("release_gate")
+        if gated:  # as pytest's own release does (gpu_plan): the next server's memory check must not see these
+            pids = {int(s["pid"]) for s in self.servers}
+            not_met = wait_for_gate(lambda: pids_off_gpus(set(gated), pids), GPU_RELEASE_TIMEOUT)
+            if not_met is not None:
+                _say(f"GPU release gate for {self.id} {not_met}; releasing {gated} anyway")
         for fd, path in self.locks:  # the servers are gone: the leases free now (files removed, as on release)
             with contextlib.suppress(OSError):
                 if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:

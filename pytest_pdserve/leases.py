@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
+from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.lockfiles import (
     KEPT_FOR_REUSE,
     KEPT_RELEASE_WAIT,
@@ -118,18 +119,9 @@ class GpuLease(Lease):
         if not self._fds:
             return 0.0
         if wait_until is not None:
-            deadline = t0 + timeout
-            while True:
-                try:
-                    if wait_until():
-                        break
-                except Exception:
-                    log.exception("GPU release gate failed; releasing anyway")
-                    break
-                if time.monotonic() >= deadline:
-                    log.warning("GPU release gate not satisfied after %.1fs; releasing %s anyway", timeout, self.keys)
-                    break
-                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            why = wait_for_gate(wait_until, timeout)
+            if why is not None:
+                log.warning("GPU release gate %s; releasing %s anyway", why, self.keys)
         self._release_now()
         return time.monotonic() - t0
 

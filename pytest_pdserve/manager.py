@@ -290,7 +290,9 @@ class ClusterManager:
             locks = [(fd, str(path)) for lease in held for fd, path in lease.locks]
             # Each lease has a want file: a run waiting for one of its GPUs or its fixed proxy port says so there.
             want = [str(want_file(Path(path))) for _, path in locks]
-            orders.append((reuse.cluster_state(r, r.fingerprint, self.run_token), locks, want))
+            # On real CUDA the keeper unlocks a GPU only once nvidia-smi lists none of the kept servers on it.
+            gated = self.gpus.gated_keys(plan) if plan is not None else None
+            orders.append((reuse.cluster_state(r, r.fingerprint, self.run_token, release_gate=gated), locks, want))
         try:
             pid = reuse.keep(
                 orders, reuse_dir=self.reuse.directory, ttl=self.reuse.ttl, grace=self.launcher.orphan_grace(),

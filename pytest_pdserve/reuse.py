@@ -513,8 +513,17 @@ def _server_state(proc: Any, handle: Any, served_models: Sequence[str] | None = 
     }  # fmt: skip
 
 
-def cluster_state(launched: LaunchedCluster, fingerprint_: Mapping[str, str], run_token: str) -> dict[str, Any]:
-    """What the keeper writes for one cluster (no secret: digests, URLs, pids, tokens, logs)."""
+def cluster_state(
+    launched: LaunchedCluster,
+    fingerprint_: Mapping[str, str],
+    run_token: str,
+    release_gate: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """What the keeper writes for one cluster (no secret: digests, URLs, pids, tokens, logs).
+
+    ``release_gate``: the GPU UUIDs whose leases the keeper hands back only once nvidia-smi lists none of the
+    servers on them (`gpu_plan.GpuPlanner.gated_keys`; None off real CUDA).
+    """
     cluster = launched.cluster
     by_name = {p.name: p for p in launched.processes}
     at_start = {name: e.served_models for name, e in (cluster.effective or {}).items()}
@@ -527,6 +536,7 @@ def cluster_state(launched: LaunchedCluster, fingerprint_: Mapping[str, str], ru
         "platform": cluster.platform, "started_seconds": cluster.started_seconds,
         "pd_ready_seconds": cluster.pd_ready_seconds, "topology": [len(cluster.prefill), len(cluster.decode)],
         "servers": servers, "proxy": _server_state(by_name["proxy"], cluster.proxy),
+        "release_gate": list(release_gate) if release_gate else None,
     }  # fmt: skip
 
 

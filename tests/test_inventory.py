@@ -23,6 +23,7 @@ from pytest_pdserve.gpu_probe import (
     parse_kfd_topology,
     parse_nvidia_query_gpu,
     parse_rocm_smi_json,
+    pids_off_gpus,
     run_command,
 )
 from pytest_pdserve.inventory import (
@@ -232,6 +233,14 @@ def test_compute_apps_edge_cases() -> None:
     assert gpu_processes(runner) == [(563, UUID1, 2426)]
     assert gpu_processes(FakeRunner({})) is None
     assert gpu_processes(FakeRunner({NVIDIA_QUERY_APPS: CommandResult(9, "", "")})) is None
+
+
+def test_release_gate_rule_holds_only_when_none_of_our_pids_is_on_those_gpus() -> None:
+    runner = FakeRunner({NVIDIA_QUERY_APPS: ok((H200 / "compute-apps.csv").read_text())})  # pid 563 on UUID1
+    assert not pids_off_gpus({UUID1}, {563}, runner)
+    assert pids_off_gpus({UUID0}, {563}, runner)  # ours, but on another GPU
+    assert pids_off_gpus({UUID1}, {564}, runner)  # that GPU, but another process
+    assert pids_off_gpus({UUID1}, {563}, FakeRunner({}))  # no nvidia-smi: nothing to wait on
 
 
 # --------------------------------------------------------------------------- ROCm

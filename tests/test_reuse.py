@@ -9,6 +9,8 @@ a second run wanting the kept cluster's GPUs, a concurrent claim, CI.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -21,10 +23,10 @@ from typing import Any
 import pytest
 from _pdsession import Inner, live_procs, unheld_locks, wait_for
 
-from pytest_pdserve import cli, reuse
+from pytest_pdserve import cli, keeper, reuse
 from pytest_pdserve.engine import resolve_engine
 from pytest_pdserve.leases import acquire_ports
-from pytest_pdserve.proctree import alive_as, read_stat
+from pytest_pdserve.proctree import SERVER_TOKEN_ENV, alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -614,6 +616,58 @@ def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) ->
         bystander.kill()
         bystander.wait(10)
     _stop_all(reuse_dir, inner)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_keeper_hands_gpus_back_only_behind_the_release_gate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    """On real CUDA a kept cluster's GPU lease must stay locked until nvidia-smi lists none of its servers, as at
+    pytest's own release: the next run's vLLM checks its memory fraction against what is free."""
+    lock_path = tmp_path / "gpu-GPU-x.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    sleepers = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                         env={**os.environ, SERVER_TOKEN_ENV: f"tok-{i}"})
+        for i in range(2)
+    ]  # fmt: skip
+    servers = [{"name": f"s{i}", "pid": p.pid, "pgid": p.pid, "token": f"tok-{i}", "log_path": str(tmp_path / "x")}
+               for i, p in enumerate(sleepers)]  # fmt: skip
+    state = {"id": "c-1", "servers": servers[:1], "proxy": servers[1], "release_gate": ["GPU-x"] if gated else None}
+    polls: list[tuple[set[int], bool]] = []
+
+    def lock_is_free() -> bool:
+        probe = os.open(lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(probe)
+        return True
+
+    def fake_rule(uuids: set[str], pids: set[int]) -> bool:  # nvidia-smi lists the servers for three polls
+        assert uuids == {"GPU-x"}
+        polls.append((set(pids), lock_is_free()))
+        return len(polls) > 3
+
+    monkeypatch.setattr(keeper, "pids_off_gpus", fake_rule)
+    kept = keeper._Kept(state, [(fd, lock_path)], [], tmp_path / "c-1.json")
+    try:
+        kept.stop("test", 1.0, keep_logs=True)
+    finally:
+        for p in sleepers:
+            with contextlib.suppress(OSError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    if gated:
+        assert len(polls) == 4
+        assert all(pids == {p.pid for p in sleepers} for pids, _ in polls)
+        assert not any(free for _, free in polls), "the lease was free while nvidia-smi still listed a server"
+    else:
+        assert polls == []  # no gate off real CUDA
+    assert not lock_path.exists()  # released (removed while locked, as a release does)
 
 
 def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> None:

@@ -32,7 +32,7 @@ GATE_TEST = f"""
 import os, subprocess, sys, time
 from pathlib import Path
 
-import pytest_pdserve.gpu_plan as gpu_plan
+import pytest_pdserve.gpu_probe as gpu_probe
 from gpuinner import GPU_ENV, compute_apps, describe, record
 from pytest_pdserve import leases
 from pytest_pdserve.fixtures import MANAGER
@@ -71,10 +71,10 @@ def test_gate(request, pd_cluster_factory, tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the GPU holder never got ready"
             time.sleep(0.05)
         polls, releases = [], []
-        real = gpu_plan.gpu_processes
+        real = gpu_probe.gpu_processes
 
-        def recording():
-            apps = real()
+        def recording(*args):
+            apps = real(*args)
             polls.append({{"t": time.monotonic(), "apps": None if apps is None else [[a.pid, a.uuid] for a in apps]}})
             return apps
 
@@ -84,7 +84,7 @@ def test_gate(request, pd_cluster_factory, tmp_path, monkeypatch):
             releases.append({{"t": time.monotonic(), "keys": list(self.keys)}})
             release_now(self)
 
-        monkeypatch.setattr(gpu_plan, "gpu_processes", recording)
+        monkeypatch.setattr(gpu_probe, "gpu_processes", recording)  # what the gate's rule calls
         monkeypatch.setattr(leases.GpuLease, "_release_now", recording_release)
         before = compute_apps()
         t_stop = time.monotonic()
