@@ -39,16 +39,16 @@ __all__ = [
     "SystemPaths",
     "gpu_processes",
     "parse_amd_smi_list",
-    "pids_off_gpus",
-    "wait_for_gate",
     "parse_compute_apps",
     "parse_kfd_topology",
     "parse_nvidia_query_gpu",
     "parse_proc_nvidia",
     "parse_rocm_smi_json",
+    "pids_off_gpus",
     "probe_cuda",
     "probe_rocm",
     "run_command",
+    "wait_for_gate",
 ]
 
 SMI_TIMEOUT_S = 10.0

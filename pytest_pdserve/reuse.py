@@ -613,6 +613,10 @@ def _asleep(h: Any) -> bool:
         return False
 
 
+#: vLLM's route for loading a LoRA adapter while serving (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
+LORA_LOAD_ROUTE = "POST /v1/load_lora_adapter"
+
+
 def _served_models_changed(server: Mapping[str, Any], now: Any) -> str | None:
     """Why ``server`` no longer serves what it served at its start, or None.
 
@@ -625,24 +629,21 @@ def _served_models_changed(server: Mapping[str, Any], now: Any) -> str | None:
     before, after = list(server["served_models"]), list(now.served_models)
     if before == after:
         return None
-    added = [m for m in after if m not in before]
-    removed = [m for m in before if m not in after]
-    change = "; ".join(
-        part for part in (
-            f"now also serves {', '.join(added)} (a LoRA adapter loaded at run time: POST /v1/load_lora_adapter)"
-            if added else "",
-            f"no longer serves {', '.join(removed)}" if removed else "",
-        ) if part
-    ) or f"serves {after} instead of {before}"  # fmt: skip
-    return f"{server['name']} {change}"
+    parts = []
+    if added := [m for m in after if m not in before]:
+        parts.append(f"now also serves {', '.join(added)} (a LoRA adapter loaded at run time: {LORA_LOAD_ROUTE})")
+    if removed := [m for m in before if m not in after]:
+        parts.append(f"no longer serves {', '.join(removed)}")
+    return f"{server['name']} {'; '.join(parts) or f'lists {after} instead of {before}'}"
 
 
 def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
-    Every server must be the kept process (pid and start time) and answer ``/health``; the prefill and decode
-    prefix caches are reset (a previous run's prompts must not warm this run's); what the servers run is read
-    back as at a fresh start (`verify.verify_cluster`). :raises ReuseError: what failed (the caller stops it).
+    Every server must be the kept process (pid and start time), answer ``/health`` and be awake; the prefill and
+    decode prefix caches are reset (a previous run's prompts must not warm this run's); what the servers run is
+    read back as at a fresh start (`verify.verify_cluster`), and ``/v1/models`` must list what it listed at the
+    start (`_served_models_changed`). :raises ReuseError: what failed (the caller stops it).
     """
     import httpx
 
