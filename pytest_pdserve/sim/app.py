@@ -169,16 +169,25 @@ def _missing_fields(missing: list[str], body: Mapping[str, Any]) -> str:
     return f"{len(rows)} validation error{'s' if len(rows) > 1 else ''}:\n" + "\n".join(rows)
 
 
+def _wrong_type(key: str, value: object) -> str:
+    """vLLM's message for a body field that is not a string (pydantic's ``string_type``)."""
+    return (
+        f"1 validation error:\n  {{'type': 'string_type', 'loc': 'body.{key}', 'msg': 'Input should be a valid "
+        f"string', 'input': {value!r}}}"
+    )
+
+
 def _check_model(body: Mapping[str, Any], engine: Engine, loras: Mapping[str, str]) -> str:
     """The name a response carries: a loaded LoRA adapter's own, else the first served name (vLLM's
     ``OpenAIServingModels.model_name``); an unknown model is a 404."""
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
-    if model is not None and model not in names and model not in loras:
+    lora = isinstance(model, str) and model in loras  # a JSON list or object is no key (and must not raise)
+    if model is not None and model not in names and not lora:
         raise _ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
         )
-    return str(model) if model in loras else engine.args.served_name
+    return str(model) if lora else engine.args.served_name
 
 
 def _response_head(
@@ -363,6 +372,9 @@ def build_app(state: AppState) -> Starlette:
         if missing:  # vLLM's pydantic LoadLoRAAdapterRequest: both fields are required
             return error_response(_missing_fields(missing, body), "Bad Request", 400, f"body.{missing[0]}")
         name, path = body.get("lora_name"), body.get("lora_path")
+        wrong = next((key for key in ("lora_name", "lora_path") if not isinstance(body[key], str)), None)
+        if wrong is not None:  # pydantic's str field
+            return error_response(_wrong_type(wrong, body[wrong]), "Bad Request", 400, f"body.{wrong}")
         if not name or not path:
             return error_response("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
         if name in (args.served_model_name or (args.model,)):
@@ -388,6 +400,8 @@ def build_app(state: AppState) -> Starlette:
     async def unload_lora_adapter(request: Request) -> Response:
         body = await body_of(request)
         name = body.get("lora_name")
+        if name is not None and not isinstance(name, str):
+            return error_response(_wrong_type("lora_name", name), "Bad Request", 400, "body.lora_name")
         if not name:
             return error_response("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
         if name not in state.loras:

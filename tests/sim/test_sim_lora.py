@@ -78,3 +78,19 @@ def test_a_loaded_adapter_is_served_by_name_until_unloaded(tmp_path: Path) -> No
         assert r.status_code == 404
 
     asyncio.run(run())
+
+
+def test_careless_lora_and_model_fields_are_400s_and_404s_not_crashes() -> None:
+    async def run() -> None:
+        client = _client("--enable-lora")
+        for body in ({"lora_name": ["a"], "lora_path": "/x"}, {"lora_name": "a", "lora_path": {"p": 1}}):
+            r = await client.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 400, r.text
+            assert "Input should be a valid string" in r.json()["error"]["message"]
+        r = await client.post("/v1/unload_lora_adapter", json={"lora_name": 7})
+        assert r.status_code == 400, r.text
+        for model in (["a"], {"m": 1}):  # not a key of the adapter table: an unknown model, as before
+            r = await client.post("/v1/completions", json={"model": model, "prompt": [5], "max_tokens": 1})
+            assert r.status_code == 404, r.text
+
+    asyncio.run(run())
