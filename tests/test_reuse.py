@@ -267,6 +267,10 @@ def test_lora(pd_cluster_factory, pdinfo, tmp_path):
         conflict = post("/v1/load_lora_adapter", {"lora_name": cluster.model, "lora_path": path})
         script["conflict"] = [conflict[0], conflict[1]["type"]]  # its message names the model (sanitized or not)
         script["unload_missing"] = post("/v1/unload_lora_adapter", {"lora_name": "nope"})
+        script["name_list"] = post("/v1/load_lora_adapter", {"lora_name": ["a"], "lora_path": path})
+        script["unload_int"] = post("/v1/unload_lora_adapter", {"lora_name": 7})
+        script["empty_name"] = post("/v1/load_lora_adapter", {"lora_name": "", "lora_path": path})
+        script["model_obj"] = post("/v1/completions", {"model": {"m": 1}, "prompt": [5], "max_tokens": 1})
         cards = [c for c in decode.get("/v1/models").json()["data"] if c["id"] != cluster.model]
         script["cards"] = [[c["id"], c["root"] == path, c["parent"] == cluster.model, c["max_model_len"]]
                            for c in cards]
@@ -291,6 +295,17 @@ LORA_SCRIPT = {
     "conflict": [400, "InvalidUserInput"],
     "unload_missing": [404, {"message": "The lora adapter 'nope' cannot be found.", "type": "NotFoundError",
                              "param": None, "code": 404}],
+    "name_list": [400, {"message": "1 validation error:\n  {'type': 'string_type', 'loc': 'body.lora_name', 'msg': "
+                                   "'Input should be a valid string', 'input': '<list of 1 items>'}",
+                        "type": "Bad Request", "param": "body.lora_name", "code": 400}],
+    "unload_int": [400, {"message": "1 validation error:\n  {'type': 'string_type', 'loc': 'body.lora_name', 'msg': "
+                                    "'Input should be a valid string', 'input': '7'}",
+                         "type": "Bad Request", "param": "body.lora_name", "code": 400}],
+    "empty_name": [400, {"message": "Both 'lora_name' and 'lora_path' must be provided.", "type": "InvalidUserInput",
+                         "param": None, "code": 400}],
+    "model_obj": [400, {"message": "1 validation error:\n  {'type': 'string_type', 'loc': 'body.model', 'msg': "
+                                   "'Input should be a valid string', 'input': '<dict of 1 items>'}",
+                        "type": "Bad Request", "param": "body.model", "code": 400}],
     "cards": [["sql-lora", True, True, None]],
     "complete": [200, "sql-lora", 2],
 }  # fmt: skip

@@ -16,7 +16,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,29 +160,42 @@ def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
     return value
 
 
-def _missing_fields(missing: list[str], body: Mapping[str, Any]) -> str:
-    """vLLM's message for a request body that lacks required fields (its pydantic validation handler)."""
+def _input(value: object) -> str:
+    """How vLLM's validation message shows a rejected input (sanitized: containers by size, scalars as text)."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return str(value)
+
+
+def _validation_error(kind: str, message: str, keys: Sequence[str], body: Mapping[str, Any]) -> str:
+    """vLLM's message for a request body pydantic refused (measured on vLLM for CPU 0.32)."""
     rows = [
-        f"  {{'type': 'missing', 'loc': 'body.{key}', 'msg': 'Field required', 'input': '<dict of {len(body)} items>'}}"
-        for key in missing
+        f"  {{'type': '{kind}', 'loc': 'body.{key}', 'msg': '{message}', "
+        f"'input': '{_input(body) if kind == 'missing' else _input(body[key])}'}}"
+        for key in keys
     ]
     return f"{len(rows)} validation error{'s' if len(rows) > 1 else ''}:\n" + "\n".join(rows)
 
 
-def _wrong_type(key: str, value: object) -> str:
-    """vLLM's message for a body field that is not a string (pydantic's ``string_type``)."""
-    return (
-        f"1 validation error:\n  {{'type': 'string_type', 'loc': 'body.{key}', 'msg': 'Input should be a valid "
-        f"string', 'input': {value!r}}}"
-    )
+def _require_strings(body: Mapping[str, Any], required: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """pydantic's rules for ``str`` fields: required ones present, every given one a string; else vLLM's 400."""
+    missing = [key for key in required if key not in body]
+    if missing:
+        raise _ApiError(_validation_error("missing", "Field required", missing, body), "Bad Request", 400,
+                        f"body.{missing[0]}")  # fmt: skip
+    wrong = [key for key in (*required, *optional) if body.get(key) is not None and not isinstance(body[key], str)]
+    if wrong:
+        raise _ApiError(_validation_error("string_type", "Input should be a valid string", wrong, body),
+                        "Bad Request", 400, f"body.{wrong[0]}")  # fmt: skip
 
 
 def _check_model(body: Mapping[str, Any], engine: Engine, loras: Mapping[str, str]) -> str:
     """The name a response carries: a loaded LoRA adapter's own, else the first served name (vLLM's
     ``OpenAIServingModels.model_name``); an unknown model is a 404."""
+    _require_strings(body, (), ("model",))  # a JSON list or object is a 400, as pydantic answers it
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
-    lora = isinstance(model, str) and model in loras  # a JSON list or object is no key (and must not raise)
+    lora = model in loras
     if model is not None and model not in names and not lora:
         raise _ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
@@ -368,13 +381,8 @@ def build_app(state: AppState) -> Starlette:
     async def load_lora_adapter(request: Request) -> Response:
         # vLLM's OpenAIServingModels.load_lora_adapter and _check_load_lora_adapter_request (0.32), in order.
         body = await body_of(request)
-        missing = [key for key in ("lora_name", "lora_path") if key not in body]
-        if missing:  # vLLM's pydantic LoadLoRAAdapterRequest: both fields are required
-            return error_response(_missing_fields(missing, body), "Bad Request", 400, f"body.{missing[0]}")
-        name, path = body.get("lora_name"), body.get("lora_path")
-        wrong = next((key for key in ("lora_name", "lora_path") if not isinstance(body[key], str)), None)
-        if wrong is not None:  # pydantic's str field
-            return error_response(_wrong_type(wrong, body[wrong]), "Bad Request", 400, f"body.{wrong}")
+        _require_strings(body, ("lora_name", "lora_path"))  # vLLM's pydantic LoadLoRAAdapterRequest
+        name, path = body["lora_name"], body["lora_path"]
         if not name or not path:
             return error_response("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
         if name in (args.served_model_name or (args.model,)):
@@ -399,9 +407,8 @@ def build_app(state: AppState) -> Starlette:
 
     async def unload_lora_adapter(request: Request) -> Response:
         body = await body_of(request)
+        _require_strings(body, (), ("lora_name",))
         name = body.get("lora_name")
-        if name is not None and not isinstance(name, str):
-            return error_response(_wrong_type("lora_name", name), "Bad Request", 400, "body.lora_name")
         if not name:
             return error_response("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
         if name not in state.loras:

@@ -80,17 +80,24 @@ def test_a_loaded_adapter_is_served_by_name_until_unloaded(tmp_path: Path) -> No
     asyncio.run(run())
 
 
-def test_careless_lora_and_model_fields_are_400s_and_404s_not_crashes() -> None:
+def test_careless_lora_and_model_fields_are_vllms_400s_not_crashes() -> None:
+    # Measured on vLLM for CPU 0.32: pydantic refuses a non-string str field before any route logic runs.
     async def run() -> None:
         client = _client("--enable-lora")
-        for body in ({"lora_name": ["a"], "lora_path": "/x"}, {"lora_name": "a", "lora_path": {"p": 1}}):
-            r = await client.post("/v1/load_lora_adapter", json=body)
+        cases = [
+            ("/v1/load_lora_adapter", {"lora_name": ["a"], "lora_path": "/x"}, "lora_name", "<list of 1 items>"),
+            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": {"p": 1}}, "lora_path", "<dict of 1 items>"),
+            ("/v1/unload_lora_adapter", {"lora_name": 7}, "lora_name", "7"),
+            ("/v1/completions", {"model": ["a"], "prompt": [5], "max_tokens": 1}, "model", "<list of 1 items>"),
+            ("/v1/chat/completions", {"model": {"m": 1}, "messages": []}, "model", "<dict of 1 items>"),
+        ]
+        for route, body, key, shown in cases:
+            r = await client.post(route, json=body)
             assert r.status_code == 400, r.text
-            assert "Input should be a valid string" in r.json()["error"]["message"]
-        r = await client.post("/v1/unload_lora_adapter", json={"lora_name": 7})
-        assert r.status_code == 400, r.text
-        for model in (["a"], {"m": 1}):  # not a key of the adapter table: an unknown model, as before
-            r = await client.post("/v1/completions", json={"model": model, "prompt": [5], "max_tokens": 1})
-            assert r.status_code == 404, r.text
+            assert r.json()["error"] == {
+                "message": f"1 validation error:\n  {{'type': 'string_type', 'loc': 'body.{key}', 'msg': 'Input "
+                f"should be a valid string', 'input': '{shown}'}}",
+                "type": "Bad Request", "param": f"body.{key}", "code": 400,
+            }  # fmt: skip
 
     asyncio.run(run())
