@@ -17,7 +17,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_pdserve.reuse import KeptCluster, ReuseError, default_reuse_dir, keeper_info, list_kept, stop_kept
+from pytest_pdserve.reuse import (
+    KeptCluster,
+    ReuseError,
+    check_reuse_dir,
+    default_reuse_dir,
+    keeper_info,
+    list_kept,
+    stop_kept,
+)
 from pytest_pdserve.setting_table import SETTINGS_BY_NAME
 
 __all__ = ["main"]
@@ -40,10 +48,12 @@ def _row(kept: KeptCluster, now: float) -> dict[str, object]:
     claimed = bool(info.get("claimed"))
     idle = float(info.get("idle_seconds", 0.0))
     p, d = kept.state.get("topology", ["?", "?"])
+    idle_text, stops_in = ("in use", "-") if claimed else (_age(idle), _age(kept.ttl - idle))
+    if not info:  # no answer: nothing to say of its idle time (a stopped keeper stops nothing)
+        idle_text, stops_in = "?", "keeper stopped" if kept.keeper_stopped() else "?"
     return {
         "id": kept.id, "cluster": kept.spec_name, "engine": kept.state.get("engine"), "topology": f"{p}P x {d}D",
-        "age": _age(now - kept.created), "idle": "in use" if claimed else _age(idle),
-        "stops_in": "-" if claimed else _age(kept.ttl - idle), "proxy": kept.state["proxy"]["url"],
+        "age": _age(now - kept.created), "idle": idle_text, "stops_in": stops_in, "proxy": kept.state["proxy"]["url"],
         "keeper_pid": kept.keeper_pid,
     }  # fmt: skip
 
@@ -82,7 +92,8 @@ def _stop(directory: Path, names: Sequence[str], everything: bool) -> int:
             print(f"stopped {k.id}")
         else:
             failed += 1
-            print(f"pdserve stop: {k.id}: its keeper (pid {k.keeper_pid}) did not stop it", file=sys.stderr)
+            why = k.keeper_stopped() or f"its keeper (pid {k.keeper_pid}) did not stop it"
+            print(f"pdserve stop: {k.id}: {why}", file=sys.stderr)
     if everything and not chosen:
         print(f"no kept clusters in {directory}")
     return 1 if failed else 0
@@ -100,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--all", action="store_true", help="stop every kept cluster")
     args = parser.parse_args(argv)
     directory = _reuse_dir(args.dir)
-    if not directory.is_dir():  # nothing was ever kept there: listing or stopping everything is a success
+    if not os.path.lexists(directory):  # nothing was ever kept there: listing or stopping everything is a success
         if args.command == "ls" or args.all:
             print(f"no kept clusters in {directory}")
             return 0
@@ -108,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve stop: no kept cluster named {names} (no reuse dir {directory})", file=sys.stderr)
         return 1
     try:
+        check_reuse_dir(directory)  # the plugin's own rule: never trust, or clean up in, a directory not ours
         if args.command == "ls":
             return _ls(directory, args.json)
         if not args.names and not args.all:

@@ -31,6 +31,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
+from pytest_pdserve.setting_table import remedy
 from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, resolve, settings_origin
 
 
@@ -71,7 +72,10 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         reuse_options(config)
     except PDServeError as exc:  # a reuse dir that is not ours: before any test, like every bad setting
-        raise pytest.UsageError(f"pdserve: --pd-reuse: {exc}") from None
+        cfg = config.stash[PDSERVE_CONFIG]
+        raise pytest.UsageError(
+            f"pdserve: --pd-reuse: {exc} (reuse_dir from {cfg.source_of('reuse_dir')}; set {remedy('reuse_dir')})"
+        ) from None
     start_inventory_detection(config)
 
 

@@ -57,7 +57,9 @@ __all__ = [
     "Claim",
     "ReuseOptions",
     "KeptCluster",
+    "REUSE_DIR_MARKER",
     "adopt",
+    "check_reuse_dir",
     "claim",
     "cluster_state",
     "keeper_info",
@@ -134,16 +136,35 @@ def default_reuse_dir() -> Path:
     return cache_base() / "reuse"
 
 
-def ensure_reuse_dir(path: Path) -> Path:
-    """Create the reuse directory (0700) if missing; refuse one that is not ours or that others may write.
+#: The file that makes a directory pdserve's reuse dir. pdserve removes stale state files (``*.json``) and old
+#: run logs (``logs/*``) there, so it uses only a directory that is new, empty, or already carries this file:
+#: ``--pd-reuse-dir=.`` or ``$HOME`` must never cost a user's ``package.json`` or ``logs/``.
+REUSE_DIR_MARKER = ".pytest-pdserve-reuse"
+_MARKER_TEXT = b"pytest-pdserve --pd-reuse directory: kept clusters' state and logs (see `pdserve ls`).\n"
+#: Entries that do not make a directory "someone else's": the marker itself, and check_dir's writable probe.
+_OWN_ENTRIES = (REUSE_DIR_MARKER, ".pdserve-probe-")
+
+
+def _marked(path: Path) -> bool:
+    try:
+        st = os.lstat(path / REUSE_DIR_MARKER)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def check_reuse_dir(path: Path) -> None:
+    """Refuse a reuse directory that is not a directory of ours, that others may write, or that is not pdserve's
+    own (neither marked with :data:`REUSE_DIR_MARKER` nor empty). Changes nothing (``pdserve ls`` uses it too).
 
     :raises ReuseError: naming the path and what is wrong with it.
     """
     try:
-        ensure_dir(path, 0o700)
         st = os.stat(path)
-    except (PDServeError, OSError) as exc:
-        raise ReuseError(f"reuse directory {path}: {exc}") from None
+    except OSError as exc:
+        raise ReuseError(f"reuse directory {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ReuseError(f"reuse directory {path} is not a directory")
     if st.st_uid != os.geteuid():
         raise ReuseError(f"reuse directory {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
     if stat.S_IMODE(st.st_mode) & 0o022:
@@ -151,6 +172,40 @@ def ensure_reuse_dir(path: Path) -> Path:
             f"reuse directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone could plant "
             "a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
         )
+    if _marked(path):
+        return
+    try:
+        with os.scandir(path) as entries:
+            foreign = [e.name for e in entries if not e.name.startswith(_OWN_ENTRIES)][:3]
+    except OSError as exc:
+        raise ReuseError(f"reuse directory {path}: {exc.strerror or exc}") from None
+    if foreign and not _marked(path):  # looked again: a concurrent run may have just made it ours
+        raise ReuseError(
+            f"reuse directory {path} holds files pdserve did not put there ({', '.join(sorted(foreign))}, ...): "
+            "pdserve removes stale state files and old logs in it, so it must be a directory of its own (a new or "
+            f"empty one, e.g. {path / 'pdserve-reuse'})"
+        )
+
+
+def ensure_reuse_dir(path: Path) -> Path:
+    """Create the reuse directory (0700) if missing, check it (:func:`check_reuse_dir`) and mark it as pdserve's.
+
+    :raises ReuseError: naming the path and what is wrong with it.
+    """
+    try:
+        ensure_dir(path, 0o700)
+    except PDServeError as exc:
+        raise ReuseError(f"reuse directory {path}: {exc}") from None
+    check_reuse_dir(path)
+    if not _marked(path):
+        try:
+            fd = os.open(path / REUSE_DIR_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ReuseError(f"reuse directory {path}: cannot create {REUSE_DIR_MARKER}: {exc.strerror}") from None
+        try:
+            os.write(fd, _MARKER_TEXT)
+        finally:
+            os.close(fd)
     return path
 
 
@@ -304,6 +359,20 @@ class KeptCluster:
         """The first server that is not the process that was kept, else None (the keeper's own rule)."""
         return gone_server(self.servers)
 
+    def keeper_stopped(self) -> str | None:
+        """Why its keeper cannot answer now, when it is stopped (SIGSTOP, a debugger, a frozen cgroup), else None.
+
+        A stopped keeper accepts connections (the kernel queues them) and never answers: whoever talks to it
+        would wait out the timeout and then guess why. Nothing signals it for us: the user decides.
+        """
+        info = read_stat(self.keeper_pid)
+        if info is None or info.starttime != self.keeper_starttime or info.state not in ("T", "t"):
+            return None
+        return (
+            f"its keeper (pid {self.keeper_pid}) is stopped (SIGSTOP or a debugger): `kill -CONT {self.keeper_pid}` "
+            f"lets it go on, `kill -9 {self.keeper_pid}` has its guard stop its servers"
+        )
+
 
 def _read_state(path: Path) -> KeptCluster:
     """Parse one state file (ours, regular, bounded); :raises ValueError: what is wrong with it."""
@@ -425,22 +494,39 @@ def _request(kept: KeptCluster, line: str, timeout: float = 60.0) -> str:
 
 def claim(kept: KeptCluster) -> Claim | None:
     """Claim ``kept`` for this run; None when another run holds it, or its keeper no longer has it."""
+    return _claim(kept)[0]
+
+
+def _claim(kept: KeptCluster) -> tuple[Claim | None, str]:
+    """``(claim, "")``, or ``(None, why not)``: ``""`` when another run holds it, else what is wrong with it."""
+    stopped = kept.keeper_stopped()
+    if stopped is not None:
+        return None, stopped  # it would accept the connection and never answer
     try:
         sock = _connect(kept)
+    except OSError as exc:
+        return None, f"its keeper (pid {kept.keeper_pid}) could not be reached ({exc})"
+    try:
         sock.settimeout(_CLAIM_TIMEOUT)  # the keeper may be busy stopping another cluster (a few seconds)
         sock.sendall(f"claim {kept.id}\n".encode())
         reply = _readline(sock)
-    except OSError:
-        return None
+    except OSError as exc:
+        sock.close()
+        late = f"did not answer in {_CLAIM_TIMEOUT:g}s" if isinstance(exc, TimeoutError) else f"failed ({exc})"
+        return None, kept.keeper_stopped() or f"its keeper (pid {kept.keeper_pid}) {late}"
     if reply != "ok":
         sock.close()
-        return None
+        return None, {"busy": "", "unknown": "its keeper no longer keeps it"}.get(
+            reply, f"its keeper (pid {kept.keeper_pid}) answered {reply!r}"
+        )
     sock.settimeout(None)
-    return Claim(kept, sock)
+    return Claim(kept, sock), ""
 
 
 def keeper_info(kept: KeptCluster) -> dict[str, Any]:
     """What the keeper says of ``kept`` now (claimed, idle seconds); empty when it does not answer."""
+    if kept.keeper_stopped() is not None:
+        return {}
     try:
         info = json.loads(_request(kept, "info", timeout=_CONNECT_TIMEOUT))
         return dict(info.get(kept.id, {}))
@@ -449,7 +535,12 @@ def keeper_info(kept: KeptCluster) -> dict[str, Any]:
 
 
 def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
-    """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True if it was stopped."""
+    """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True if it was stopped.
+
+    False when its keeper runs but did not stop it (:meth:`KeptCluster.keeper_stopped` says when it cannot).
+    """
+    if kept.keeper_stopped() is not None:
+        return False
     try:
         reply = json.loads(_request(kept, f"stop {kept.id}"))
         return kept.id in reply.get("stopped", [])
@@ -472,19 +563,23 @@ def find_reusable(
     if not kept:
         return None, None
     exact = [k for k in kept if k.fingerprint == wanted]
-    busy = []
+    busy, unreachable = [], []
     for k in sorted(exact, key=lambda k: k.created):
         dead = k.dead_server()
         if dead is not None:
             report(f"pdserve: reuse: kept cluster {k.id} not reused: {dead}; stopping it")
             stop_kept(k)
             continue
-        got = claim(k)
+        got, why = _claim(k)
         if got is not None:
             return got, None
-        busy.append(k.id)
-    if busy:
-        return None, f"kept cluster {', '.join(busy)} is in use by another run"
+        if why:
+            unreachable.append(f"kept cluster {k.id}: {why}")
+        else:
+            busy.append(k.id)
+    if busy or unreachable:
+        in_use = [f"kept cluster {', '.join(busy)} is in use by another run"] if busy else []
+        return None, "; ".join([*in_use, *unreachable])
     nearest = min(kept, key=lambda k: (k.spec_name != spec_name, len(differences(k.fingerprint, wanted))))
     diff = differences(nearest.fingerprint, wanted)
     shown = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")

@@ -606,6 +606,7 @@ def test_a_reuse_dir_others_can_write_is_refused(inner: Inner) -> None:
 
 def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
+    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()  # a reuse dir pdserve made (else no file in it is touched)
     (reuse_dir / "garbage.json").write_text("{not json")
     # A bystander process, and a state file naming it as server and keeper: nothing may signal it.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)

@@ -1,0 +1,139 @@
+"""``--pd-reuse`` attacked as careless CI authors and hostile local users would: real inner pytest sessions
+against real simulator processes (the helpers are tests/test_reuse.py's and tests/_pdsession.py's).
+
+Each case names the promise of README's "Keep a cluster between runs" or docs/reuse.md it attacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _pdsession import Inner
+
+from pytest_pdserve import cli, reuse
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+UP = """
+def test_up(pd_cluster, pdinfo):
+    pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+    assert pd_cluster.complete("hello " * 10, max_tokens=2)["choices"]
+"""
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
+    for var in reuse.CI_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return Inner(pytester, monkeypatch)
+
+
+@pytest.fixture
+def reuse_dir(inner: Inner) -> Any:
+    path = inner.pytester.path / "reuse"
+    yield path
+    if path.is_dir():
+        cli.main(["--dir", str(path), "stop", "--all"])
+
+
+def _run(inner: Inner, reuse_dir: Path, *extra: str, timeout: float = 120) -> pytest.RunResult:
+    return inner.run("--pd-reuse", f"--pd-reuse-dir={reuse_dir}", *extra, timeout=timeout)
+
+
+def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_pdserve.cli", *args], capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ a reuse dir that is not one
+
+
+def _project_like(path: Path) -> list[Path]:
+    """A directory that holds a user's files, as ~ or a project root does: JSON that is no state, old logs."""
+    path.mkdir(mode=0o700)
+    (path / "package.json").write_text(json.dumps({"name": "mine"}))
+    (path / "notes.json").write_text("[1, 2, 3]")
+    old_logs = []
+    for i in range(8):
+        run = path / "logs" / f"2020010{i}-build"
+        run.mkdir(parents=True)
+        (run / "build.log").write_text("keep me")
+        os.utime(run, (0, 0))
+        old_logs.append(run)
+    return [path / "package.json", path / "notes.json", *old_logs]
+
+
+def test_a_reuse_dir_with_a_users_files_loses_none_of_them(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pd-reuse-dir=.` or `PDSERVE_REUSE_DIR=$HOME`: pdserve removes stale state files and old run logs in its
+    reuse dir, so a directory holding a user's files is refused, never cleaned (it removed package.json and old
+    logs/ directories). The error names the path, what is in it and where the setting came from."""
+    home = inner.pytester.path / "home"
+    mine = _project_like(home)
+    inner.pytester.makepyfile(UP)
+    monkeypatch.setenv("PDSERVE_REUSE_DIR", str(home))
+    result = inner.run("--pd-reuse")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    result.stderr.fnmatch_lines(
+        [f"*--pd-reuse: reuse directory {home} holds files pdserve did not put there (logs, notes.json, package.json,"
+         " ...)*a directory of its own*(reuse_dir from environment variable PDSERVE_REUSE_DIR; set --pd-reuse-dir*"]
+    )  # fmt: skip
+    for args in (["ls"], ["ls", "--json"], ["stop", "--all"], ["stop", "pd-1-abcdef"]):
+        out = _pdserve(*args)  # $PDSERVE_REUSE_DIR, as the plugin read it
+        assert out.returncode == 2, (args, out)
+        assert f"pdserve: reuse directory {home} holds files pdserve did not put there" in out.stderr, out
+    assert [p for p in mine if not p.exists()] == []
+    assert not (home / reuse.REUSE_DIR_MARKER).exists()
+
+
+def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) -> None:
+    reuse_dir.mkdir(mode=0o700)
+    inner.pytester.makepyfile(UP)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    assert (reuse_dir / reuse.REUSE_DIR_MARKER).is_file()
+    _run(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
+    assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
+    inner.gone_within(10.0)
+
+
+# ---------------------------------------------------------------------------------------- a stopped keeper
+
+
+def _kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
+    _run(inner, reuse_dir, *extra).assert_outcomes(passed=1)
+    [state] = [json.loads(p.read_text()) for p in reuse_dir.glob("*.json")]
+    return state
+
+
+def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_dir: Path) -> None:
+    """SIGSTOP the keeper (Ctrl-Z on a debugger, a frozen cgroup): the next run must not wait 20 s on its claim
+    and then blame "another run", and `pdserve stop --all` must not wait a minute per cluster: both say the
+    keeper is stopped and how to go on."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    pid = state["keeper"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        second = _run(inner, reuse_dir)
+        second.assert_outcomes(passed=1)
+        why = f"kept cluster {state['id']}: its keeper (pid {pid}) is stopped"
+        second.stdout.fnmatch_lines([f"*pd: starting a fresh cluster: {why} (SIGSTOP*kill -CONT {pid}*"])
+        out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
+        took = time.monotonic() - t0
+        assert out.returncode == 1, out
+        assert f"{state['id']}: its keeper (pid {pid}) is stopped" in out.stderr, out
+        assert took < 30, f"{took:.1f}s: someone waited on the stopped keeper"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
+    inner.gone_within(10.0)
