@@ -110,8 +110,12 @@ def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) ->
 
 def _kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
     _run(inner, reuse_dir, *extra).assert_outcomes(passed=1)
-    [state] = [json.loads(p.read_text()) for p in reuse_dir.glob("*.json")]
+    [state] = _states(reuse_dir)
     return state
+
+
+def _states(reuse_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(reuse_dir.glob("*.json"))]
 
 
 def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_dir: Path) -> None:
