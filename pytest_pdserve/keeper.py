@@ -34,6 +34,7 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -51,6 +52,7 @@ STATE_SUFFIX = ".json"
 _MAX_INPUT = 4 << 20  # what pytest writes on our stdin: a few KB per cluster
 _TICK = 0.5  # seconds between checks of TTL, server liveness and wanted GPUs
 _MAX_LINE = 4096
+_GUARD_EXIT = 5.0  # seconds the guard may take to exit on SIGTERM (it only waits on its lifeline)
 
 
 def _say(msg: str) -> None:
@@ -191,7 +193,8 @@ class _Keeper:
             targets = list(self.clusters) if arg == "*" else [arg] if arg in self.clusters else []
             for cid in targets:
                 self._stop(cid, "pdserve stop")
-            conn.sendall((json.dumps({"stopped": targets}) + "\n").encode())
+            # "left": 0 tells `pdserve stop` this keeper exits now; it waits for that (nothing left once it returns)
+            conn.sendall((json.dumps({"stopped": targets, "left": len(self.clusters)}) + "\n").encode())
         elif cmd == "info":
             now = time.monotonic()
             info = {
@@ -350,7 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         keeper.run()
     finally:
         _say("no cluster left: exiting")
-        guard.terminate()  # nothing left to guard
+        guard.terminate()  # nothing left to guard; reaped, so that nothing of ours outlives our exit
+        try:
+            guard.wait(_GUARD_EXIT)
+        except subprocess.TimeoutExpired:
+            guard.kill()
+            guard.wait(_GUARD_EXIT)
     return 0
 
 

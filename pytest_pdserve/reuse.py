@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
@@ -86,6 +87,7 @@ _MAX_STATE = 1 << 20
 _CONNECT_TIMEOUT = 2.0
 _KEEPER_START_TIMEOUT = 15.0
 _CLAIM_TIMEOUT = 20.0
+_KEEPER_EXIT_TIMEOUT = 10.0  # a keeper with no cluster left exits at once (its guard: up to 5 s on SIGTERM)
 _MAX_KEEPER_LOG = 1 << 20
 #: Run log directories kept in ``<reuse dir>/logs`` besides those of kept clusters (like pytest's basetemps).
 KEEP_RUN_LOGS = 5
@@ -543,6 +545,8 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
         return False
     try:
         reply = json.loads(_request(kept, f"stop {kept.id}"))
+        if reply.get("left") == 0:  # that was its last cluster: it exits now; return once it did (and its guard)
+            wait_for_gate(lambda: not kept.keeper_alive(), _KEEPER_EXIT_TIMEOUT, poll=0.02)
         return kept.id in reply.get("stopped", [])
     except (OSError, ValueError, AttributeError):
         if kept.keeper_alive():

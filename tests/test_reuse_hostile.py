@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pdsession import Inner
+from _pdsession import Inner, live_procs, unheld_locks
 
 from pytest_pdserve import cli, reuse
 
@@ -141,3 +141,18 @@ def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_
         os.kill(pid, signal.SIGCONT)
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
     inner.gone_within(10.0)
+
+
+# ------------------------------------------------------------------------------------ pdserve stop --all
+
+
+def test_stop_all_returns_only_when_nothing_is_left(inner: Inner, reuse_dir: Path) -> None:
+    """The issue's "done when": `pdserve stop --all` leaves no process and no lease. A script that checks right
+    after it returns (`pdserve stop --all && pgrep ...`) must find nothing: not the keeper, not its guard."""
+    inner.pytester.makepyfile(UP)
+    _kept_one(inner, reuse_dir)
+    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0  # in-process: no interpreter exit to wait for
+    left = live_procs(inner.mark)  # no wait: at once
+    assert left == {}, left
+    unheld_locks(inner.lease_dir)
+    assert _states(reuse_dir) == []
