@@ -48,7 +48,8 @@ def _row(kept: KeptCluster, now: float) -> dict[str, object]:
     claimed = bool(info.get("claimed"))
     idle = float(info.get("idle_seconds", 0.0))
     p, d = kept.state.get("topology", ["?", "?"])
-    idle_text, stops_in = ("in use", "-") if claimed else (_age(idle), _age(kept.ttl - idle))
+    ttl = float(info.get("ttl", kept.ttl))  # the keeper's: the last run that claimed it may have set another
+    idle_text, stops_in = ("in use", "-") if claimed else (_age(idle), _age(ttl - idle))
     if not info:  # no answer: nothing to say of its idle time (a stopped keeper stops nothing)
         idle_text, stops_in = "?", "keeper stopped" if kept.keeper_stopped() else "?"
     return {

@@ -28,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import select
 import signal
@@ -111,6 +112,8 @@ class _Kept:
         self.state_path = state_path
         self.idle_since = time.monotonic()
         self.claim: socket.socket | None = None
+        #: Idle seconds before it stops: the keeping run's --pd-reuse-ttl, then that of the last run that claimed it.
+        self.ttl = float(state.get("keeper", {}).get("ttl", 0.0))
 
     @property
     def servers(self) -> list[dict[str, Any]]:
@@ -151,10 +154,9 @@ class _Kept:
 
 
 class _Keeper:
-    def __init__(self, clusters: list[_Kept], listener: socket.socket, ttl: float, grace: float) -> None:
+    def __init__(self, clusters: list[_Kept], listener: socket.socket, grace: float) -> None:
         self.clusters = {k.id: k for k in clusters}
         self.listener = listener
-        self.ttl = ttl
         self.grace = grace
         self.conns: dict[socket.socket, bytes] = {}
         self.stop_all: str | None = None
@@ -178,7 +180,8 @@ class _Keeper:
 
     def _answer(self, conn: socket.socket, line: str) -> None:
         cmd, _, arg = line.strip().partition(" ")
-        if cmd == "claim":
+        if cmd == "claim":  # claim ID [TTL]: the claiming run's --pd-reuse-ttl applies once it lets go
+            arg, _, ttl_text = arg.partition(" ")
             kept = self.clusters.get(arg)
             if kept is None:
                 reply = "unknown"
@@ -187,7 +190,11 @@ class _Keeper:
             else:
                 kept.claim = conn
                 reply = "ok"
-                _say(f"{kept.id} claimed")
+                with contextlib.suppress(ValueError):
+                    ttl = float(ttl_text)
+                    if math.isfinite(ttl) and ttl > 0:
+                        kept.ttl = ttl
+                _say(f"{kept.id} claimed (ttl {kept.ttl:g}s once released)")
             conn.sendall(f"{reply}\n".encode())
         elif cmd == "stop":
             targets = list(self.clusters) if arg == "*" else [arg] if arg in self.clusters else []
@@ -201,7 +208,7 @@ class _Keeper:
                 cid: {
                     "claimed": k.claim is not None,
                     "idle_seconds": 0.0 if k.claim is not None else round(now - k.idle_since, 1),
-                    "ttl": self.ttl,
+                    "ttl": k.ttl,
                 }
                 for cid, k in self.clusters.items()
             }
@@ -254,8 +261,8 @@ class _Keeper:
             if why is None and kept.claim is None:
                 if not kept.state_path.exists():  # e.g. the reuse dir was removed: no run can find it again
                     why = "its state file is gone"
-                elif now - kept.idle_since >= self.ttl:
-                    why = f"idle for {self.ttl:g}s"
+                elif now - kept.idle_since >= kept.ttl:
+                    why = f"idle for {kept.ttl:g}s"
                 elif any(is_wanted(p) for p in kept.want):
                     why = "another run waits for its leases (GPUs or a fixed port)"
             if why is not None:
@@ -335,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
             write_holder(lock, f"{KEPT_FOR_REUSE}: {state['id']} (pdserve ls)")
         clusters.append(_Kept(state, locks, item.get("want", ()), path))
-    keeper = _Keeper(clusters, listener, ttl, grace)
+    keeper = _Keeper(clusters, listener, grace)
 
     def on_term(signum: int, frame: object) -> None:
         keeper.stop_all = f"signal {signum}"

@@ -240,7 +240,7 @@ class ClusterManager:
             spec=spec, defaults=self.defaults, setup=setup, model=model, placement=self._placement(spec),
             proxy_command=self.launcher.proxy_command, environ=os.environ,
         )  # fmt: skip
-        claim, why = reuse.find_reusable(self.reuse.directory, wanted, spec.name, self.report)
+        claim, why = reuse.find_reusable(self.reuse.directory, wanted, spec.name, self.report, ttl=self.reuse.ttl)
         if claim is not None:
             try:
                 running = reuse.adopt(

@@ -494,12 +494,15 @@ def _request(kept: KeptCluster, line: str, timeout: float = 60.0) -> str:
         return _readline(sock)
 
 
-def claim(kept: KeptCluster) -> Claim | None:
-    """Claim ``kept`` for this run; None when another run holds it, or its keeper no longer has it."""
-    return _claim(kept)[0]
+def claim(kept: KeptCluster, ttl: float | None = None) -> Claim | None:
+    """Claim ``kept`` for this run; None when another run holds it, or its keeper no longer has it.
+
+    ``ttl``: this run's ``--pd-reuse-ttl``, the idle time after which the keeper stops it once we let go.
+    """
+    return _claim(kept, ttl)[0]
 
 
-def _claim(kept: KeptCluster) -> tuple[Claim | None, str]:
+def _claim(kept: KeptCluster, ttl: float | None = None) -> tuple[Claim | None, str]:
     """``(claim, "")``, or ``(None, why not)``: ``""`` when another run holds it, else what is wrong with it."""
     stopped = kept.keeper_stopped()
     if stopped is not None:
@@ -510,7 +513,7 @@ def _claim(kept: KeptCluster) -> tuple[Claim | None, str]:
         return None, f"its keeper (pid {kept.keeper_pid}) could not be reached ({exc})"
     try:
         sock.settimeout(_CLAIM_TIMEOUT)  # the keeper may be busy stopping another cluster (a few seconds)
-        sock.sendall(f"claim {kept.id}\n".encode())
+        sock.sendall(f"claim {kept.id}{f' {ttl!r}' if ttl is not None else ''}\n".encode())
         reply = _readline(sock)
     except OSError as exc:
         sock.close()
@@ -559,10 +562,11 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
 
 
 def find_reusable(
-    reuse_dir: Path, wanted: Mapping[str, str], spec_name: str, report: Any
+    reuse_dir: Path, wanted: Mapping[str, str], spec_name: str, report: Any, ttl: float | None = None
 ) -> tuple[Claim | None, str | None]:
     """Claim a kept cluster whose fingerprint is ``wanted``: ``(claim, None)``, or ``(None, why not)`` where
-    ``why`` names the nearest kept cluster and the components that differ (None when nothing was kept)."""
+    ``why`` names the nearest kept cluster and the components that differ (None when nothing was kept).
+    ``ttl``: this run's ``--pd-reuse-ttl`` (see :func:`claim`)."""
     kept = list_kept(reuse_dir, report=report)
     if not kept:
         return None, None
@@ -574,7 +578,7 @@ def find_reusable(
             report(f"pdserve: reuse: kept cluster {k.id} not reused: {dead}; stopping it")
             stop_kept(k)
             continue
-        got, why = _claim(k)
+        got, why = _claim(k, ttl)
         if got is not None:
             return got, None
         if why:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pdsession import Inner, live_procs, unheld_locks
+from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
 
@@ -156,3 +156,87 @@ def test_stop_all_returns_only_when_nothing_is_left(inner: Inner, reuse_dir: Pat
     assert left == {}, left
     unheld_locks(inner.lease_dir)
     assert _states(reuse_dir) == []
+
+
+# ------------------------------------------------------------------------------ death during the hand-over
+
+#: An inner conftest addition that SIGKILLs pytest at one moment of the hand-over to the keeper.
+KILL_AT = """
+import os, signal
+from pytest_pdserve import reuse
+
+_keep, _read_line = reuse.keep, reuse._read_line_within
+WHEN = os.environ["KILL_AT"]
+
+def _keep_then_die(*args, **kwargs):
+    pid = _keep(*args, **kwargs)
+    if WHEN == "after-ready":  # the keeper owns the clusters; pytest has not disowned them yet
+        os.kill(os.getpid(), signal.SIGKILL)
+    return pid
+
+def _die_before_ready(stream, timeout):
+    if WHEN == "before-ready":  # the keeper is starting (or writing its state files)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _read_line(stream, timeout)
+
+reuse.keep = _keep_then_die
+reuse._read_line_within = _die_before_ready
+"""
+
+
+@pytest.mark.parametrize("when", ["before-ready", "after-ready"])
+def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """SIGKILL at the worst moment of the hand-over: whatever survives is owned (a keeper, a state file the next
+    run and `pdserve stop --all` see), never servers nobody stops; every lease frees once it is stopped."""
+    inner.pytester.makeconftest(INNER_CONFTEST + KILL_AT)
+    inner.pytester.makepyfile(UP)
+    monkeypatch.setenv("KILL_AT", when)
+    result = _run(inner, reuse_dir)
+    assert result.ret == -signal.SIGKILL, result.stdout.str()[-2000:]
+
+    def settled() -> bool:  # every process left is a kept cluster's (its keeper runs), or nothing is left
+        kept = reuse.list_kept(reuse_dir)
+        procs = set(live_procs(inner.mark))
+        owned = {int(s["pid"]) for k in kept for s in k.servers} | {k.keeper_pid for k in kept}
+        return procs <= owned | _guards(procs)
+
+    wait_for(settled, 15.0, f"only owned processes left ({live_procs(inner.mark)})")
+    monkeypatch.delenv("KILL_AT")
+    inner.pytester.makeconftest(INNER_CONFTEST)
+    _run(inner, reuse_dir).assert_outcomes(passed=1)  # the next run copes either way
+    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
+    assert _states(reuse_dir) == []
+
+
+def _guards(pids: set[int]) -> set[int]:
+    """The pids among ``pids`` that are a guard (`pytest_pdserve.supervise`: sweeps a dead owner's run token)."""
+    found = set()
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pytest_pdserve.supervise" in cmdline or b"pytest_pdserve.watchdog" in cmdline:
+            found.add(pid)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the TTL
+
+
+def test_the_ttl_of_the_last_run_applies(inner: Inner, reuse_dir: Path) -> None:
+    """README: a keeper stops a cluster after `--pd-reuse-ttl` seconds unclaimed. A run that reuses a cluster with
+    a shorter TTL (its header says `idle ttl 1s`) must have it stopped that long after it ends, not after the TTL
+    of the run that first kept it (15 minutes)."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    second = _run(inner, reuse_dir, "--pd-reuse-ttl=1")
+    second.stdout.fnmatch_lines(["*reuse on (idle ttl 1s*", f"*reused kept cluster {state['id']}*"])
+    inner.gone_within(15.0)
+    assert _states(reuse_dir) == []
+    unheld_locks(inner.lease_dir)
+    assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
