@@ -6,7 +6,8 @@ What is hidden:
   environment values, captured server log text (vLLM prints ``non-default args: {... 'api_key': ...}``),
   error messages. Values of 8 characters or more are hidden everywhere; shorter ones only as a whole
   token (not inside a longer word), so a one-letter test key does not garble a whole log;
-* the value after ``--api-key`` in an argv (a server started by hand, or a refused flag in an error);
+* the value after a secret flag (:data:`SECRET_FLAGS`: ``--api-key``, vLLM's ``--hf-token``) in an argv (a server
+  started by hand, a refused flag in an error, a kept cluster's state file);
 * the value of a secret environment variable (:data:`SECRET_ENV`) in an env mapping;
 * the password in a URL (``http://user:pw@host`` -> ``http://user:***@host``), registered or not.
 
@@ -22,11 +23,13 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "SECRET_ENV", "redact", "redact_argv", "redact_env", "register", "url_password"]
+__all__ = ["MASK", "SECRET_ENV", "SECRET_FLAGS", "redact", "redact_argv", "redact_env", "register", "url_password"]
 
 MASK = "***"
 #: Environment variables whose values are secrets (pdserve sets VLLM_API_KEY; the others are common tokens).
 SECRET_ENV = frozenset({"VLLM_API_KEY", "OPENAI_API_KEY", "PDSERVE_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+#: vLLM flags whose value is a secret (``--hf-token`` is ``EngineArgs.hf_token``: a token for gated models).
+SECRET_FLAGS = ("--api-key", "--hf-token")
 _SHORT = 8
 _URL_USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:]*:)(?P<pw>[^\s/@]+)@")
 _secrets: set[str] = set()
@@ -67,13 +70,14 @@ def redact(text: str) -> str:
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """*argv* for a log header or an error: the value after ``--api-key`` hidden, then :func:`redact`."""
+    """*argv* for a log header or an error: the value of a :data:`SECRET_FLAGS` flag hidden, then :func:`redact`."""
     out = []
     for i, arg in enumerate(argv):
-        if i and argv[i - 1] == "--api-key":
+        flag = arg.partition("=")[0]
+        if i and argv[i - 1] in SECRET_FLAGS:
             out.append(MASK)
-        elif arg.startswith("--api-key="):
-            out.append(f"--api-key={MASK}")
+        elif flag in SECRET_FLAGS and "=" in arg:
+            out.append(f"{flag}={MASK}")
         else:
             out.append(redact(arg))
     return out

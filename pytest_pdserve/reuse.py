@@ -45,7 +45,7 @@ from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
-from pytest_pdserve.redaction import redact_env
+from pytest_pdserve.redaction import redact_argv, redact_env
 from pytest_pdserve.tiny_model import cache_base
 
 if TYPE_CHECKING:
@@ -605,7 +605,7 @@ def _server_state(proc: Any, handle: Any, served_models: Sequence[str] | None = 
         "pgid": proc.pgid, "starttime": info.starttime if info is not None else -1, "token": proc.server_token,
         "log_path": str(proc.log_path), "gpus": list(handle.gpus),
         "ports": list(dataclasses.astuple(handle.ports)) if handle.ports is not None else None,
-        "argv": list(command.argv) if command is not None else None,
+        "argv": redact_argv(command.argv) if command is not None else None,  # an --hf-token's value is a secret
         # The API key stays out of the file (the next run has it in its own settings: the fingerprint matched), and
         # so does any other secret a spec's env carries (HF_TOKEN, ...): shown as *** in the adopted command.
         "env": redact_env({k: v for k, v in command.env.items() if k != "VLLM_API_KEY"}) if command else None,

@@ -240,3 +240,56 @@ def test_the_ttl_of_the_last_run_applies(inner: Inner, reuse_dir: Path) -> None:
     assert _states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ secrets
+
+
+def test_no_secret_reaches_the_keepers_log_pdserve_ls_or_the_report(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/reuse.md: state files hold no secret; nor may anything else a kept cluster leaves readable: keeper.log,
+    guard.log, `pdserve ls [--json]`, and the keeping and reusing runs' output (an API key, a spec env's HF_TOKEN
+    and OPENAI_API_KEY)."""
+    secrets = ["sk-reuse-hostile-0123456", "hf_hostile_token_98765", "sk-openai-hostile-5555"]
+    monkeypatch.setenv("PDSERVE_API_KEY", secrets[0])
+    inner.pytester.makepyfile(
+        f"""
+        def test_up(pd_cluster_factory):
+            c = pd_cluster_factory(env={{"HF_TOKEN": {secrets[1]!r}, "OPENAI_API_KEY": {secrets[2]!r}}})
+            assert c.complete("a " * 8, max_tokens=1)["choices"]
+        """
+    )
+    outputs = [_run(inner, reuse_dir), _run(inner, reuse_dir)]
+    outputs[0].assert_outcomes(passed=1)
+    outputs[1].stdout.fnmatch_lines(["*reused kept cluster*"])
+    texts = {
+        str(p): p.read_text(errors="replace") for p in reuse_dir.rglob("*") if p.is_file() and "logs" not in p.parts
+    }
+    texts["ls"] = _pdserve("--dir", str(reuse_dir), "ls").stdout
+    texts["ls --json"] = _pdserve("--dir", str(reuse_dir), "ls", "--json").stdout
+    for i, r in enumerate(outputs):
+        texts[f"run {i}"] = r.stdout.str() + r.stderr.str()
+    assert any(p.endswith(".json") for p in texts), texts.keys()
+    leaks = {(name, s) for name, text in texts.items() for s in secrets if s in text}
+    assert leaks == set(), leaks
+
+
+def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
+    """vLLM's `--hf-token TOKEN` (EngineArgs.hf_token) may reach the servers' argv through extra args; the state
+    file records the argv (kv role, served model name), never that value (nor an `--api-key=` one)."""
+    from types import SimpleNamespace
+
+    from pytest_pdserve.commands import ServerCommand, ServerPorts
+
+    argv = ("vllm", "serve", "m", "--hf-token", "hf_argv_secret_4444", "--api-key=sk-argv-secret-5555", "--seed", "0")
+    command = ServerCommand("prefill", 0, argv, {"HF_TOKEN": "hf_env_secret_6666", "VLLM_API_KEY": "sk-env-7777"})
+    proc = SimpleNamespace(name="prefill-0", pid=os.getpid(), pgid=os.getpgid(0), server_token="t", log_path="x")
+    handle = SimpleNamespace(
+        role="prefill", index=0, url="http://127.0.0.1:1", gpus=(), ports=ServerPorts(1, 2, 3), command=command,
+        ready_seconds=1.0,
+    )  # fmt: skip
+    state = json.dumps(reuse._server_state(proc, handle))
+    for secret in ("hf_argv_secret_4444", "sk-argv-secret-5555", "hf_env_secret_6666", "sk-env-7777"):
+        assert secret not in state, state
+    assert '"--seed", "0"' in state  # the rest of the argv is kept as it was
