@@ -224,6 +224,21 @@ def _base_dir(config: pytest.Config, source: str) -> Path:
     return config.invocation_params.dir
 
 
+def _swallowed_path(config: pytest.Config, flag: str, raw: str) -> bool:
+    """Whether an optional-value flag's value is the next word of the command line and names an existing path.
+
+    argparse hands ``--pd-reuse test_x.py`` the test path as its value (``nargs="?"``): the user meant a path
+    for pytest (``--pd-export-env test_x.py`` would overwrite it). The documented forms are ``--flag=VALUE``
+    and the flag alone.
+    """
+    args = [str(a) for a in config.invocation_params.args]
+    last = max((i for i, a in enumerate(args) if a == flag or a.startswith(f"{flag}=")), default=None)
+    if last is None or args[last] != flag or last + 1 >= len(args) or args[last + 1] != raw:
+        return False
+    path = Path(raw.partition("::")[0]).expanduser()  # a node id (test_x.py::test_a) names its file
+    return os.path.lexists(path if path.is_absolute() else config.invocation_params.dir / path)
+
+
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> PDServeConfig:
     """Resolve every setting; raise :class:`pytest.UsageError` naming the first bad value."""
     env = os.environ if environ is None else environ
@@ -241,6 +256,11 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             continue
         try:
             check_raw(raw)
+            if s.kind == "optional" and source == s.flag and _swallowed_path(config, s.flag, raw):
+                raise SettingError(
+                    f"it is a path: pytest's arguments right after {s.flag} are read as its value; write "
+                    f"{s.flag}={s.metavar} or give {s.flag} after the paths"
+                )
             values[s.name] = s.parse(raw)
         except SettingError as exc:
             raise _usage(s, raw, source, str(exc)) from None

@@ -293,3 +293,27 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
     for secret in ("hf_argv_secret_4444", "sk-argv-secret-5555", "hf_env_secret_6666", "sk-env-7777"):
         assert secret not in state, state
     assert '"--seed", "0"' in state  # the rest of the argv is kept as it was
+
+
+# ------------------------------------------------------------------------------------------- bad settings
+
+
+@pytest.mark.parametrize("flag", ["--pd-reuse", "--pd-export-env"])
+def test_a_test_path_after_an_optional_value_flag_is_not_taken_as_its_value(inner: Inner, flag: str) -> None:
+    """`pytest --pd-reuse test_x.py` (flag first, as everyone types it): argparse gives an optional-value flag
+    the next word. --pd-reuse then refused 'test_x.py' as a mode, and `--pd-export-env test_x.py` OVERWROTE the
+    test file with export lines. A value given as a separate word that is an existing path is a usage error
+    that says how to write it; nothing is written."""
+    test_file = inner.pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    before = test_file.read_text()
+    result = inner.run(flag, "test_x.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    result.stderr.fnmatch_lines(
+        [f"*'test_x.py' from {flag} is not a valid *: it is a path: pytest's arguments right after {flag} are "
+         f"read as its value; write {flag}=* or give {flag} after the paths*"]
+    )  # fmt: skip
+    assert test_file.read_text() == before
+    inner.gone_within(5.0)
+    ok = inner.run("test_x.py", flag, f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")
+    ok.assert_outcomes(passed=1)  # the flag alone after the paths (the README's form) still works
+    assert test_file.read_text() == before
