@@ -58,7 +58,7 @@ def _missing_components(path: Path) -> tuple[Path, list[Path]]:
         except OSError as exc:
             raise PathError(f"cannot use {current}: {exc.strerror or exc}") from None
         if not stat.S_ISDIR(st.st_mode):
-            what = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
+            what = "a regular file" if stat.S_ISREG(st.st_mode) else "a device, FIFO or socket"
             raise PathError(f"{current} is {what}, not a directory")
         return current, missing[::-1]
     raise PathError(f"{path} has no existing ancestor")  # pragma: no cover - "/" always exists

@@ -317,3 +317,48 @@ def test_a_test_path_after_an_optional_value_flag_is_not_taken_as_its_value(inne
     ok = inner.run("test_x.py", flag, f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")
     ok.assert_outcomes(passed=1)  # the flag alone after the paths (the README's form) still works
     assert test_file.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "why"),
+    [
+        ("--pd-reuse", "maybe", "accepted values: on, off, force"),
+        ("PDSERVE_REUSE", "yes please", "accepted values: on, off, force"),
+        ("--pd-reuse-ttl", "0", "expected a number of seconds > 0 and <= 86400"),
+        ("--pd-reuse-ttl", "-1", "expected a number of seconds > 0"),
+        ("PDSERVE_REUSE_TTL", "nan", "expected a number of seconds > 0"),
+        ("PDSERVE_REUSE_TTL", "inf", "expected a number of seconds > 0"),
+        ("--pd-reuse-ttl", "1e309", "expected a number of seconds > 0"),
+        ("pdserve_reuse_ttl", "abc", "expected a number of seconds > 0"),
+        ("--pd-reuse-dir", "{tmp}/a-file", "is a regular file, not a directory"),
+        ("--pd-reuse-dir", "{tmp}/dangling", "is a dangling symbolic link"),
+        ("--pd-reuse-dir", "/dev/null", "/dev/null is a device, FIFO or socket, not a directory"),
+        ("--pd-reuse-dir", "/proc", "/proc is not writable"),
+        ("PDSERVE_REUSE_DIR", "{tmp}/line\nbreak", "control character"),
+        ("--pd-reuse-dir", "{tmp}/" + "x" * 300, "File name too long"),
+    ],
+)
+def test_bad_reuse_settings_are_usage_errors_naming_their_source(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, where: str, value: str, why: str
+) -> None:
+    tmp = inner.pytester.path
+    (tmp / "a-file").write_text("")
+    (tmp / "dangling").symlink_to(tmp / "nowhere")
+    value = value.replace("{tmp}", str(tmp))
+    inner.pytester.makepyfile(UP)
+    args = {"--pd-reuse": "--pd-reuse", "--pd-reuse-dir": f"--pd-reuse-dir={tmp / 'reuse'}"}
+    if where.startswith("--"):
+        args[where] = f"{where}={value}"
+        source = where
+    elif where.startswith("PDSERVE_"):
+        monkeypatch.setenv(where, value)
+        args.pop(f"--pd-{where[8:].lower().replace('_', '-')}", None)  # the flag would win over the env var
+        source = f"environment variable {where}"
+    else:
+        inner.pytester.makeini(f"[pytest]\n{where} = {value}\n")
+        source = f"ini key {where}"
+    result = inner.run(*args.values())
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    err = result.stderr.str()
+    assert f"from {source} is not a valid" in err, err
+    assert why in err, err
