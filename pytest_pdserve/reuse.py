@@ -84,6 +84,9 @@ SERVER_ENV_PREFIXES = (
 )  # fmt: skip
 SERVER_ENV_NAMES = ("PATH",)
 _MAX_STATE = 1 << 20
+#: State files looked at per listing (a kept cluster writes one; thousands are junk, removed as they are seen).
+_MAX_STATE_FILES = 4096
+_NAMED_REMOVALS = 3  # removed junk files named one by one; the rest are counted
 _CONNECT_TIMEOUT = 2.0
 _KEEPER_START_TIMEOUT = 15.0
 _CLAIM_TIMEOUT = 20.0
@@ -383,6 +386,8 @@ def _read_state(path: Path) -> KeptCluster:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise ValueError("not a regular file of ours")
+        if st.st_size > _MAX_STATE:  # not read at all: a directory of huge files must not cost their size
+            raise ValueError("larger than 1 MiB")
         raw = os.read(fd, _MAX_STATE + 1)
     finally:
         os.close(fd)
@@ -403,38 +408,54 @@ def _read_state(path: Path) -> KeptCluster:
         raise ValueError(f"not a kept-cluster state ({type(exc).__name__}: {exc})") from None
 
 
-def _sweep(kept: KeptCluster, grace: float) -> None:
-    """Stop what is left of a kept cluster whose keeper is gone (processes found by their server tokens only)."""
-    tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in kept.servers]
+def _sweep(gone: Sequence[KeptCluster], grace: float) -> None:
+    """Stop what is left of kept clusters whose keeper is gone (processes found by their server tokens only, in
+    one pass over ``/proc``), and remove their state."""
+    tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for kept in gone for s in kept.servers]
     terminate([], env=tokens, grace=grace, kill_wait=10.0)
-    with contextlib.suppress(OSError):
-        kept.path.unlink()
+    for kept in gone:
+        with contextlib.suppress(OSError):
+            kept.path.unlink()
 
 
 def list_kept(reuse_dir: Path, *, report: Any = None, grace: float = 3.0) -> list[KeptCluster]:
     """The kept clusters in ``reuse_dir`` whose keeper runs; a keeper that is gone has its leftovers stopped
-    and its state removed, and a file that is not a kept-cluster state is removed (both are reported)."""
+    and its state removed, and a file that is not a kept-cluster state is removed (both are reported).
+
+    Bounded, and junk does not hide a kept cluster: every ``*.json`` (up to :data:`_MAX_STATE_FILES`) is looked
+    at, one that is too large is refused by its size without reading it, the leftovers of every gone keeper are
+    swept in one pass over ``/proc``, and only the first few removals are named (then a count).
+    """
     say = report or (lambda msg: None)
-    found = []
+    found, gone, removed = [], [], []
     try:
         entries = sorted(reuse_dir.glob(f"*{STATE_SUFFIX}"))
     except OSError:
         return []
-    for path in entries[:256]:  # bounded: a directory full of junk must not stall a run
+    for path in entries[:_MAX_STATE_FILES]:
         try:
             kept = _read_state(path)
         except FileNotFoundError:
             continue  # its keeper stopped it meanwhile
         except (OSError, ValueError) as exc:
-            say(f"pdserve: reuse: removed {path}: {exc}")
-            with contextlib.suppress(OSError):
+            try:
                 path.unlink()
+                removed.append(f"removed {path}: {exc}")
+            except OSError as why:
+                removed.append(f"ignored {path}: {exc} (cannot remove it: {why.strerror or why})")
             continue
-        if not kept.keeper_alive():
-            _sweep(kept, grace)
+        if kept.keeper_alive():
+            found.append(kept)
+        else:
+            gone.append(kept)
+    if gone:
+        _sweep(gone, grace)
+        for kept in gone:
             say(f"pdserve: reuse: kept cluster {kept.id}'s keeper (pid {kept.keeper_pid}) is gone; stopped its servers")
-            continue
-        found.append(kept)
+    for line in removed[:_NAMED_REMOVALS]:
+        say(f"pdserve: reuse: {line}")
+    if len(removed) > _NAMED_REMOVALS:
+        say(f"pdserve: reuse: ... and {len(removed) - _NAMED_REMOVALS} more files in {reuse_dir} that were no state")
     return found
 
 
@@ -554,7 +575,7 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
     except (OSError, ValueError, AttributeError):
         if kept.keeper_alive():
             return False
-        _sweep(kept, grace)
+        _sweep([kept], grace)
         return True
 
 

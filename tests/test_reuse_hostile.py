@@ -362,3 +362,27 @@ def test_bad_reuse_settings_are_usage_errors_naming_their_source(
     err = result.stderr.str()
     assert f"from {source} is not a valid" in err, err
     assert why in err, err
+
+
+# ------------------------------------------------------------------------------------- junk in the reuse dir
+
+
+def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_header(inner: Inner, reuse_dir: Path) -> None:
+    """A FIFO named *.json (opening it must not block), a directory named *.json, a 2 MiB file, a JSON array,
+    and a thousand garbage state files sorted before the real one: the next run still finds and reuses the kept
+    cluster, stays quick, and says what it removed in a few lines, not a thousand."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    os.mkfifo(reuse_dir / "a-fifo.json")
+    (reuse_dir / "a-dir.json").mkdir()
+    (reuse_dir / "a-huge.json").write_bytes(b" " * (2 << 20))
+    (reuse_dir / "a-array.json").write_text("[]")
+    for i in range(1000):
+        (reuse_dir / f"a{i:04d}.json").write_text('{"keeper": 1')
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
+    out = second.stdout.str()
+    assert out.count("pdserve: reuse: removed") <= 10, out[:3000]
+    assert "a-fifo.json" in out, out[:3000]
+    assert not (reuse_dir / "a0999.json").exists()
