@@ -367,7 +367,9 @@ def test_bad_reuse_settings_are_usage_errors_naming_their_source(
 # ------------------------------------------------------------------------------------- junk in the reuse dir
 
 
-def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_header(inner: Inner, reuse_dir: Path) -> None:
+def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_header(
+    inner: Inner, reuse_dir: Path
+) -> None:
     """A FIFO named *.json (opening it must not block), a directory named *.json, a 2 MiB file, a JSON array,
     and a thousand garbage state files sorted before the real one: the next run still finds and reuses the kept
     cluster, stays quick, and says what it removed in a few lines, not a thousand."""
@@ -386,3 +388,27 @@ def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_heade
     assert out.count("pdserve: reuse: removed") <= 10, out[:3000]
     assert "a-fifo.json" in out, out[:3000]
     assert not (reuse_dir / "a0999.json").exists()
+
+
+# ----------------------------------------------------------------------------- what changes the fingerprint
+
+
+def test_env_the_servers_read_starts_fresh_and_pytests_own_does_not(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed VLLM_* variable starts a fresh cluster and names the variable (not its value); what only pytest
+    reads (COLUMNS, -q, -k, another --pd-log-dir) does not."""
+    inner.pytester.makepyfile(UP)
+    monkeypatch.setenv("VLLM_HOSTILE_KNOB", "hf_value_one_1111")
+    kept = _kept_one(inner, reuse_dir)
+    monkeypatch.setenv("VLLM_HOSTILE_KNOB", "hf_value_two_2222")
+    fresh = _run(inner, reuse_dir)
+    fresh.stdout.fnmatch_lines(
+        [f"*pd: starting a fresh cluster: kept cluster {kept['id']} differs in env.VLLM_HOSTILE_KNOB"]
+    )
+    assert "hf_value_" not in fresh.stdout.str()
+    monkeypatch.setenv("COLUMNS", "57")
+    same = _run(inner, reuse_dir, "-q", "-k", "test_up", f"--pd-log-dir={inner.pytester.path / 'other-logs'}")
+    same.assert_outcomes(passed=1)
+    same.stdout.fnmatch_lines(["*reused kept cluster*"])
+    assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
