@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
+from pytest_pdserve.proctree import alive_as
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -412,3 +414,45 @@ def test_env_the_servers_read_starts_fresh_and_pytests_own_does_not(
     same.assert_outcomes(passed=1)
     same.stdout.fnmatch_lines(["*reused kept cluster*"])
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
+
+
+def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run_clearly(
+    inner: Inner, reuse_dir: Path
+) -> None:
+    """`pdserve stop --all` is obeyed even while a run has the cluster claimed: nothing is left (no process, no
+    lease, no state), and the run using it fails saying its servers stopped, not with a hang or a traceback."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    go = inner.pytester.path / "go"
+    inner.pytester.makepyfile(
+        f"""
+        import time
+        from pathlib import Path
+
+        def test_up(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+            deadline = time.monotonic() + 60
+            while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pd_cluster.complete("hello " * 10, max_tokens=2)
+        """
+    )
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
+        assert inner.wait_info()["reused"] == state["id"]
+        out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
+        assert out.returncode == 0, out
+        assert out.stdout.strip() == f"stopped {state['id']}", out
+        kept_pids = [(s["pid"], s["starttime"]) for s in [*state["servers"], state["proxy"]]]
+        assert not any(alive_as(*p) for p in kept_pids)
+        assert not alive_as(state["keeper"]["pid"], state["keeper"]["starttime"])
+        unheld_locks(inner.lease_dir)
+        go.touch()
+        assert proc.wait(60) == 1
+    text = inner.output()
+    assert re.search(r"cluster 'pd': (prefill|decode)-0 stopped answering", text), text[-3000:]
+    assert "Traceback" not in text.split("short test summary")[-1], text[-3000:]
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
+    assert _states(reuse_dir) == []
