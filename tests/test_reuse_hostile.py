@@ -456,3 +456,26 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
     assert _states(reuse_dir) == []
+
+
+# ----------------------------------------------------------------------------------------- a kept server
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_kept_server_dead_or_hung_right_before_the_next_run_is_not_handed_out(
+    inner: Inner, reuse_dir: Path, how: str
+) -> None:
+    """Kill a kept prefill right before the next run, or freeze it (alive, pid and start time right, but it
+    answers nothing): the run must not hand it out, must say why, and must not wait long; the frozen one is
+    stopped too (SIGKILL reaches a stopped process)."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    prefill = state["servers"][0]
+    os.kill(prefill["pid"], getattr(signal, how))
+    second = _run(inner, reuse_dir, timeout=60)
+    second.assert_outcomes(passed=1)
+    if how == "SIGSTOP":  # (a dead one is seen by the run or, often first, by the keeper: either is right)
+        second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 at * does not answer*"])
+    assert [i["reused"] for i in inner.infos()] == [None, None]
+    wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), 15.0, "the kept prefill stopped")
+    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
