@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import select
 import socket
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
+from pytest_pdserve.logfile import open_append
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
 from pytest_pdserve.redaction import redact_argv, redact_env
@@ -379,6 +381,14 @@ class KeptCluster:
         )
 
 
+def _finite(value: Any) -> float:
+    """A time or a TTL from a state file: Python's json reads ``NaN`` and ``Infinity``, which no clock shows."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
 def _read_state(path: Path) -> KeptCluster:
     """Parse one state file (ours, regular, bounded); :raises ValueError: what is wrong with it."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -402,7 +412,7 @@ def _read_state(path: Path) -> KeptCluster:
             id=str(state["id"]), path=path, state=state,
             fingerprint={str(k): str(v) for k, v in dict(state["fingerprint"]).items()},
             keeper_pid=int(keeper["pid"]), keeper_starttime=int(keeper["starttime"]), socket_name=str(keeper["socket"]),
-            created=float(state["created"]), kept_since=float(keeper["since"]), ttl=float(keeper["ttl"]),
+            created=_finite(state["created"]), kept_since=_finite(keeper["since"]), ttl=_finite(keeper["ttl"]),
         )  # fmt: skip
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a kept-cluster state ({type(exc).__name__}: {exc})") from None
@@ -687,11 +697,17 @@ def keep(
     with contextlib.suppress(OSError):
         if log_path.stat().st_size > _MAX_KEEPER_LOG:  # every keeper appends to it: keep one old copy, not all
             os.replace(log_path, reuse_dir / "keeper.log.1")
-    with open(log_path, "ab") as log:
+    try:
+        log = open_append(log_path)
+    except OSError as exc:
+        raise ReuseError(f"the reuse keeper did not start: its log {log_path}: {exc.strerror or exc}") from None
+    try:
         proc = subprocess.Popen(
             isolated_argv("pytest_pdserve.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             env=env, pass_fds=fds, start_new_session=True, close_fds=True,
         )  # fmt: skip
+    finally:
+        os.close(log)
     assert proc.stdin is not None
     assert proc.stdout is not None
     try:

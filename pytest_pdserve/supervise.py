@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.logfile import open_append
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, terminate
 
 __all__ = ["lifeline", "main", "start_guard"]
@@ -66,7 +67,13 @@ def start_guard(run_token: str, grace: float, log_path: Path | None) -> subproce
     """
     read_fd = lifeline()[0]
     env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
-    out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    out = subprocess.DEVNULL
+    if log_path is not None:
+        try:
+            out = open_append(log_path)
+        except OSError as exc:  # a FIFO or a link there: the guard must start anyway (it is the safety net)
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"pdserve: guard log {log_path} unusable ({exc.strerror or exc}); it logs nowhere\n")
     try:
         proc = subprocess.Popen(
             [*isolated_argv("pytest_pdserve.supervise"), run_token, str(read_fd), repr(float(grace))],
@@ -74,8 +81,8 @@ def start_guard(run_token: str, grace: float, log_path: Path | None) -> subproce
             start_new_session=True, close_fds=True, pass_fds=(read_fd,),
         )  # fmt: skip
     finally:
-        if not isinstance(out, int):
-            out.close()
+        if out != subprocess.DEVNULL:
+            os.close(out)
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
     return proc

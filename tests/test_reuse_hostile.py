@@ -20,7 +20,7 @@ import pytest
 from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli, reuse
-from pytest_pdserve.proctree import alive_as
+from pytest_pdserve.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -479,3 +479,65 @@ def test_a_kept_server_dead_or_hung_right_before_the_next_run_is_not_handed_out(
     assert [i["reused"] for i in inner.infos()] == [None, None]
     wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), 15.0, "the kept prefill stopped")
     assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
+
+
+@pytest.mark.parametrize("name", ["keeper.log", "guard.log"])
+def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner, reuse_dir: Path, name: str) -> None:
+    """A FIFO (or any non-file) where the keeper's log or its guard's log goes: opening it for writing blocks
+    until someone reads it. pytest's hand-over must not hang, and no keeper may be left blocked holding the
+    leases: the run ends, the clusters are stopped (or kept with a working keeper), and nothing is left."""
+    reuse_dir.mkdir(mode=0o700)
+    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()
+    os.mkfifo(reuse_dir / name)
+    inner.pytester.makepyfile(UP)
+    result = _run(inner, reuse_dir, timeout=60)
+    result.assert_outcomes(passed=1)
+    if name == "keeper.log":  # nowhere to log what the keeper does: not kept, and said why
+        result.stdout.fnmatch_lines([f"*reuse: the reuse keeper did not start: its log {reuse_dir / name}: not a "
+                                     "regular file (a FIFO*; stopping the clusters instead*"])  # fmt: skip
+    kept = reuse.list_kept(reuse_dir)
+    if kept:  # kept after all: its keeper works
+        assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    inner.gone_within(10.0)
+    unheld_locks(inner.lease_dir)
+
+
+def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensively(
+    inner: Inner, reuse_dir: Path
+) -> None:
+    """A state file whose keeper and servers are live processes of ours that pdserve never started (a `sleep`),
+    with NaN and Infinity where times go (Python's json reads them): no run, `pdserve ls` or `pdserve stop`
+    crashes on it or signals a bystander; the file is refused as no state."""
+    reuse_dir.mkdir(mode=0o700)
+    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()
+    bystanders = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        for _ in range(2)
+    ]
+    try:
+        stats = [s for p in bystanders if (s := read_stat(p.pid)) is not None]
+        assert len(stats) == 2
+        fake = {"pid": bystanders[1].pid, "pgid": bystanders[1].pid, "starttime": stats[1].starttime,
+                "token": "nothing-carries-it", "url": "http://127.0.0.1:9", "name": "prefill-0", "role": "prefill",
+                "index": 0}  # fmt: skip
+        keeper = {"pid": bystanders[0].pid, "starttime": stats[0].starttime, "socket": "nobody-listens",
+                  "ttl": float("inf"), "since": float("nan")}  # fmt: skip
+        planted = {"id": "planted-1", "spec_name": "pd", "created": float("nan"), "fingerprint": {},
+                   "servers": [fake], "proxy": {**fake, "name": "proxy"}, "keeper": keeper}  # fmt: skip
+        (reuse_dir / "planted-1.json").write_text(json.dumps(planted))  # NaN, Infinity: what json.dumps writes
+        inner.pytester.makepyfile(UP)
+        result = _run(inner, reuse_dir)
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["*reuse: removed *planted-1.json: not a kept-cluster state*"])
+        (reuse_dir / "planted-1.json").write_text(json.dumps(planted))
+        for args in (["ls"], ["ls", "--json"], ["stop", "--all"]):
+            out = _pdserve("--dir", str(reuse_dir), *args)
+            assert "Traceback" not in out.stderr, out
+            assert out.returncode == 0, out
+        assert [p.poll() for p in bystanders] == [None, None], "a pid named in a state file was signalled"
+    finally:
+        for p in bystanders:
+            p.kill()
+            p.wait(10)
+    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    inner.gone_within(10.0)
