@@ -541,3 +541,45 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
             p.wait(10)
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     inner.gone_within(10.0)
+
+
+def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner: Inner, reuse_dir: Path) -> None:
+    """Two reuse runs with one configuration started together, with one cluster kept: one attaches, the other
+    starts its own (saying the kept one is in use); each keeps its own; `pdserve stop --all` then leaves no
+    process of either, no lease, no state."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    inner.pytester.makepyfile(  # a barrier: each holds its cluster until both have one (so both looked meanwhile)
+        """
+        import os, time
+        from pathlib import Path
+
+        def test_up(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
+            deadline = time.monotonic() + 60
+            while len(list(Path(os.environ["PDINFO_DIR"]).glob("*.json"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        """
+    )
+    args = inner.args("--pd-reuse", f"--pd-reuse-dir={reuse_dir}")
+    procs = [  # pytester's popen: its PYTHONPATH (part of the fingerprint: the servers read it) as the first run's
+        inner.pytester.popen([sys.executable, "-m", "pytest", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(2)
+    ]
+    outs = []
+    for p in procs:  # a few KB each: neither pipe fills while the other is read
+        assert p.stdout is not None
+        with p.stdout:
+            outs.append(p.stdout.read().decode(errors="replace"))
+        p.wait(120)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    reused = sorted(i["reused"] or "" for i in inner.infos())
+    assert reused == ["", state["id"]], (reused, outs)
+    assert any(f"kept cluster {state['id']} is in use by another run" in o for o in outs), outs
+    assert len(_states(reuse_dir)) == 2
+    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    assert live_procs(inner.mark) == {}
+    unheld_locks(inner.lease_dir)
+    assert _states(reuse_dir) == []
