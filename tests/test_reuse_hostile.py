@@ -583,3 +583,39 @@ def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner:
     assert live_procs(inner.mark) == {}
     unheld_locks(inner.lease_dir)
     assert _states(reuse_dir) == []
+
+
+# --------------------------------------------------------------------------------------- pdserve ls / stop
+
+
+def test_pdserve_on_an_empty_or_a_bad_reuse_dir(tmp_path: Path) -> None:
+    """No reuse dir or an empty one: nothing kept (exit 0; `stop NAME` exit 1). A file, a directory others may
+    write, one of another user, or one holding a user's files: a clear error naming it, exit 2, nothing touched."""
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    for args, code in ((["ls"], 0), (["ls", "--json"], 0), (["stop", "--all"], 0), (["stop", "pd-1-abcdef"], 1)):
+        for directory in (empty, tmp_path / "missing"):
+            out = _pdserve("--dir", str(directory), *args)
+            assert out.returncode == code, (directory, args, out)
+    assert json.loads(_pdserve("--dir", str(empty), "ls", "--json").stdout) == []
+    assert not (tmp_path / "missing").exists()
+    assert list(empty.iterdir()) == []  # looking never marks it
+    a_file = tmp_path / "a-file"
+    a_file.write_text("{}")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "theirs.json").write_text("{}")
+    bad = {a_file: "is not a directory", shared: "is writable by others (mode 1777)"}
+    if os.geteuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        bad[foreign] = "belongs to uid 65534, not to us"
+    for directory, why in bad.items():
+        for args in (["ls"], ["stop", "--all"]):
+            out = _pdserve("--dir", str(directory), *args)
+            assert out.returncode == 2, (directory, args, out)
+            assert f"pdserve: reuse directory {directory} {why}" in out.stderr, out
+    assert (shared / "theirs.json").exists()
+    assert a_file.read_text() == "{}"
