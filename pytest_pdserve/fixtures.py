@@ -61,7 +61,9 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
         base = cfg.log_dir
     elif (kept := reuse_options(config)) is not None:
         # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
-        base = kept.directory / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        from pytest_pdserve.reuse import run_log_dir
+
+        base = run_log_dir(kept.directory)
     else:
         base = tmp_path_factory.getbasetemp() / "pdserve-logs"
     path = base / worker_id(config) if worker_id(config) != "master" else base

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
-from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, peer_uid_pid
+from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
+from pytest_pdserve.lockfiles import want
 from pytest_pdserve.logfile import open_append
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
@@ -76,6 +77,7 @@ __all__ = [
     "list_kept",
     "prune_run_logs",
     "reuse_decision",
+    "run_log_dir",
     "stop_kept",
 ]
 
@@ -216,9 +218,26 @@ def ensure_reuse_dir(path: Path) -> Path:
     return path
 
 
+#: In a run's log directory: the run holds a shared flock on it while it lives (`lockfiles.want`), so that
+#: another run's :func:`prune_run_logs` leaves it alone however old it is (a long suite in another terminal).
+_RUN_ALIVE = ".pdserve-run"
+_held_run_dirs: list[int] = []  # those fds, open until this process exits (the kernel then drops the locks)
+
+
+def run_log_dir(reuse_dir: Path) -> Path:
+    """Create this run's log directory under ``<reuse_dir>/logs`` (a reuse run without --pd-log-dir), named
+    ``<time>-<pid>``, and mark it as in use for as long as this process lives."""
+    path = ensure_dir(reuse_dir / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}", 0o700)
+    fd = want(path / _RUN_ALIVE)
+    if fd is not None:
+        _held_run_dirs.append(fd)
+    return path
+
+
 def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 600.0) -> list[Path]:
     """Remove old run log directories under ``<reuse_dir>/logs``: all but the newest ``keep``, never one a kept
-    cluster still writes to, nor one younger than ``min_age`` seconds (a concurrent run's). Returns what went."""
+    cluster still writes to, nor one younger than ``min_age`` seconds or whose run still goes (a concurrent
+    run's, :data:`_RUN_ALIVE`). Returns what went."""
     import shutil
 
     logs = reuse_dir / "logs"
@@ -236,6 +255,8 @@ def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 
     for run in runs[: max(0, len(runs) - keep)]:
         with contextlib.suppress(OSError):
             if now - run.stat().st_mtime < min_age or any(run.resolve() in u.parents for u in used):
+                continue
+            if is_wanted(str(run / _RUN_ALIVE)):  # its run still goes
                 continue
             shutil.rmtree(run)
             removed.append(run)

@@ -619,3 +619,42 @@ def test_pdserve_on_an_empty_or_a_bad_reuse_dir(tmp_path: Path) -> None:
             assert f"pdserve: reuse directory {directory} {why}" in out.stderr, out
     assert (shared / "theirs.json").exists()
     assert a_file.read_text() == "{}"
+
+
+def test_a_long_run_keeps_its_logs_while_other_reuse_runs_prune(inner: Inner, reuse_dir: Path) -> None:
+    """Without --pd-log-dir a reuse run logs under `<reuse dir>/logs/<time>-<pid>`, and every reuse run prunes
+    old ones (all but 5, older than 10 minutes). A run still going (a long suite in another terminal) must keep
+    its log directory however old it is and however many runs came since."""
+    go = inner.pytester.path / "go"
+    inner.pytester.makepyfile(
+        f"""
+        import time
+        from pathlib import Path
+
+        def test_long(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, reused=None)
+            deadline = time.monotonic() + 60
+            while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pd_cluster.complete("hello " * 10, max_tokens=2)["choices"]
+        """
+    )
+    args = ["--pd-engine=sim", f"--pd-lease-dir={inner.lease_dir}", "-p", "no:cacheprovider", "--pd-reuse",
+            f"--pd-reuse-dir={reuse_dir}", "--pd-reuse-ttl=5"]  # fmt: skip
+    with inner.pytester.popen([sys.executable, "-m", "pytest", *args], stdout=subprocess.DEVNULL) as long_run:
+        wait_for(lambda: list(inner.info_dir.glob("*.json")), 60.0, "the long run's cluster up")
+        [own] = (reuse_dir / "logs").iterdir()
+        os.utime(own, (0, 0))  # it started long ago
+        for i in range(6):  # and six runs came since (their directories sort after it)
+            newer = reuse_dir / "logs" / f"29991231-00000{i}-1"
+            newer.mkdir()
+            os.utime(newer, (0, 0))
+        inner.pytester.makepyfile(test_other="def test_other():\n    pass\n")
+        try:
+            other = inner.pytester.runpytest_subprocess(*args, "test_other.py", timeout=60)
+            other.assert_outcomes(passed=1)
+            assert own.is_dir(), "a running session's logs were pruned"
+        finally:
+            go.touch()
+        assert long_run.wait(60) == 0
+    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
