@@ -595,6 +595,7 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
     """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True if it was stopped.
 
     False when its keeper runs but did not stop it (:meth:`KeptCluster.keeper_stopped` says when it cannot).
+    Only server tokens are ever swept, never the pids a state file names.
     """
     if kept.keeper_stopped() is not None:
         return False
@@ -603,8 +604,11 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
         if reply.get("left") == 0:  # that was its last cluster: it exits now; return once it did (and its guard)
             wait_for_gate(lambda: not kept.keeper_alive(), _KEEPER_EXIT_TIMEOUT, poll=0.02)
         return kept.id in reply.get("stopped", [])
-    except (OSError, ValueError, AttributeError):
-        if kept.keeper_alive():
+    except (OSError, ValueError, AttributeError) as exc:
+        # Nobody listens on its socket: that pid is no keeper (a keeper listens before it writes any state, and
+        # removes its states before it exits), so the state is stale or planted: swept like a gone keeper's.
+        refused = isinstance(exc, ConnectionRefusedError)
+        if kept.keeper_alive() and not refused:
             return False
         _sweep([kept], grace)
         return True

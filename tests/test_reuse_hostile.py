@@ -658,3 +658,29 @@ def test_a_long_run_keeps_its_logs_while_other_reuse_runs_prune(inner: Inner, re
             go.touch()
         assert long_run.wait(60) == 0
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+
+
+def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path: Path) -> None:
+    """A state file naming a live process of ours as its keeper (right pid and start time: a `sleep` that
+    pdserve never started) that serves no keeper socket: `pdserve stop --all` must not fail on it forever
+    ("its keeper did not stop it"), must not signal the bystander, and must leave no state behind."""
+    reuse_dir = tmp_path / "reuse"
+    reuse.ensure_reuse_dir(reuse_dir)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        me = read_stat(bystander.pid)
+        assert me is not None
+        fake = {"pid": bystander.pid, "pgid": bystander.pid, "starttime": me.starttime, "token": "nothing-carries-it",
+                "url": "http://127.0.0.1:9", "name": "prefill-0"}  # fmt: skip
+        planted = {"id": "planted-2", "spec_name": "pd", "created": 0, "fingerprint": {}, "servers": [fake],
+                   "proxy": {**fake, "name": "proxy"},
+                   "keeper": {"pid": bystander.pid, "starttime": me.starttime, "socket": f"nobody-{os.getpid()}",
+                              "ttl": 900, "since": 0}}  # fmt: skip
+        (reuse_dir / "planted-2.json").write_text(json.dumps(planted))
+        out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
+        assert out.returncode == 0, out
+        assert bystander.poll() is None, "a pid named in a state file was signalled"
+        assert _states(reuse_dir) == []
+    finally:
+        bystander.kill()
+        bystander.wait(10)
