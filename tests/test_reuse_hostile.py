@@ -1,7 +1,11 @@
 """``--pd-reuse`` attacked as careless CI authors and hostile local users would: real inner pytest sessions
 against real simulator processes (the helpers are tests/test_reuse.py's and tests/_pdsession.py's).
 
-Each case names the promise of README's "Keep a cluster between runs" or docs/reuse.md it attacks.
+Each case names the promise of README's "Keep a cluster between runs" or docs/reuse.md it attacks: a reuse dir
+that is a user's directory, a stopped (SIGSTOP) keeper, `pdserve stop --all` checked at once, pytest SIGKILLed
+during the hand-over, the TTL of a later run, secrets, a test path after an optional-value flag, bad settings,
+junk and FIFOs in the reuse dir, absurd or planted state files naming bystanders, env changes, a kept server
+killed or frozen, two runs at once, `pdserve` on bad dirs, and pruning the logs of a run still going.
 """
 
 from __future__ import annotations
