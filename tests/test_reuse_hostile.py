@@ -688,3 +688,22 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
     finally:
         bystander.kill()
         bystander.wait(10)
+
+
+def test_a_kept_server_pid_that_is_another_process_now_is_not_attached(inner: Inner, reuse_dir: Path) -> None:
+    """Pid reuse: a kept server's pid now names another process (simulated: the state's start time differs from
+    the live process's). The next run goes by pid *and* start time: it does not attach, says why, and asks the
+    keeper to stop that cluster; nothing is signalled by pid."""
+    inner.pytester.makepyfile(UP)
+    state = _kept_one(inner, reuse_dir)
+    [path] = reuse_dir.glob("*.json")
+    state["servers"][0]["starttime"] += 1
+    path.write_text(json.dumps(state))
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)
+    prefill = state["servers"][0]
+    second.stdout.fnmatch_lines(
+        [f"*reuse: kept cluster {state['id']} not reused: prefill-0 (pid {prefill['pid']}) is gone; stopping it*"]
+    )
+    assert [i["reused"] for i in inner.infos()] == [None, None]
+    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
