@@ -216,11 +216,16 @@ def make_async_client(
     return httpx.AsyncClient(base_url=base_url, headers=dict(headers), trust_env=False, **kwargs)
 
 
-def reset_prefix_cache(client: httpx.Client, server: str) -> bool:
-    """``POST /reset_prefix_cache``: True when reset, False when the server has no such route (vLLM serves it
-    only with ``VLLM_SERVER_DEV_MODE=1``). :raises AssertionError: the server answered that it failed."""
+def reset_prefix_cache(client: httpx.Client, server: str, *, reset_external: bool = True) -> bool:
+    """``POST /reset_prefix_cache?reset_external=true``: True when reset, False when the server has no such route
+    (vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``). :raises AssertionError: the server answered that it failed.
+
+    ``reset_external`` (vLLM's query parameter; its default there is false) also empties the KV connector's own
+    cache, an OffloadingConnector's CPU tier: without it a "cold" request still hits the blocks the tier kept.
+    NixlConnector keeps none (its ``reset_cache`` is the no-op of ``KVConnectorBase_V1``), so it costs nothing.
+    """
     __tracebackhide__ = True
-    resp = client.post("/reset_prefix_cache")
+    resp = client.post("/reset_prefix_cache", params={"reset_external": "true"} if reset_external else None)
     if resp.status_code in (404, 405):
         return False
     ok = resp.status_code == 200

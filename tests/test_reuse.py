@@ -841,3 +841,41 @@ def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> No
     if not enabled and mode == "on":
         assert "refused because" in why
         assert any(f"{k}={v}" in why for k, v in environ.items()), why
+
+
+CPU_TIER = """
+import json, os
+from pytest_pdserve.presets import multi_connector_config
+
+def test_tier(pd_cluster_factory, pdinfo):
+    cluster = pd_cluster_factory(name="tier", kv_connector="MultiConnector",
+                                 kv_connector_extra_config=json.dumps(multi_connector_config(1 << 30, {})))
+    prefill = cluster.prefill[0]
+    prompt = "tier " * 300  # several blocks: the CPU tier keeps whole blocks
+    before = prefill.metrics()
+    cluster.complete(prompt, max_tokens=1)
+    if os.environ.get("FIRST"):  # the tier works: after a reset of the local cache only, it answers the prompt
+        prefill.reset_prefix_cache(reset_external=False)
+        cluster.complete(prompt, max_tokens=1)
+    host = (prefill.metrics() - before).prompt_tokens_cached_by_source("host")
+    pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None, host=host)
+"""
+
+
+def test_a_reused_cluster_starts_with_an_empty_offloading_cpu_tier(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OffloadingConnector keeps a CPU copy of the blocks the local prefix cache drops: vLLM's plain
+    ``/reset_prefix_cache`` leaves it (``reset_external`` defaults to false), and the next run's first request
+    would load the last run's KV from it. The attach resets it too (``?reset_external=true``)."""
+    inner.pytester.makepyfile(CPU_TIER)
+    monkeypatch.setenv("FIRST", "1")
+    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)  # vLLM's own modules send no salt
+    monkeypatch.delenv("FIRST")
+    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    first, second = sorted(inner.infos(), key=lambda i: i["t"])
+    assert first["reused"] is None, first
+    assert first["host"] > 0, first  # not vacuous: the tier held the prompt
+    assert second["reused"] is not None, second
+    assert second["host"] == 0, second  # the kept tier was emptied at attach
+    _stop_all(reuse_dir, inner)

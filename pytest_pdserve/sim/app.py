@@ -506,7 +506,8 @@ def build_app(state: AppState) -> Starlette:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def reset_prefix_cache(request: Request) -> Response:
-        return JSONResponse({"success": engine.reset_prefix_cache()})
+        q = _query(request, {"reset_running_requests": ("bool", False), "reset_external": ("bool", False)})
+        return JSONResponse({"success": engine.reset_prefix_cache(q["reset_external"])})
 
     # vLLM's dev-mode routes (serve/dev/sleep and rl/online api_router), as vLLM for CPU 0.32 answers them.
     async def sleep(request: Request) -> Response:
@@ -681,7 +682,7 @@ def build_app(state: AppState) -> Starlette:
         routes.append(Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]))
     if engine.env.dev_mode:
         # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode,
-        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
+        routes.append(Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]))
         routes.append(Route("/sleep", guarded(sleep), methods=["POST"]))
         routes.append(Route("/wake_up", wake_up, methods=["POST"]))
         routes.append(Route("/is_sleeping", is_sleeping, methods=["GET"]))

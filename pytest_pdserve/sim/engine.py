@@ -438,9 +438,14 @@ class Engine:
     def set_weight_version(self, version: str) -> None:
         self._weight_version = version
 
-    def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache``."""
-        return self.pool.reset()
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """``POST /reset_prefix_cache[?reset_external=true]``: the local prefix cache, and with ``reset_external``
+        the connector's too (the OffloadingConnector's CPU tier; NixlConnector keeps none), as vLLM's
+        ``Scheduler.reset_prefix_cache`` does: the connector is reset even when the local reset fails."""
+        ok = self.pool.reset()
+        if reset_external and self.cpu_tier is not None:
+            self.cpu_tier.reset()
+        return ok
 
     # ------------------------------------------------------------------ requests
     def _update_usage(self) -> None:
