@@ -303,6 +303,10 @@ def test_lora(pd_cluster_factory, pdinfo, tmp_path):
         script["uwv_int"] = call(decode, "POST", "/update_weight_version", json={"new_version": 3})
         script["uwv"] = call(decode, "POST", "/update_weight_version", json={"new_version": "v2"})
         script["weight_info_after"] = call(decode, "GET", "/weight_info")
+        other = [decode.post(route) for route in ("/reset_mm_cache", "/reset_encoder_cache")]
+        script["reset_other"] = [[r.status_code, r.text] for r in other]
+        script["reset_bad_bool"] = call(decode, "POST", "/reset_prefix_cache", params={"reset_external": "maybe"})
+        script["reset_external"] = call(decode, "POST", "/reset_prefix_cache", params={"reset_external": "true"})
         script["pause"] = call(prefill, "POST", "/pause")
         script["after_pause"] = [call(prefill, "GET", "/is_sleeping"), call(prefill, "GET", "/is_paused")]
         script["complete_paused"] = call(prefill, "POST", "/v1/completions", timeout=1.5,
@@ -367,6 +371,12 @@ RUNTIME_CHANGES_ANSWERS = {
                                 "type": "Bad Request", "param": "body.new_version", "code": 400}}],
     "uwv": [200, {"success": True, "new_version": "v2"}],
     "weight_info_after": [200, {"weight_version": "v2"}],
+    "reset_other": [[200, ""], [200, ""]],
+    "reset_bad_bool": [400, {"error": {"message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': "
+                                                  "'query.reset_external', 'msg': 'Input should be a valid boolean, "
+                                                  "unable to interpret input', 'input': 'maybe'}",
+                                       "type": "Bad Request", "param": "query.reset_external", "code": 400}}],
+    "reset_external": [200, {"success": True}],  # NixlConnector keeps no cache of its own: nothing fails
     "pause": [200, {"status": "paused"}],
     "after_pause": [[200, {"is_sleeping": True}], [200, {"is_paused": True}]],
     "complete_paused": "timeout",  # a paused scheduler queues the request until /resume

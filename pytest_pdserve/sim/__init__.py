@@ -7,8 +7,8 @@ Run it exactly like ``vllm serve``::
 
 It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``, ``/tokenize``, ``/metrics``, ``/version``, and in dev mode ``/reset_prefix_cache``,
-``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``,
-``/update_weight_version``), keeps a
+``/reset_mm_cache``, ``/reset_encoder_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``,
+``/resume``, ``/is_paused``, ``/weight_info``, ``/update_weight_version``), keeps a
 block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
 P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
 

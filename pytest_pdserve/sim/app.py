@@ -509,6 +509,9 @@ def build_app(state: AppState) -> Starlette:
         q = _query(request, {"reset_running_requests": ("bool", False), "reset_external": ("bool", False)})
         return JSONResponse({"success": engine.reset_prefix_cache(q["reset_external"])})
 
+    async def reset_other_cache(request: Request) -> Response:
+        return Response(status_code=200)  # /reset_mm_cache, /reset_encoder_cache: the simulator has neither cache
+
     # vLLM's dev-mode routes (serve/dev/sleep and rl/online api_router), as vLLM for CPU 0.32 answers them.
     async def sleep(request: Request) -> Response:
         q = _query(request, {"level": ("level", 1), "mode": ("pause_mode", "abort")})
@@ -683,6 +686,8 @@ def build_app(state: AppState) -> Starlette:
     if engine.env.dev_mode:
         # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode,
         routes.append(Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]))
+        routes.append(Route("/reset_mm_cache", reset_other_cache, methods=["POST"]))
+        routes.append(Route("/reset_encoder_cache", reset_other_cache, methods=["POST"]))
         routes.append(Route("/sleep", guarded(sleep), methods=["POST"]))
         routes.append(Route("/wake_up", wake_up, methods=["POST"]))
         routes.append(Route("/is_sleeping", is_sleeping, methods=["GET"]))
