@@ -35,7 +35,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -654,7 +654,70 @@ def _changed_since_start(server: Mapping[str, Any], now: Effective | None) -> li
     return found
 
 
-def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
+#: NixlConnector's ``kv_lease_duration`` when the config sets none (vLLM 0.32's ``nixl/base_scheduler.py``).
+DEFAULT_KV_LEASE = 30.0
+_HELD_MARGIN = 5.0  # past the lease: the server frees expired leases on its own ticks
+
+
+def _kv_lease_seconds(argv: Sequence[str] | None) -> float:
+    """The longest ``kv_lease_duration`` in a server's ``--kv-transfer-config`` (at the top, or in a
+    MultiConnector's ``connectors``); :data:`DEFAULT_KV_LEASE` where none is set or the argv is unknown."""
+    try:
+        assert argv is not None
+        config = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
+    except (AssertionError, ValueError, IndexError):
+        return DEFAULT_KV_LEASE
+    leases: list[float] = []
+    todo = [config]
+    for _ in range(64):  # bounded: a config nests a few connectors at most
+        if not todo:
+            break
+        node = todo.pop()
+        extra = node.get("kv_connector_extra_config") if isinstance(node, Mapping) else None
+        if isinstance(extra, Mapping):
+            lease = extra.get("kv_lease_duration")
+            if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0:
+                leases.append(float(lease))
+            todo.extend(c for c in extra.get("connectors") or () if isinstance(c, Mapping))
+    return max(leases, default=DEFAULT_KV_LEASE)
+
+
+def _reset_prefix_cache(h: Any, argv: Sequence[str] | None, report: Callable[[str], None]) -> None:
+    """Reset one kept server's prefix cache (with the connector's: `clients.reset_prefix_cache`), waiting while
+    KV blocks are held: a run's last prefill whose KV no decode read keeps its blocks until NixlConnector's lease
+    ends, and a reset fails until then. Bounded by that lease; :raises ReuseError: no reset."""
+    from pytest_pdserve.clients import PrefixCacheHeld
+
+    wait = _kv_lease_seconds(argv) + _HELD_MARGIN
+    deadline = time.monotonic() + wait
+    for attempt in range(100_000):  # bounded by the deadline; the count only against a logic error
+        try:
+            reset = h.reset_prefix_cache()
+        except PrefixCacheHeld as exc:
+            if time.monotonic() >= deadline:
+                raise ReuseError(f"resetting {h.name}'s prefix cache failed for {wait:g}s: {exc}") from None
+            if attempt == 0:
+                report(
+                    f"pdserve: reuse: {h.name} still holds KV blocks (a request left them; NixlConnector's lease "
+                    f"frees them): waiting up to {wait:g}s to reset its prefix cache"
+                )
+            time.sleep(0.2)  # the server frees them on its own clock: poll it, bounded above
+            continue
+        except AssertionError as exc:
+            raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
+        if not reset:
+            raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+        return
+
+
+def adopt(
+    claim: Claim,
+    spec: ClusterSpec,
+    *,
+    api_key: str | None,
+    max_model_len: int | None,
+    report: Callable[[str], None] = lambda msg: None,
+) -> LaunchedCluster:
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
     Every server must be the kept process (pid and start time), answer ``/health`` and schedule requests (not
@@ -713,13 +776,9 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
     )  # fmt: skip
     # Everything a test left changed is named at once (a person fixes all of it in one go), then refused.
     problems = [p for h in (*cluster.prefill, *cluster.decode) if (p := _not_scheduling(h)) is not None]
+    argv_of = {str(s["name"]): s.get("argv") for s in state["servers"]}
     for h in (*cluster.prefill, *cluster.decode) if not problems else ():
-        try:
-            reset = h.reset_prefix_cache()
-        except AssertionError as exc:
-            raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
-        if not reset:
-            raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+        _reset_prefix_cache(h, argv_of.get(h.name), report)
     effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
     for s in state["servers"]:
         problems += _changed_since_start(s, effective.get(str(s["name"])))

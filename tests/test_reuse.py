@@ -889,3 +889,53 @@ def test_a_reused_cluster_starts_with_an_empty_offloading_cpu_tier(
     assert second["reused"] is not None, second
     assert second["host"] == 0, second  # the kept tier was emptied at attach
     _stop_all(reuse_dir, inner)
+
+
+HELD_BLOCKS = """
+import os
+
+def test_held(pd_cluster_factory, pdinfo):
+    cluster = pd_cluster_factory(name="held", kv_connector_extra_config={"kv_lease_duration": 3})
+    pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None)
+    if os.environ.get("FIRST"):  # a prefill whose KV no decode reads: its blocks stay held for the lease
+        cluster.prefill[0].complete("held " * 100, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+"""
+
+
+def test_the_attach_waits_for_kv_blocks_a_prefill_left_held_instead_of_starting_fresh(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's last prefill-only request (vLLM's edge-case tests send some) leaves its KV blocks held until
+    NixlConnector's lease ends (30 s by default; measured on vLLM for CPU: the reset failed until 30.4 s), and a
+    prefix-cache reset fails until then. The attach waits for them (bounded by the lease) and says so."""
+    inner.pytester.makepyfile(HELD_BLOCKS)
+    monkeypatch.setenv("FIRST", "1")
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    monkeypatch.delenv("FIRST")
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(
+        ["*pdserve: reuse: prefill-0 still holds KV blocks (a request left them*waiting up to 8s to reset its prefix*"]
+    )
+    assert "starting a fresh cluster" not in second.stdout.str()
+    assert [i["reused"] is not None for i in sorted(inner.infos(), key=lambda i: i["t"])] == [False, True]
+    _stop_all(reuse_dir, inner)
+
+
+@pytest.mark.parametrize(
+    ("config", "lease"),
+    [
+        (None, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector": "NixlConnector"}, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector_extra_config": {"kv_lease_duration": 90}}, 90.0),
+        ({"kv_connector_extra_config": {"kv_lease_duration": True}}, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector_extra_config": {"connectors": [{"kv_connector_extra_config": {"kv_lease_duration": 45}},
+                                                       {"kv_connector": "OffloadingConnector"}]}}, 45.0),
+        ("not json", reuse.DEFAULT_KV_LEASE),
+    ],
+)  # fmt: skip
+def test_the_held_blocks_wait_is_bounded_by_the_servers_own_lease(config: Any, lease: float) -> None:
+    argv = ["serve", "m"]
+    if config is not None:
+        argv += ["--kv-transfer-config", config if isinstance(config, str) else json.dumps(config)]
+    assert reuse._kv_lease_seconds(argv) == lease
