@@ -721,9 +721,10 @@ def adopt(
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
     Every server must be the kept process (pid and start time), answer ``/health`` and schedule requests (not
-    asleep, not paused: `_not_scheduling`); the prefill and decode prefix caches are reset (a previous run's prompts
-    must not warm this run's); what the servers run is read back as at a fresh start (`verify.verify_cluster`), and
-    the models served and the weight version must be what they were at the start (`_changed_since_start`).
+    asleep, not paused: `_not_scheduling`); what the servers run is read back as at a fresh start
+    (`verify.verify_cluster`), and the models served and the weight version must be what they were at the start
+    (`_changed_since_start`); then the prefill and decode prefix caches are reset (a previous run's prompts must not
+    warm this run's; `_reset_prefix_cache` waits for KV blocks a prefill-only request left held).
     :raises ReuseError: what failed; every change a test left is named (the caller stops the cluster).
     """
     import httpx
@@ -774,15 +775,16 @@ def adopt(
         platform=str(state.get("platform", "cpu")), vllm_version=state.get("vllm_version"),
         reused=Reused(kept.id, time.time() - kept.created, float(state.get("started_seconds") or 0.0)),
     )  # fmt: skip
-    # Everything a test left changed is named at once (a person fixes all of it in one go), then refused.
+    # Everything a test left changed is named at once (a person fixes all of it in one go), then refused; the
+    # resets come last, as they may wait for held KV blocks.
     problems = [p for h in (*cluster.prefill, *cluster.decode) if (p := _not_scheduling(h)) is not None]
-    argv_of = {str(s["name"]): s.get("argv") for s in state["servers"]}
-    for h in (*cluster.prefill, *cluster.decode) if not problems else ():
-        _reset_prefix_cache(h, argv_of.get(h.name), report)
     effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
     for s in state["servers"]:
         problems += _changed_since_start(s, effective.get(str(s["name"])))
     if problems:
         raise ReuseError("; ".join(problems))
+    argv_of = {str(s["name"]): s.get("argv") for s in state["servers"]}
+    for h in (*cluster.prefill, *cluster.decode):
+        _reset_prefix_cache(h, argv_of.get(h.name), report)
     cluster.started_seconds = time.monotonic() - t0
     return LaunchedCluster(cluster, [], None, [], str(state["label"]), fingerprint=kept.fingerprint, claim=claim)
