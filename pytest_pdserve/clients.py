@@ -30,6 +30,7 @@ import httpx
 
 __all__ = [
     "OPTIONS",
+    "PrefixCacheHeld",
     "REQUEST_TIMEOUT_MESSAGE",
     "SALTED_PATHS",
     "ClientOptions",
@@ -47,6 +48,11 @@ SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respon
 CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT_MESSAGE = "{server} did not answer {request} within {timeout:g} s ({kind}){remedy}"
 RESET_FAILED_MESSAGE = "POST /reset_prefix_cache on {server} did not succeed: HTTP {status} {body}"
+
+
+class PrefixCacheHeld(AssertionError):
+    """The server answered ``{"success": false}``: KV blocks are still in use (a running request, or a prefill
+    whose KV no decode has read yet: NixlConnector holds those for its ``kv_lease_duration``, 30 s by default)."""
 
 
 @dataclass
@@ -216,21 +222,26 @@ def make_async_client(
     return httpx.AsyncClient(base_url=base_url, headers=dict(headers), trust_env=False, **kwargs)
 
 
-def reset_prefix_cache(client: httpx.Client, server: str) -> bool:
-    """``POST /reset_prefix_cache``: True when reset, False when the server has no such route (vLLM serves it
-    only with ``VLLM_SERVER_DEV_MODE=1``). :raises AssertionError: the server answered that it failed."""
+def reset_prefix_cache(client: httpx.Client, server: str, *, reset_external: bool = True) -> bool:
+    """``POST /reset_prefix_cache?reset_external=true``: True when reset, False when the server has no such route
+    (vLLM serves it only with ``VLLM_SERVER_DEV_MODE=1``). :raises AssertionError: the server answered that it failed.
+
+    ``reset_external`` (vLLM's query parameter; its default there is false) also empties the KV connector's own
+    cache, an OffloadingConnector's CPU tier: without it a "cold" request still hits the blocks the tier kept.
+    NixlConnector keeps none (its ``reset_cache`` is the no-op of ``KVConnectorBase_V1``), so it costs nothing.
+    """
     __tracebackhide__ = True
-    resp = client.post("/reset_prefix_cache")
+    resp = client.post("/reset_prefix_cache", params={"reset_external": "true"} if reset_external else None)
     if resp.status_code in (404, 405):
         return False
-    ok = resp.status_code == 200
-    if ok and resp.content:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
-        if isinstance(body, Mapping) and body.get("success") is False:
-            ok = False
-    if not ok:
-        raise AssertionError(RESET_FAILED_MESSAGE.format(server=server, status=resp.status_code, body=resp.text[:300]))
+    message = RESET_FAILED_MESSAGE.format(server=server, status=resp.status_code, body=resp.text[:300])
+    if resp.status_code != 200:
+        raise AssertionError(message)
+    try:
+        body = resp.json() if resp.content else None
+    except ValueError:
+        body = None
+    if isinstance(body, Mapping) and body.get("success") is False:
+        raise PrefixCacheHeld(f"{message} (KV blocks still in use: a running request, or a prefill whose KV no decode "
+                              "has read yet, held for NixlConnector's kv_lease_duration)")  # fmt: skip
     return True

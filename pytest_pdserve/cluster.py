@@ -142,11 +142,14 @@ class ServerHandle:
         payload: dict[str, Any] = {"messages": msgs, "temperature": 0.0, **body}
         return self._post_json("/v1/chat/completions", payload)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, *, reset_external: bool = True) -> bool:
         """``POST /reset_prefix_cache``; False when the server has no such route (vLLM needs
-        ``VLLM_SERVER_DEV_MODE=1``, which the plugin sets). :raises AssertionError: the reset failed."""
+        ``VLLM_SERVER_DEV_MODE=1``, which the plugin sets). :raises AssertionError: the reset failed.
+
+        ``reset_external=True`` (unlike vLLM's default) also empties the KV connector's own cache, an
+        OffloadingConnector's CPU tier, so the next request is cold there too."""
         __tracebackhide__ = True
-        return clients.reset_prefix_cache(self.client, self.label)
+        return clients.reset_prefix_cache(self.client, self.label, reset_external=reset_external)
 
     def _post_json(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         __tracebackhide__ = True

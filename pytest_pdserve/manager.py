@@ -245,7 +245,7 @@ class ClusterManager:
             try:
                 running = reuse.adopt(
                     claim, spec, api_key=self.defaults.api_key,
-                    max_model_len=spec.max_model_len or self.defaults.max_model_len,
+                    max_model_len=spec.max_model_len or self.defaults.max_model_len, report=self.report,
                 )  # fmt: skip
             except Exception as exc:
                 claim.stop()

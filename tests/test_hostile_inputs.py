@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import _procnet
 import pytest
 
 from pytest_pdserve import redaction
@@ -171,36 +172,17 @@ def test_owned_environment_variables_in_a_cluster_spec_are_refused(env: dict[str
 
 # --------------------------------------------------------------------------- a real cluster: sockets, argv, env
 
-CLUSTER_TESTS = r'''
+CLUSTER_TESTS = r"""
 import os
 from pathlib import Path
 
 import httpx
 import pytest
 
+from procnet import LOOPBACK_V4, listening
 from pytest_pdserve.errors import OwnedFlagError
 
 KEY = "{key}"
-
-
-def listening(pid):
-    """(ip_hex, port) of every listening TCP socket of process *pid*, IPv4 and IPv6."""
-    inodes = set()
-    for fd in Path(f"/proc/{{pid}}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                ip, port = fields[1].split(":")
-                out.append((ip, int(port, 16)))
-    return out
 
 
 def test_loopback_and_key_only_in_the_environment(pd_cluster):
@@ -208,7 +190,7 @@ def test_loopback_and_key_only_in_the_environment(pd_cluster):
         pid = server.process.pid
         sockets = listening(pid)
         assert sockets, server.name
-        assert all(ip == "0100007F" for ip, _ in sockets), (server.name, sockets)
+        assert all(ip == LOOPBACK_V4 for ip, _ in sockets), (server.name, sockets)
         assert KEY.encode() not in Path(f"/proc/{{pid}}/cmdline").read_bytes(), server.name
         environ = Path(f"/proc/{{pid}}/environ").read_bytes().split(b"\0")
         assert f"VLLM_API_KEY={{KEY}}".encode() in environ, server.name
@@ -230,7 +212,7 @@ def test_key_in_server_log_text_is_redacted(pd_cluster_factory):
     cluster = pd_cluster_factory(name="leaky", extra_args=("--served-model-name", KEY))
     assert KEY in cluster.prefill[0].log_path.read_text()  # the server logged it (its non-default args)
     raise AssertionError("fail on purpose: the report sections must not carry " + "the key")
-'''
+"""
 
 
 def test_cluster_binds_loopback_keeps_the_key_off_argv_and_out_of_reports(
@@ -241,6 +223,7 @@ def test_cluster_binds_loopback_keeps_the_key_off_argv_and_out_of_reports(
     monkeypatch.setenv("VLLM_API_KEY", "inherited-by-pytest")  # beyond the issue: must not reach the servers
     monkeypatch.setenv("VLLM_SERVE_EXTRA_ARGS", "--max-model-len,512")
     pytester.makepyfile(CLUSTER_TESTS.format(key=key))
+    _procnet.install(pytester)
     result = pytester.runpytest_subprocess(
         "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}", f"--pd-log-dir={pytester.path / 'logs'}",
         "-p", "no:cacheprovider", "-rA", f"--junitxml={pytester.path / 'junit.xml'}", timeout=180,

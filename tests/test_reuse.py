@@ -242,8 +242,9 @@ def test_a_kept_cluster_left_asleep_is_not_reused(
     _stop_all(reuse_dir, inner)
 
 
-LORA = """
+RUNTIME_CHANGES = """
 import json, os
+import httpx
 from _lora import write_zero_adapter
 
 def test_lora(pd_cluster_factory, pdinfo, tmp_path):
@@ -278,11 +279,44 @@ def test_lora(pd_cluster_factory, pdinfo, tmp_path):
                                                  "ignore_eos": True})
         script["complete"] = [r.status_code, r.json()["model"], r.json()["usage"]["completion_tokens"]]
         # sql-lora stays loaded: the next run must not be handed this cluster
+
+        def call(client, method, route, **kw):
+            try:
+                r = client.request(method, route, **kw)
+            except httpx.TimeoutException:
+                return "timeout"
+            return [r.status_code, r.json()]
+
+        prefill = cluster.prefill[0].client
+        script["is_paused"] = call(decode, "GET", "/is_paused")
+        script["weight_info"] = call(decode, "GET", "/weight_info")
+        script["pause_bad_mode"] = call(decode, "POST", "/pause", params={"mode": "bogus"})
+        script["pause_bad_clear"] = call(decode, "POST", "/pause", params={"clear_cache": "perhaps"})
+        script["sleep_bad_level"] = call(decode, "POST", "/sleep", params={"level": "5"})
+        script["sleep_level0"] = call(decode, "POST", "/sleep", params={"level": "0"})
+        script["after_sleep0"] = [call(decode, "GET", "/is_sleeping"), call(decode, "GET", "/is_paused")]
+        script["wake_scheduling"] = call(decode, "POST", "/wake_up", params={"tags": "scheduling"})
+        script["pause_keep"] = call(decode, "POST", "/pause", params={"mode": "keep"})
+        script["resume"] = call(decode, "POST", "/resume")
+        script["after_resume"] = [call(decode, "GET", "/is_sleeping"), call(decode, "GET", "/is_paused")]
+        script["uwv_missing"] = call(decode, "POST", "/update_weight_version", json={})
+        script["uwv_int"] = call(decode, "POST", "/update_weight_version", json={"new_version": 3})
+        script["uwv"] = call(decode, "POST", "/update_weight_version", json={"new_version": "v2"})
+        script["weight_info_after"] = call(decode, "GET", "/weight_info")
+        other = [decode.post(route) for route in ("/reset_mm_cache", "/reset_encoder_cache")]
+        script["reset_other"] = [[r.status_code, r.text] for r in other]
+        script["reset_bad_bool"] = call(decode, "POST", "/reset_prefix_cache", params={"reset_external": "maybe"})
+        script["reset_external"] = call(decode, "POST", "/reset_prefix_cache", params={"reset_external": "true"})
+        script["pause"] = call(prefill, "POST", "/pause")
+        script["after_pause"] = [call(prefill, "GET", "/is_sleeping"), call(prefill, "GET", "/is_paused")]
+        script["complete_paused"] = call(prefill, "POST", "/v1/completions", timeout=1.5,
+                                         json={"model": cluster.model, "prompt": [5, 6, 7], "max_tokens": 1})
+        # prefill-0 stays paused and decode-0 at weight version v2: the next run must say so too
     pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None, script=script)
 """
 
-#: What vLLM for CPU 0.32 answers to LORA's requests (measured; the simulator must answer the same).
-LORA_SCRIPT = {
+#: What vLLM for CPU 0.32 answers to RUNTIME_CHANGES' requests (measured; the simulator must answer the same).
+RUNTIME_CHANGES_ANSWERS = {
     "load": [200, "Success: LoRA adapter 'sql-lora' added successfully."],
     "again": [400, {"message": "The lora adapter 'sql-lora' has already been loaded. If you want to load the adapter "
                                "in place, set 'load_inplace' to True.", "type": "InvalidUserInput", "param": None,
@@ -308,16 +342,56 @@ LORA_SCRIPT = {
                         "type": "Bad Request", "param": "body.model", "code": 400}],
     "cards": [["sql-lora", True, True, None]],
     "complete": [200, "sql-lora", 2],
+    "is_paused": [200, {"is_paused": False}],
+    "weight_info": [200, {"weight_version": "default"}],
+    "pause_bad_mode": [400, {"error": {"message": "1 validation error:\n  {'type': 'literal_error', 'loc': "
+                                                  "'query.mode', 'msg': \"Input should be 'abort', 'wait' or 'keep'\", "
+                                                  "'input': 'bogus', 'ctx': {'expected': "
+                                                  "\"'abort', 'wait' or 'keep'\"}}",
+                                       "type": "Bad Request", "param": "query.mode", "code": 400}}],
+    "pause_bad_clear": [400, {"error": {"message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': "
+                                                   "'query.clear_cache', 'msg': 'Input should be a valid boolean, "
+                                                   "unable to interpret input', 'input': 'perhaps'}",
+                                        "type": "Bad Request", "param": "query.clear_cache", "code": 400}}],
+    "sleep_bad_level": [400, {"error": {"message": "1 validation error:\n  {'type': 'less_than_equal', 'loc': "
+                                                   "'query.level', 'msg': 'Input should be less than or equal to 2', "
+                                                   "'input': '5', 'ctx': {'le': 2}}",
+                                        "type": "Bad Request", "param": "query.level", "code": 400}}],
+    "sleep_level0": [200, {"status": "sleeping", "level": 0}],
+    "after_sleep0": [[200, {"is_sleeping": True}], [200, {"is_paused": True}]],
+    "wake_scheduling": [200, {"status": "awake", "tags": ["scheduling"]}],
+    "pause_keep": [200, {"status": "paused"}],
+    "resume": [200, {"status": "resumed"}],
+    "after_resume": [[200, {"is_sleeping": False}], [200, {"is_paused": False}]],
+    "uwv_missing": [400, {"error": {"message": "1 validation error:\n  {'type': 'missing', 'loc': 'body.new_version', "
+                                               "'msg': 'Field required', 'input': 'None'}",
+                                    "type": "Bad Request", "param": "body.new_version", "code": 400}}],
+    "uwv_int": [400, {"error": {"message": "1 validation error:\n  {'type': 'string_type', 'loc': 'body.new_version', "
+                                           "'msg': 'Input should be a valid string', 'input': '3'}",
+                                "type": "Bad Request", "param": "body.new_version", "code": 400}}],
+    "uwv": [200, {"success": True, "new_version": "v2"}],
+    "weight_info_after": [200, {"weight_version": "v2"}],
+    "reset_other": [[200, ""], [200, ""]],
+    "reset_bad_bool": [400, {"error": {"message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': "
+                                                  "'query.reset_external', 'msg': 'Input should be a valid boolean, "
+                                                  "unable to interpret input', 'input': 'maybe'}",
+                                       "type": "Bad Request", "param": "query.reset_external", "code": 400}}],
+    "reset_external": [200, {"success": True}],  # NixlConnector keeps no cache of its own: nothing fails
+    "pause": [200, {"status": "paused"}],
+    "after_pause": [[200, {"is_sleeping": True}], [200, {"is_paused": True}]],
+    "complete_paused": "timeout",  # a paused scheduler queues the request until /resume
 }  # fmt: skip
 
 
 @pytest.mark.timeout(900)  # on real vLLM: two cluster starts on 2 cores
 @pytest.mark.parametrize("engine", ["sim", "vllm"])
-def test_a_kept_cluster_with_a_lora_adapter_a_test_loaded_is_not_reused(
+def test_a_kept_cluster_a_test_changed_at_run_time_is_not_reused(
     inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
-    """vLLM lists runtime-loaded LoRA adapters in /v1/models and serves them by name: an adapter one run loaded
-    must not answer the next run's requests. The same script runs on both engines and must answer as vLLM does."""
+    """What a test can change over HTTP and the prefix-cache reset does not undo: a LoRA adapter it loaded (vLLM
+    lists it in /v1/models and serves it by name), a paused scheduler (dev mode's /pause: the next run's requests
+    would hang) and another weight version (an RL trainer's /update_weight_version). A kept cluster left so is
+    refused, every change named. The same script runs on both engines and must answer as vLLM does."""
     extra = [f"--pd-engine={engine}"]
     timeout = 120.0
     if engine == "vllm":
@@ -327,18 +401,20 @@ def test_a_kept_cluster_with_a_lora_adapter_a_test_loaded_is_not_reused(
         if MODEL_CACHE:  # where CI keeps the tiny model (clean_pdserve_env removed it)
             monkeypatch.setenv("PDSERVE_CACHE_DIR", MODEL_CACHE)
         timeout = 600.0
-    inner.pytester.makepyfile(LORA, _lora=(Path(__file__).parent / "_lora.py").read_text())
+    inner.pytester.makepyfile(RUNTIME_CHANGES, _lora=(Path(__file__).parent / "_lora.py").read_text())
     monkeypatch.setenv("LOAD_IT", "1")
     _run(inner, reuse_dir, *extra, timeout=timeout).assert_outcomes(passed=1)
     [state] = _states(reuse_dir)
     [first] = inner.infos()
-    assert first["script"] == LORA_SCRIPT, json.dumps(first["script"], indent=1)
+    assert first["script"] == RUNTIME_CHANGES_ANSWERS, json.dumps(first["script"], indent=1)
     monkeypatch.delenv("LOAD_IT")
     second = _run(inner, reuse_dir, *extra, timeout=timeout)
     second.assert_outcomes(passed=1)  # its test found no sql-lora: a fresh cluster
     second.stdout.fnmatch_lines(
-        [f"*kept cluster {state['id']} failed its check (decode-0 now also serves sql-lora (a LoRA adapter*"]
-    )
+        [f"*kept cluster {state['id']} failed its check (prefill-0 is asleep or paused (POST /sleep or /pause without"
+         " /wake_up or /resume); decode-0 now also serves sql-lora (a LoRA adapter loaded at run time: POST"
+         " /v1/load_lora_adapter); decode-0 runs weight version 'v2', not 'default' as at its start*"]
+    )  # fmt: skip
     assert [i["reused"] for i in inner.infos()] == [None, None]  # neither run attached
     _stop_all(reuse_dir, inner)
 
@@ -776,3 +852,91 @@ def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> No
     if not enabled and mode == "on":
         assert "refused because" in why
         assert any(f"{k}={v}" in why for k, v in environ.items()), why
+
+
+CPU_TIER = """
+import json, os
+from pytest_pdserve.presets import multi_connector_config
+
+def test_tier(pd_cluster_factory, pdinfo):
+    cluster = pd_cluster_factory(name="tier", kv_connector="MultiConnector",
+                                 kv_connector_extra_config=json.dumps(multi_connector_config(1 << 30, {})))
+    prefill = cluster.prefill[0]
+    prompt = "tier " * 300  # several blocks: the CPU tier keeps whole blocks
+    before = prefill.metrics()
+    cluster.complete(prompt, max_tokens=1)
+    if os.environ.get("FIRST"):  # the tier works: after a reset of the local cache only, it answers the prompt
+        prefill.reset_prefix_cache(reset_external=False)
+        cluster.complete(prompt, max_tokens=1)
+    host = (prefill.metrics() - before).prompt_tokens_cached_by_source("host")
+    pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None, host=host)
+"""
+
+
+def test_a_reused_cluster_starts_with_an_empty_offloading_cpu_tier(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OffloadingConnector keeps a CPU copy of the blocks the local prefix cache drops: vLLM's plain
+    ``/reset_prefix_cache`` leaves it (``reset_external`` defaults to false), and the next run's first request
+    would load the last run's KV from it. The attach resets it too (``?reset_external=true``)."""
+    inner.pytester.makepyfile(CPU_TIER)
+    monkeypatch.setenv("FIRST", "1")
+    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)  # vLLM's own modules send no salt
+    monkeypatch.delenv("FIRST")
+    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    first, second = sorted(inner.infos(), key=lambda i: i["t"])
+    assert first["reused"] is None, first
+    assert first["host"] > 0, first  # not vacuous: the tier held the prompt
+    assert second["reused"] is not None, second
+    assert second["host"] == 0, second  # the kept tier was emptied at attach
+    _stop_all(reuse_dir, inner)
+
+
+HELD_BLOCKS = """
+import os
+
+def test_held(pd_cluster_factory, pdinfo):
+    cluster = pd_cluster_factory(name="held", kv_connector_extra_config={"kv_lease_duration": 3})
+    pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None)
+    if os.environ.get("FIRST"):  # a prefill whose KV no decode reads: its blocks stay held for the lease
+        cluster.prefill[0].complete("held " * 100, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+"""
+
+
+def test_the_attach_waits_for_kv_blocks_a_prefill_left_held_instead_of_starting_fresh(
+    inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's last prefill-only request (vLLM's edge-case tests send some) leaves its KV blocks held until
+    NixlConnector's lease ends (30 s by default; measured on vLLM for CPU: the reset failed until 30.4 s), and a
+    prefix-cache reset fails until then. The attach waits for them (bounded by the lease) and says so."""
+    inner.pytester.makepyfile(HELD_BLOCKS)
+    monkeypatch.setenv("FIRST", "1")
+    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    monkeypatch.delenv("FIRST")
+    second = _run(inner, reuse_dir)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(
+        ["*pdserve: reuse: prefill-0 still holds KV blocks (a request left them*waiting up to 8s to reset its prefix*"]
+    )
+    assert "starting a fresh cluster" not in second.stdout.str()
+    assert [i["reused"] is not None for i in sorted(inner.infos(), key=lambda i: i["t"])] == [False, True]
+    _stop_all(reuse_dir, inner)
+
+
+@pytest.mark.parametrize(
+    ("config", "lease"),
+    [
+        (None, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector": "NixlConnector"}, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector_extra_config": {"kv_lease_duration": 90}}, 90.0),
+        ({"kv_connector_extra_config": {"kv_lease_duration": True}}, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector_extra_config": {"connectors": [{"kv_connector_extra_config": {"kv_lease_duration": 45}},
+                                                       {"kv_connector": "OffloadingConnector"}]}}, 45.0),
+        ("not json", reuse.DEFAULT_KV_LEASE),
+    ],
+)  # fmt: skip
+def test_the_held_blocks_wait_is_bounded_by_the_servers_own_lease(config: Any, lease: float) -> None:
+    argv = ["serve", "m"]
+    if config is not None:
+        argv += ["--kv-transfer-config", config if isinstance(config, str) else json.dumps(config)]
+    assert reuse._kv_lease_seconds(argv) == lease

@@ -9,54 +9,31 @@ from __future__ import annotations
 import os
 import uuid
 
+import _procnet
 import pytest
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-INNER_TEST = r'''
+INNER_TEST = r"""
 import os
 import stat
 import sys
 from pathlib import Path
 
 import httpx
+from procnet import LOOPBACK_V4, listening
 
 API_KEY = "s3cret-key-{tag}"
 HOSTILE = "x; touch {pwned}"
 
 
-def listening_sockets():
-    """{{inode: (ip_hex, port)}} of every TCP socket in LISTEN state (IPv4 and IPv6)."""
-    out = {{}}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            ip, port = fields[1].split(":")
-            if fields[3] == "0A":
-                out[fields[9]] = (ip, int(port, 16))
-    return out
-
-
-def socket_inodes(pid):
-    inodes = set()
-    for fd in Path(f"/proc/{{pid}}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
-
-
 def test_security(pd_cluster):
     # 1. Every listening socket of every server and the proxy is on 127.0.0.1.
-    listening = listening_sockets()
     for server in pd_cluster.servers:
-        mine = [listening[i] for i in socket_inodes(server.process.pid) if i in listening]
+        mine = listening(server.process.pid)
         assert mine, f"{{server.name}} listens on nothing?"
         for ip, port in mine:
-            assert ip == "0100007F", f"{{server.name}} listens on {{ip}}:{{port}}, not 127.0.0.1"
+            assert ip == LOOPBACK_V4, f"{{server.name}} listens on {{ip}}:{{port}}, not 127.0.0.1"
         assert server.process.argv[server.process.argv.index("--host") + 1] == "127.0.0.1"
 
     # 2. No shell: each server is a direct child of pytest running python, and the hostile value is
@@ -90,7 +67,7 @@ def test_security(pd_cluster):
         assert anonymous.status_code == 401, (server.name, anonymous.status_code)
         assert server.client.get("/v1/models").status_code == 200
     assert pd_cluster.complete("hello " * 20, max_tokens=3)["usage"]["completion_tokens"] == 3
-'''
+"""
 
 
 def test_loopback_only_no_shell_private_logs_and_api_key(
@@ -100,6 +77,7 @@ def test_loopback_only_no_shell_private_logs_and_api_key(
     pwned = pytester.path / "pwned"
     monkeypatch.setenv("VLLM_SERVE_EXTRA_ARGS", f"--served-model-name,x; touch {pwned}")
     pytester.makepyfile(INNER_TEST.format(tag=tag, pwned=pwned))
+    _procnet.install(pytester)
     result = pytester.runpytest_subprocess(
         "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}", f"--pd-log-dir={pytester.path / 'logs'}",
         f"--pd-api-key=s3cret-key-{tag}", "-p", "no:cacheprovider", timeout=120,

@@ -7,7 +7,8 @@ Run it exactly like ``vllm serve``::
 
 It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``, ``/tokenize``, ``/metrics``, ``/version``, and in dev mode ``/reset_prefix_cache``,
-``/sleep``, ``/wake_up``, ``/is_sleeping``), keeps a
+``/reset_mm_cache``, ``/reset_encoder_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``,
+``/resume``, ``/is_paused``, ``/weight_info``, ``/update_weight_version``), keeps a
 block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
 P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
 
@@ -23,7 +24,8 @@ variable                               default     effect
 =====================================  ==========  =========================================================
 VLLM_NIXL_SIDE_CHANNEL_HOST            localhost   side-channel bind host, advertised as ``remote_host``
 VLLM_NIXL_SIDE_CHANNEL_PORT            5600        side-channel port (+ DP index 0), ``remote_port``
-VLLM_SERVER_DEV_MODE                   0           1: ``/reset_prefix_cache`` and the sleep routes exist (else 404)
+VLLM_SERVER_DEV_MODE                   0           1: ``/reset_prefix_cache``, the sleep, pause and weight-version
+                                                   routes exist (else 404)
 VLLM_ALLOW_RUNTIME_LORA_UPDATING       0           1/true: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
                                                    exist; a loaded adapter is listed by ``/v1/models`` and
                                                    served under its name (as the base model: no weights)

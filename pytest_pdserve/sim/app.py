@@ -167,14 +167,99 @@ def _input(value: object) -> str:
     return str(value)
 
 
+def _validation_row(kind: str, loc: str, message: str, value: object, ctx: Mapping[str, Any] | None = None) -> str:
+    """One line of vLLM's validation message: pydantic's error as a Python dict (measured on vLLM for CPU 0.32)."""
+    row: dict[str, Any] = {"type": kind, "loc": loc, "msg": message, "input": _input(value)}
+    if ctx:
+        row["ctx"] = dict(ctx)
+    return f"  {row!r}"
+
+
+def _validation_failed(rows: Sequence[str], first_loc: str) -> _ApiError:
+    """vLLM's 400 for a request FastAPI refused (its RequestValidationError handler), ``param`` the first loc."""
+    message = f"{len(rows)} validation error{'s' if len(rows) > 1 else ''}:\n" + "\n".join(rows)
+    return _ApiError(message, "Bad Request", 400, first_loc)
+
+
 def _validation_error(kind: str, message: str, keys: Sequence[str], body: Mapping[str, Any]) -> str:
     """vLLM's message for a request body pydantic refused (measured on vLLM for CPU 0.32)."""
-    rows = [
-        f"  {{'type': '{kind}', 'loc': 'body.{key}', 'msg': '{message}', "
-        f"'input': '{_input(body) if kind == 'missing' else _input(body[key])}'}}"
-        for key in keys
-    ]
-    return f"{len(rows)} validation error{'s' if len(rows) > 1 else ''}:\n" + "\n".join(rows)
+    rows = [_validation_row(kind, f"body.{key}", message, body if kind == "missing" else body[key]) for key in keys]
+    return _validation_failed(rows, f"body.{keys[0]}").message
+
+
+_TRUE = ("1", "on", "t", "true", "y", "yes")  # pydantic's str -> bool
+_FALSE = ("0", "off", "f", "false", "n", "no")
+
+
+def _query(request: Request, spec: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
+    """The query parameters ``spec`` names (``{name: (kind, default)}``; kinds ``bool``, ``level`` (an int 0-2)
+    or ``pause_mode``), parsed as FastAPI parses them. :raises _ApiError: vLLM's 400, every bad one listed."""
+    values: dict[str, Any] = {}
+    rows: list[tuple[str, str]] = []
+    for name, (kind, default) in spec.items():
+        raw = request.query_params.get(name)
+        if raw is None:
+            values[name] = default
+            continue
+        loc = f"query.{name}"
+        if kind == "bool":
+            if raw.strip().lower() in (*_TRUE, *_FALSE):
+                values[name] = raw.strip().lower() in _TRUE
+                continue
+            rows.append(
+                (
+                    loc,
+                    _validation_row(
+                        "bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", raw
+                    ),
+                )
+            )
+        elif kind == "level":
+            if not re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+                rows.append(
+                    (
+                        loc,
+                        _validation_row(
+                            "int_parsing",
+                            loc,
+                            "Input should be a valid integer, unable to parse string as an integer",
+                            raw,
+                        ),
+                    )
+                )
+            elif int(raw) < 0:
+                rows.append(
+                    (
+                        loc,
+                        _validation_row(
+                            "greater_than_equal", loc, "Input should be greater than or equal to 0", raw, {"ge": 0}
+                        ),
+                    )
+                )
+            elif int(raw) > 2:
+                rows.append(
+                    (
+                        loc,
+                        _validation_row(
+                            "less_than_equal", loc, "Input should be less than or equal to 2", raw, {"le": 2}
+                        ),
+                    )
+                )
+            else:
+                values[name] = int(raw)
+        else:  # pause_mode: vLLM's PauseMode literal
+            if raw in Engine.PAUSE_MODES:
+                values[name] = raw
+                continue
+            expected = " or ".join(
+                [", ".join(f"'{m}'" for m in Engine.PAUSE_MODES[:-1]), f"'{Engine.PAUSE_MODES[-1]}'"]
+            )
+            rows.append(
+                (loc, _validation_row("literal_error", loc, f"Input should be {expected}", raw, {"expected": expected}))
+            )
+    if rows:
+        raise _validation_failed([row for _, row in rows], rows[0][0])
+    return values
 
 
 def _require_strings(body: Mapping[str, Any], required: Sequence[str], optional: Sequence[str] = ()) -> None:
@@ -421,17 +506,17 @@ def build_app(state: AppState) -> Starlette:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def reset_prefix_cache(request: Request) -> Response:
-        return JSONResponse({"success": engine.reset_prefix_cache()})
+        q = _query(request, {"reset_running_requests": ("bool", False), "reset_external": ("bool", False)})
+        return JSONResponse({"success": engine.reset_prefix_cache(q["reset_external"])})
 
+    async def reset_other_cache(request: Request) -> Response:
+        return Response(status_code=200)  # /reset_mm_cache, /reset_encoder_cache: the simulator has neither cache
+
+    # vLLM's dev-mode routes (serve/dev/sleep and rl/online api_router), as vLLM for CPU 0.32 answers them.
     async def sleep(request: Request) -> Response:
-        raw = request.query_params.get("level", "1")
-        if not raw.isdigit() or not 0 <= int(raw) <= 2:
-            # FastAPI's validation answer for Query(ge=0, le=2).
-            detail = [{"type": "less_than_equal", "loc": ["query", "level"], "msg": "level must be 0, 1 or 2",
-                       "input": raw}]  # fmt: skip
-            return JSONResponse({"detail": detail}, status_code=422)
-        engine.sleep(int(raw))
-        return JSONResponse({"status": "sleeping", "level": int(raw)})
+        q = _query(request, {"level": ("level", 1), "mode": ("pause_mode", "abort")})
+        engine.sleep(q["level"], q["mode"])
+        return JSONResponse({"status": "sleeping", "level": q["level"]})
 
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None
@@ -440,6 +525,30 @@ def build_app(state: AppState) -> Starlette:
 
     async def is_sleeping(request: Request) -> Response:
         return JSONResponse({"is_sleeping": engine.is_sleeping})
+
+    async def pause(request: Request) -> Response:
+        q = _query(request, {"mode": ("pause_mode", "abort"), "clear_cache": ("bool", True)})
+        engine.pause(q["mode"], q["clear_cache"])
+        return JSONResponse({"status": "paused"})
+
+    async def resume(request: Request) -> Response:
+        engine.resume()
+        return JSONResponse({"status": "resumed"})
+
+    async def is_paused(request: Request) -> Response:
+        return JSONResponse({"is_paused": engine.is_paused})
+
+    async def weight_info(request: Request) -> Response:
+        return JSONResponse({"weight_version": engine.weight_version})
+
+    async def update_weight_version(request: Request) -> Response:
+        body = await body_of(request)
+        if "new_version" not in body:  # Body(embed=True): pydantic shows the missing field's input as None
+            loc = "body.new_version"
+            raise _validation_failed([_validation_row("missing", loc, "Field required", None)], loc)
+        _require_strings(body, ("new_version",))
+        engine.set_weight_version(body["new_version"])
+        return JSONResponse({"success": True, "new_version": body["new_version"]})
 
     async def completions(request: Request) -> Response:
         body = await body_of(request)
@@ -575,11 +684,20 @@ def build_app(state: AppState) -> Starlette:
         routes.append(Route("/v1/load_lora_adapter", guarded(load_lora_adapter), methods=["POST"]))
         routes.append(Route("/v1/unload_lora_adapter", guarded(unload_lora_adapter), methods=["POST"]))
     if engine.env.dev_mode:
-        # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode.
-        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
-        routes.append(Route("/sleep", sleep, methods=["POST"]))
+        # vLLM's register_vllm_dev_api_routers: the cache and sleep routers exist only in dev mode,
+        routes.append(Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]))
+        routes.append(Route("/reset_mm_cache", reset_other_cache, methods=["POST"]))
+        routes.append(Route("/reset_encoder_cache", reset_other_cache, methods=["POST"]))
+        routes.append(Route("/sleep", guarded(sleep), methods=["POST"]))
         routes.append(Route("/wake_up", wake_up, methods=["POST"]))
         routes.append(Route("/is_sleeping", is_sleeping, methods=["GET"]))
+        # and register_rl_api_routers: the pause and weight-version routes of RL trainers (the weight transfer
+        # routes, /update_weights and the like, are not simulated: 404).
+        routes.append(Route("/pause", guarded(pause), methods=["POST"]))
+        routes.append(Route("/resume", resume, methods=["POST"]))
+        routes.append(Route("/is_paused", is_paused, methods=["GET"]))
+        routes.append(Route("/weight_info", weight_info, methods=["GET"]))
+        routes.append(Route("/update_weight_version", guarded(update_weight_version), methods=["POST"]))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # FastAPI's default body for routing errors, as vLLM answers them.

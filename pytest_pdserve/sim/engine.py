@@ -294,8 +294,10 @@ class Engine:
         )
         self._leases: dict[str, _Lease] = {}
         self._asleep_tags: set[str] = set()
-        self._awake = asyncio.Event()
+        self._paused = False
+        self._awake = asyncio.Event()  # set while the scheduler runs: not paused, not asleep
         self._awake.set()
+        self._weight_version = "default"  # vLLM's EngineCore starts every server at this version
         self._mamba_checkpoints: OrderedDict[bytes, None] = OrderedDict()
         self.mamba_state_bytes = self.shape.mamba_state_bytes(args.dtype)
         self._expired: deque[str] = deque(maxlen=4096)
@@ -371,46 +373,79 @@ class Engine:
     def _lease_duration(self) -> float:
         return self.kv_config.kv_lease_duration if self.kv_config is not None else 30.0
 
-    # ------------------------------------------------------------------ sleep mode (--enable-sleep-mode)
+    # ------------------------------------------------------------ pause and sleep (dev mode's /pause, /sleep, ...)
+    # vLLM 0.32 keeps two states (measured on vLLM for CPU): the scheduler's pause (``EngineCore.pause_scheduler``:
+    # new requests wait, nothing else changes) and the executor's sleeping tags. ``/sleep`` pauses the scheduler
+    # and, at level >= 1, puts the executor to sleep and resets the prefix cache; ``/wake_up`` resumes the
+    # scheduler once no tag sleeps. ``/is_sleeping`` is true while *either* holds (``EngineCore.is_sleeping``).
+    # Neither needs ``--enable-sleep-mode`` on CPU, whose worker ignores sleep: measured, both answer 200.
     SLEEP_TAGS = ("weights", "kv_cache")
+    PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 
     @property
     def is_sleeping(self) -> bool:
         """``GET /is_sleeping``."""
-        return bool(self._asleep_tags)
+        return self._paused or bool(self._asleep_tags)
 
-    def sleep(self, level: int) -> None:
-        """``POST /sleep?level=N``: new requests wait until the engine is fully awake; level >= 1 drops the
-        prefix cache (the KV cache memory is released), as vLLM's ``EngineCore.sleep`` does.
+    @property
+    def is_paused(self) -> bool:
+        """``GET /is_paused``."""
+        return self._paused
 
-        :raises RequestError: sleep mode is not enabled (vLLM: the executor asserts ``enable_sleep_mode``).
-        """
-        if not self.args.enable_sleep_mode:
-            raise RuntimeError(
-                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
-            )
-        if level >= 1:
-            self.pool.reset()
-        self._asleep_tags = set(self.SLEEP_TAGS)
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """``POST /pause``: new requests wait until ``/resume`` (or a full ``/wake_up``); ``clear_cache`` resets the
+        prefix cache, in every mode (``EngineCore._finish_pause``). In-flight requests run to their end here: the
+        simulator computes a request in one step, so there is nothing left to abort or keep."""
+        self._paused = True
         self._awake.clear()
+        if clear_cache:
+            self.pool.reset()
+
+    def resume(self) -> None:
+        """``POST /resume``: the scheduler runs again (even while the executor sleeps, as in vLLM)."""
+        self._paused = False
+        self._awake.set()
+
+    def sleep(self, level: int, mode: str = "abort") -> None:
+        """``POST /sleep?level=N&mode=M``: pause the scheduler; level >= 1 also drops the prefix cache (the KV cache
+        memory is released) and puts the weights and KV cache to sleep, as vLLM's ``EngineCore.sleep`` does."""
+        del mode  # see pause: nothing in flight to treat
+        self.pause(clear_cache=level >= 1)
+        if level >= 1:
+            self._asleep_tags = set(self.SLEEP_TAGS)
         self.metrics.record_sleep_state(1, level)
         logger.info("It took 0.000 seconds to fall asleep (level %d).", level)
 
     def wake_up(self, tags: Sequence[str] | None) -> bool:
-        """``POST /wake_up[?tags=...]``; True when fully awake."""
-        if not self.args.enable_sleep_mode:
-            raise RuntimeError(
-                "Sleep mode is not enabled in the model config. Start the server with --enable-sleep-mode."
-            )
-        self._asleep_tags -= set(tags) if tags else set(self._asleep_tags)
-        if not self._asleep_tags:
-            self._awake.set()
-            self.metrics.record_sleep_state(0, 0)
-        return not self._asleep_tags
+        """``POST /wake_up[?tags=...]``; True when fully awake (then the scheduler resumes). The tag
+        ``scheduling`` wakes a level-0 sleep; an unknown tag changes nothing (vLLM's executor warns and returns)."""
+        if tags is not None:
+            tags = [t for t in tags if t != "scheduling"]
+        if (tags is None or tags) and self._asleep_tags and not set(tags or ()) - self._asleep_tags:
+            self._asleep_tags -= set(tags) if tags else set(self._asleep_tags)
+        if self._asleep_tags:
+            return False
+        self.resume()
+        self.metrics.record_sleep_state(0, 0)
+        return True
 
-    def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache``."""
-        return self.pool.reset()
+    # ------------------------------------------------------------------ weight version (dev mode's /weight_info)
+    @property
+    def weight_version(self) -> str:
+        """``GET /weight_info``: ``default`` from the start, until ``POST /update_weight_version`` sets another."""
+        return self._weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        self._weight_version = version
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """``POST /reset_prefix_cache[?reset_external=true]``: the local prefix cache, and with ``reset_external``
+        the connector's too (the OffloadingConnector's CPU tier; NixlConnector keeps none), as vLLM's
+        ``Scheduler.reset_prefix_cache`` does: the connector is reset even when the local reset fails."""
+        ok = self.pool.reset()
+        if reset_external and self.cpu_tier is not None:
+            self.cpu_tier.reset()
+        return ok
 
     # ------------------------------------------------------------------ requests
     def _update_usage(self) -> None:
@@ -431,7 +466,7 @@ class Engine:
         """
         if self.dead:
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
-        await self._awake.wait()  # a sleeping engine's scheduler is paused: requests wait for /wake_up
+        await self._awake.wait()  # a paused (or sleeping) scheduler: requests wait for /resume or /wake_up
         self._begun += 1
         if self._begun == self.env.engine_dies_on_request:
             self._die_mid_request()

@@ -62,6 +62,10 @@ class CpuTier:
             hit += 1
         return hit
 
+    def reset(self) -> None:
+        """Drop every CPU copy (vLLM's ``OffloadingConnector.reset_cache``)."""
+        self._blocks.clear()
+
     def store(self, hashes: Sequence[bytes]) -> int:
         """Write the blocks the tier lacks (evicting LRU ones); returns how many were written."""
         written = 0

@@ -34,7 +34,8 @@ def test_sleep_pauses_requests_until_wake_up_and_drops_the_cache() -> None:
         for _ in range(2):
             assert (await client.post("/v1/completions", json=body)).status_code == 200
         assert hits._value.get() == 32  # warm: two 16-token blocks
-        assert (await client.post("/sleep", params={"level": "3"})).status_code == 422
+        bad = await client.post("/sleep", params={"level": "3"})  # vLLM's 400 for a query FastAPI refused
+        assert (bad.status_code, bad.json()["error"]["param"]) == (400, "query.level")
         assert (await client.post("/sleep", params={"level": "1"})).json() == {"status": "sleeping", "level": 1}
         assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
         pending = asyncio.ensure_future(client.post("/v1/completions", json=body))
@@ -48,5 +49,41 @@ def test_sleep_pauses_requests_until_wake_up_and_drops_the_cache() -> None:
         assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
         text = e.metrics.render().decode()
         assert 'sleep_state="awake"} 1.0' in text
+
+    asyncio.run(run())
+
+
+def test_pause_queues_requests_until_resume_and_sleep_pauses_too() -> None:
+    """vLLM 0.32's scheduler pause (dev mode's /pause, /resume, /is_paused): new requests wait; ``/is_sleeping``
+    is true while paused; ``/sleep?level=0`` only pauses, ``/wake_up?tags=scheduling`` resumes (measured)."""
+
+    async def run() -> None:
+        e, client = _client(dev_mode=True)
+        body = {"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}
+        hits = e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert hits._value.get() == 32
+        assert (await client.post("/pause", params={"clear_cache": "false"})).json() == {"status": "paused"}
+        assert (await client.get("/is_paused")).json() == {"is_paused": True}
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        pending = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # queued behind the pause
+        assert (await client.post("/resume")).json() == {"status": "resumed"}
+        assert (await asyncio.wait_for(pending, 10)).status_code == 200
+        assert hits._value.get() == 64  # clear_cache=false kept the prefix cache
+        await client.post("/pause")  # clear_cache defaults to true
+        await client.post("/resume")
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert hits._value.get() == 64  # the pause reset it: no hit
+        assert (await client.post("/sleep", params={"level": "0"})).json() == {"status": "sleeping", "level": 0}
+        assert (await client.get("/is_paused")).json() == {"is_paused": True}
+        woke = await client.post("/wake_up", params={"tags": "scheduling"})
+        assert woke.json() == {"status": "awake", "tags": ["scheduling"]}
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+        assert (await client.get("/weight_info")).json() == {"weight_version": "default"}
+        await client.post("/update_weight_version", json={"new_version": "rl-step-7"})
+        assert (await client.get("/weight_info")).json() == {"weight_version": "rl-step-7"}
 
     asyncio.run(run())
