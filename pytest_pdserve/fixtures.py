@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import pytest
 
+from pytest_pdserve.logfile import open_append
 from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory
@@ -128,8 +129,8 @@ def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], N
     def report(message: str) -> None:
         message = redact(message)  # e.g. an attached URL's password in the ready line
         log.info("%s", message)
-        with contextlib.suppress(OSError), session_log.open("a", encoding="utf-8") as fh:
-            fh.write(message + "\n")
+        with contextlib.suppress(OSError), os.fdopen(open_append(session_log), "a", encoding="utf-8") as fh:
+            fh.write(message + "\n")  # open_append: a FIFO planted as pdserve.log must not hang the run
         if terminal is None:
             return
         ctx = capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()

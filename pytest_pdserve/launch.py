@@ -39,6 +39,7 @@ from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory
+from pytest_pdserve.logfile import open_append
 from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
@@ -232,8 +233,11 @@ class ClusterLauncher:
         log_path = self.log_dir / f"{label}-{cmd.name}.log"
         # The env delta heads each log (ServerProcess.start adds the argv line), so a CI artifact says what ran.
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("a", encoding="utf-8") as fh:
-            fh.write(f"# pdserve: {cmd.name}: env: {json.dumps(redact_env(cmd.env), sort_keys=True)}\n")
+        try:  # never blocks on a FIFO planted where the log goes (logfile.open_append)
+            with os.fdopen(open_append(log_path), "a", encoding="utf-8") as fh:
+                fh.write(f"# pdserve: {cmd.name}: env: {json.dumps(redact_env(cmd.env), sort_keys=True)}\n")
+        except OSError as exc:
+            raise PDServeError(f"{cmd.name}: cannot write its log {log_path}: {exc.strerror or exc}") from None
         url = f"http://127.0.0.1:{ports.http}"
         proc = ServerProcess(
             cmd.name, cmd.argv, child_env(cmd.env), log_path,

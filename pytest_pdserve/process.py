@@ -39,7 +39,7 @@ import httpx
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.hints import AUTH_HINT, hint_for
-from pytest_pdserve.logfile import log_size, tail_lines
+from pytest_pdserve.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.readiness import AuthRefused, ReadinessCheck, readiness_client
 from pytest_pdserve.redaction import redact_argv
@@ -206,7 +206,8 @@ class ServerProcess:
             host, port = _host_port(self.health_url)
             if _answers(host, port):
                 raise PortInUse(port, self.name)
-        with open(self.log_path, "ab") as log_fh:
+        # Never blocks on a FIFO planted where the log goes, and refuses anything but a regular file (logfile.py).
+        with os.fdopen(open_append(self.log_path), "ab") as log_fh:
             # Secrets stay out of the log: its tail ends up in error messages and progress lines.
             shown = " ".join(redact_argv(self.argv))
             log_fh.write(f"pdserve: starting {self.name}: {shown}\n".encode(errors="backslashreplace"))

@@ -438,3 +438,22 @@ def test_gpu_markers_on_a_cpu_machine(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, skipped=2)
     result.stdout.fnmatch_lines(["*it uses no pd fixture, so the CPU engine cannot stand in*"])
     result.stdout.fnmatch_lines(["gpus(2) not enforced: this machine is CPU-only*"])
+
+
+@pytest.mark.parametrize("name", ["pd-1-prefill-0.log", "pdserve.log"])
+def test_a_fifo_planted_in_the_log_dir_is_refused_not_waited_on(pytester: pytest.Pytester, name: str) -> None:
+    # Opening a FIFO for writing waits for a reader that never comes: the run hung before any server started.
+    logs = pytester.path / "logs"
+    logs.mkdir()
+    os.mkfifo(logs / name)
+    pytester.makepyfile("def test_a(pd_cluster):\n    assert pd_cluster.complete('a b c', max_tokens=1)\n")
+    result = pytester.runpytest_subprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}", f"--pd-log-dir={logs}", "-p",
+        "no:cacheprovider", timeout=60,
+    )  # fmt: skip
+    out = result.stdout.str()
+    if name == "pdserve.log":  # the session's own log: the run goes on without it
+        result.assert_outcomes(passed=1)
+    else:
+        result.assert_outcomes(errors=1)
+        assert f"prefill-0: cannot write its log {logs / name}: not a regular file (a FIFO" in out

@@ -294,3 +294,17 @@ def test_stop_before_start_is_a_no_op(tmp_path: Path) -> None:
 def test_argv_must_be_a_list() -> None:
     with pytest.raises(ValueError, match="argv must be a non-empty list"):
         ServerProcess("bad", "vllm serve x", {}, Path("x.log"), health_url=None, run_token="t")
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_where_the_server_log_goes_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # Opening a FIFO for writing waits for a reader, forever if none comes: pytest hung before the server started.
+    log = tmp_path / "pd-1-prefill-0.log"
+    os.mkfifo(log)
+    srv = ServerProcess(
+        "prefill-0", [sys.executable, "-c", "pass"], dict(os.environ), log,
+        health_url=f"http://127.0.0.1:{free_port()}/health", run_token=new_run_token(),
+    )  # fmt: skip
+    with pytest.raises(OSError, match="not a regular file"):
+        srv.start()
+    assert srv.pid is None  # nothing was spawned
