@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _reuse
 import pytest
 from _pdsession import Inner, live_procs, unheld_locks, wait_for
+from _reuse import UP, kept_one, run_reuse, states, stop_all, up_until
 
 from pytest_pdserve import cli, keeper, reuse
 from pytest_pdserve.engine import resolve_engine
@@ -30,66 +32,27 @@ from pytest_pdserve.proctree import SERVER_TOKEN_ENV, alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
+# The shared fixtures (tests/_reuse.py): one copy, bound here so pytest finds them.
+inner = _reuse.inner
+reuse_dir = _reuse.reuse_dir
+
 # Read before clean_pdserve_env removes them: the real-vLLM case runs the vLLM and model cache CI set up.
 REAL_VLLM = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
 MODEL_CACHE = os.environ.get("PDSERVE_CACHE_DIR")
 
-UP = """
-def test_up(pd_cluster, pdinfo):
-    pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
-    assert pd_cluster.complete("hello " * 10, max_tokens=2)["choices"]
-"""
-
-
-@pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
-    for var in reuse.CI_ENV_VARS:  # CI refuses --pd-reuse=on; the CI case sets it itself
-        monkeypatch.delenv(var, raising=False)
-    return Inner(pytester, monkeypatch)
-
-
-@pytest.fixture
-def reuse_dir(inner: Inner) -> Any:
-    """The inner sessions' reuse dir; whatever a case leaves kept is stopped afterwards."""
-    path = inner.pytester.path / "reuse"
-    yield path
-    cli.main(["--dir", str(path), "stop", "--all"])
-
-
-def _run(inner: Inner, reuse_dir: Path, *extra: str, timeout: float = 120) -> pytest.RunResult:
-    return inner.run("--pd-reuse", f"--pd-reuse-dir={reuse_dir}", *extra, timeout=timeout)
-
-
-def _states(reuse_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(reuse_dir.glob("*.json"))]
-
-
-def _kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
-    """Run the inner session once with reuse (one passing test) and return the one cluster it kept."""
-    _run(inner, reuse_dir, *extra).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
-    return state
-
-
-def _stop_all(reuse_dir: Path, inner: Inner) -> None:
-    assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
-    unheld_locks(inner.lease_dir)
-    assert _states(reuse_dir) == []
-
 
 def test_second_run_attaches_to_the_kept_cluster_and_stop_all_leaves_nothing(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    first = _run(inner, reuse_dir)
+    first = run_reuse(inner, reuse_dir)
     first.assert_outcomes(passed=1)
     first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-* for the next --pd-reuse run*"])
-    [state] = _states(reuse_dir)
+    [state] = states(reuse_dir)
     kept_pids = {s["pid"] for s in [*state["servers"], state["proxy"]]}
     assert all(read_stat(pid) is not None for pid in kept_pids), "kept servers must outlive the first pytest"
     with pytest.raises(AssertionError, match="still held"):
         unheld_locks(inner.lease_dir)  # the kept cluster's leases stay held while it runs
 
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*reuse on (idle ttl 900s*kept clusters: {state['id']} (pd, *old)*"])
     second.stdout.fnmatch_lines([f"*cluster pd (sim, 1P x 1D) reused kept cluster {state['id']}, *old*"])
@@ -109,55 +72,55 @@ def test_second_run_attaches_to_the_kept_cluster_and_stop_all_leaves_nothing(inn
     )  # fmt: skip
     assert state["id"] in listed.stdout, listed.stdout
     assert "1P x 1D" in listed.stdout, listed.stdout
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_a_different_configuration_starts_fresh_and_says_why(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    kept = _kept_one(inner, reuse_dir)
-    second = _run(inner, reuse_dir, "--pd-seed=7")
+    kept = kept_one(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir, "--pd-seed=7")
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*pd: starting a fresh cluster: kept cluster {kept['id']} differs in setting.seed*"])
-    assert len(_states(reuse_dir)) == 2  # both kept: each fits its own configuration
-    third = _run(inner, reuse_dir, "--pd-seed=7")
+    assert len(states(reuse_dir)) == 2  # both kept: each fits its own configuration
+    third = run_reuse(inner, reuse_dir, "--pd-seed=7")
     third.stdout.fnmatch_lines(["*reused kept cluster*"])
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_an_idle_cluster_stops_after_the_ttl(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir, "--pd-reuse-ttl=1").assert_outcomes(passed=1)
-    assert _states(reuse_dir)
+    run_reuse(inner, reuse_dir, "--pd-reuse-ttl=1").assert_outcomes(passed=1)
+    assert states(reuse_dir)
     inner.gone_within(15.0)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
 
 
 def test_a_killed_keeper_takes_its_servers_down_and_the_next_run_starts_fresh(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGKILL)
     inner.gone_within(10.0)  # the keeper's guard stopped the kept servers
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*kept cluster {state['id']}'s keeper (pid {state['keeper']['pid']}) is gone*"])
-    assert [s["id"] for s in _states(reuse_dir)] != [state["id"]]
-    _stop_all(reuse_dir, inner)
+    assert [s["id"] for s in states(reuse_dir)] != [state["id"]]
+    stop_all(reuse_dir, inner)
 
 
 def test_sigterm_to_the_keeper_stops_its_clusters(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGTERM)
     inner.gone_within(10.0)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
 
 
 def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     inner.pytester.makepyfile(
         """
         import time
@@ -177,31 +140,19 @@ def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner
     kept_pids = [s["pid"] for s in [*state["servers"], state["proxy"]]]
     assert all(read_stat(pid) is not None for pid in kept_pids)
     inner.pytester.makepyfile(UP)
-    third = _run(inner, reuse_dir)
+    third = run_reuse(inner, reuse_dir)
     third.assert_outcomes(passed=1)
     third.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearly(
     inner: Inner, reuse_dir: Path
 ) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     go = inner.pytester.path / "go"
-    inner.pytester.makepyfile(
-        f"""
-        import time
-        from pathlib import Path
-
-        def test_up(pd_cluster, pdinfo):
-            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
-            deadline = time.monotonic() + 60
-            while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            pd_cluster.complete("hello " * 10, max_tokens=2)
-        """
-    )
+    inner.pytester.makepyfile(up_until(go))
     for p in inner.info_dir.glob("*.json"):
         p.unlink()
     with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
@@ -234,12 +185,12 @@ def test_a_kept_cluster_left_asleep_is_not_reused(
         """
     )
     monkeypatch.setenv("SLEEP_IT", "1")
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     monkeypatch.delenv("SLEEP_IT")
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 is asleep*); stopped it*"])
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 RUNTIME_CHANGES = """
@@ -403,12 +354,12 @@ def test_a_kept_cluster_a_test_changed_at_run_time_is_not_reused(
         timeout = 600.0
     inner.pytester.makepyfile(RUNTIME_CHANGES, _lora=(Path(__file__).parent / "_lora.py").read_text())
     monkeypatch.setenv("LOAD_IT", "1")
-    _run(inner, reuse_dir, *extra, timeout=timeout).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
+    run_reuse(inner, reuse_dir, *extra, timeout=timeout).assert_outcomes(passed=1)
+    [state] = states(reuse_dir)
     [first] = inner.infos()
     assert first["script"] == RUNTIME_CHANGES_ANSWERS, json.dumps(first["script"], indent=1)
     monkeypatch.delenv("LOAD_IT")
-    second = _run(inner, reuse_dir, *extra, timeout=timeout)
+    second = run_reuse(inner, reuse_dir, *extra, timeout=timeout)
     second.assert_outcomes(passed=1)  # its test found no sql-lora: a fresh cluster
     second.stdout.fnmatch_lines(
         [f"*kept cluster {state['id']} failed its check (prefill-0 is asleep or paused (POST /sleep or /pause without"
@@ -416,7 +367,7 @@ def test_a_kept_cluster_a_test_changed_at_run_time_is_not_reused(
          " /v1/load_lora_adapter); decode-0 runs weight version 'v2', not 'default' as at its start*"]
     )  # fmt: skip
     assert [i["reused"] for i in inner.infos()] == [None, None]  # neither run attached
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -428,15 +379,15 @@ def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: 
             assert c.complete("a " * 8, max_tokens=1)["choices"]
         """
     )
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     text = "".join(p.read_text() for p in reuse_dir.glob("*.json"))
     assert text, "nothing kept"
     assert "sk-reuse-secret-0123" not in text
     assert "hf_secret_token_4567" not in text
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)  # the key came from this run's settings: the adopted servers accept it
     second.stdout.fnmatch_lines(["*reused kept cluster*"])
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None:
@@ -462,18 +413,18 @@ def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None
 
 def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     prefill = state["servers"][0]
     os.killpg(prefill["pgid"], signal.SIGKILL)
     inner.gone_within(10.0)  # decode and proxy too: a cluster without its prefill is no cluster
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert f"stopped {state['id']} (prefill-0 (pid {prefill['pid']}) is gone)" in (reuse_dir / "keeper.log").read_text()
 
 
 def test_a_kept_cluster_whose_state_file_is_removed_stops(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     [path] = reuse_dir.glob("*.json")
     path.unlink()  # `rm -rf ~/.cache/pytest-pdserve`: no run could find it again
     inner.gone_within(10.0)
@@ -488,7 +439,7 @@ def test_stopping_a_claimed_cluster_leaves_the_keepers_other_clusters(inner: Inn
             assert pd_cluster_factory(name="other", max_model_len=1024).complete("a " * 8, max_tokens=1)["choices"]
         """
     )
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     kept = {k.spec_name: k for k in reuse.list_kept(reuse_dir)}
     assert sorted(kept) == ["other", "pd"]
     held = reuse.claim(kept["pd"])
@@ -496,22 +447,22 @@ def test_stopping_a_claimed_cluster_leaves_the_keepers_other_clusters(inner: Inn
     held.stop()  # what a run does for pd_cluster_factory.stop(spec) on a reused cluster
     assert [k.spec_name for k in reuse.list_kept(reuse_dir)] == ["other"]
     assert reuse.keeper_info(kept["other"]) != {}, "the keeper must still serve its other cluster"
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_a_cluster_another_run_holds_is_not_shared(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     [kept] = reuse.list_kept(reuse_dir)
     held = reuse.claim(kept)
     assert held is not None
     try:
-        second = _run(inner, reuse_dir)
+        second = run_reuse(inner, reuse_dir)
         second.assert_outcomes(passed=1)
         second.stdout.fnmatch_lines([f"*starting a fresh cluster: kept cluster {kept.id} is in use by another run*"])
     finally:
         held.release()
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_prefix_cache_is_reset_when_a_run_attaches(inner: Inner, reuse_dir: Path) -> None:
@@ -529,32 +480,32 @@ def test_prefix_cache_is_reset_when_a_run_attaches(inner: Inner, reuse_dir: Path
             pdinfo(pd_cluster, hits=hits(pd_cluster) - before, reused=pd_cluster.reused is not None)
         """
     )
-    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
-    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
     by_reuse = {i["reused"]: i["hits"] for i in inner.infos()}
     assert by_reuse == {False: 0, True: 0}, by_reuse
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_a_run_that_waits_for_the_kept_gpus_gets_them(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir, "--pd-simulate-gpus=2")
+    state = kept_one(inner, reuse_dir, "--pd-simulate-gpus=2")
     # A run without --pd-reuse needs both GPUs: it waits, says so, and the keeper gives them up.
     other = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=60")
     other.assert_outcomes(passed=1)
     other.stdout.fnmatch_lines(["*waiting for*GPU*kept for reuse*"])
     assert "another run waits for its leases (GPUs or a fixed port)" in (reuse_dir / "keeper.log").read_text()
-    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
+    assert state["id"] not in [s["id"] for s in states(reuse_dir)]
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
 
 
 def test_a_run_that_skips_busy_gpus_still_gets_the_kept_ones(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir, "--pd-simulate-gpus=2").assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir, "--pd-simulate-gpus=2").assert_outcomes(passed=1)
     other = inner.run("--pd-simulate-gpus=2", "--pd-gpu-wait=skip")
     other.assert_outcomes(passed=1)  # not skipped: only a kept cluster held them
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
 
 
 def test_a_claimed_cluster_makes_room_for_another_spec(inner: Inner, reuse_dir: Path) -> None:
@@ -570,17 +521,17 @@ def test_a_claimed_cluster_makes_room_for_another_spec(inner: Inner, reuse_dir: 
             assert other.complete("b " * 8, max_tokens=1)["choices"]
         """
     )
-    _run(inner, reuse_dir, "--pd-simulate-gpus=2", "-k", "not test_b").assert_outcomes(passed=1)
-    second = _run(inner, reuse_dir, "--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=30")
+    run_reuse(inner, reuse_dir, "--pd-simulate-gpus=2", "-k", "not test_b").assert_outcomes(passed=1)
+    second = run_reuse(inner, reuse_dir, "--pd-simulate-gpus=2", "--pd-gpu-wait-timeout=30")
     second.assert_outcomes(passed=2)
     second.stdout.fnmatch_lines(["*reused kept cluster*", "*stopping cluster pd to free its GPUs*"])
-    assert [s["spec_name"] for s in _states(reuse_dir)] == ["other"]
-    _stop_all(reuse_dir, inner)
+    assert [s["spec_name"] for s in states(reuse_dir)] == ["other"]
+    stop_all(reuse_dir, inner)
 
 
 def test_factory_stop_of_a_reused_cluster_stops_it(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     inner.pytester.makepyfile(
         """
         def test_stop(pd_cluster, pd_cluster_factory):
@@ -588,10 +539,10 @@ def test_factory_stop_of_a_reused_cluster_stops_it(inner: Inner, reuse_dir: Path
             pd_cluster_factory.stop(pd_cluster.spec)
         """
     )
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     assert "pdserve stop" in (reuse_dir / "keeper.log").read_text()
-    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
-    _stop_all(reuse_dir, inner)
+    assert state["id"] not in [s["id"] for s in states(reuse_dir)]
+    stop_all(reuse_dir, inner)
 
 
 def test_xdist_workers_each_claim_their_own_kept_cluster(inner: Inner, reuse_dir: Path) -> None:
@@ -604,15 +555,15 @@ def test_xdist_workers_each_claim_their_own_kept_cluster(inner: Inner, reuse_dir
             pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
         """
     )
-    _run(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
-    first_ids = {s["id"] for s in _states(reuse_dir)}
+    run_reuse(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
+    first_ids = {s["id"] for s in states(reuse_dir)}
     assert len(first_ids) == 2  # one cluster per worker
     for p in inner.info_dir.glob("*.json"):
         p.unlink()
-    _run(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
+    run_reuse(inner, reuse_dir, "-n", "2").assert_outcomes(passed=4)
     reused = {i["reused"] for i in inner.infos()}
     assert reused == first_ids, reused  # each worker attached to a different kept cluster, none started its own
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_export_env_sessions_reuse_the_kept_cluster(inner: Inner, reuse_dir: Path) -> None:
@@ -628,13 +579,13 @@ def test_export_env_sessions_reuse_the_kept_cluster(inner: Inner, reuse_dir: Pat
             (Path(os.environ["PDINFO_DIR"]) / f"{uuid.uuid4().hex}.json").write_text(json.dumps(PORTS))
         """
     )
-    _run(inner, reuse_dir, "--pd-export-env").assert_outcomes(passed=1)
-    second = _run(inner, reuse_dir, "--pd-export-env")
+    run_reuse(inner, reuse_dir, "--pd-export-env").assert_outcomes(passed=1)
+    second = run_reuse(inner, reuse_dir, "--pd-export-env")
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines(["*reused kept cluster*"])
     first_ports, second_ports = inner.infos()
     assert first_ports == second_ports
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_needs_it(
@@ -643,12 +594,12 @@ def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_nee
     with acquire_ports(inner.pytester.path / "probe-leases", 1) as probe:
         port = probe.base
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir, f"--pd-proxy-port={port}")
+    state = kept_one(inner, reuse_dir, f"--pd-proxy-port={port}")
     assert state["proxy"]["url"].endswith(f":{port}")
     other = inner.run(f"--pd-proxy-port={port}")  # no reuse: it needs that port, and only a keeper holds it
     other.assert_outcomes(passed=1)
     assert "another run waits for its leases" in (reuse_dir / "keeper.log").read_text()
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
 
@@ -656,15 +607,15 @@ def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_nee
 def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inner.pytester.makepyfile(UP)
     monkeypatch.setenv("CI", "true")
-    refused = _run(inner, reuse_dir)
+    refused = run_reuse(inner, reuse_dir)
     refused.assert_outcomes(passed=1)
     refused.stdout.fnmatch_lines(["*pdserve: reuse off: refused because CI=true*--pd-reuse=force*"])
     inner.gone_within(5.0)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     forced = inner.run("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")
     forced.assert_outcomes(passed=1)
     forced.stdout.fnmatch_lines(["*reuse force (CI=true is set)*", "*kept pd-1-*"])
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 # ------------------------------------------------------------------------------------------- hostile input
@@ -698,7 +649,7 @@ def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) ->
         }  # fmt: skip
         (reuse_dir / "planted-1.json").write_text(json.dumps(planted))
         inner.pytester.makepyfile(UP)
-        result = _run(inner, reuse_dir)
+        result = run_reuse(inner, reuse_dir)
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines(["*reuse: removed *garbage.json: not a kept-cluster state*"])
         assert bystander.poll() is None, "a pid named in a state file was signalled"
@@ -707,7 +658,7 @@ def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) ->
     finally:
         bystander.kill()
         bystander.wait(10)
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -766,7 +717,7 @@ def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> N
     if os.geteuid() != 0:
         pytest.skip("needs root to act as another user (setuid)")
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     [kept] = reuse.list_kept(reuse_dir)
     probe = (
         "import os, socket, sys\n"
@@ -780,7 +731,7 @@ def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> N
     assert reuse.list_kept(reuse_dir), "another user's `stop *` stopped our kept cluster"
     assert "refused a connection from uid 65534" in (reuse_dir / "keeper.log").read_text()
     assert live_procs(inner.mark), "the kept cluster must still run"
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 def test_pdserve_stop_without_a_reuse_dir_says_so(tmp_path: Path) -> None:
@@ -881,15 +832,15 @@ def test_a_reused_cluster_starts_with_an_empty_offloading_cpu_tier(
     would load the last run's KV from it. The attach resets it too (``?reset_external=true``)."""
     inner.pytester.makepyfile(CPU_TIER)
     monkeypatch.setenv("FIRST", "1")
-    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)  # vLLM's own modules send no salt
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)  # vLLM's own modules send no salt
     monkeypatch.delenv("FIRST")
-    _run(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
     first, second = sorted(inner.infos(), key=lambda i: i["t"])
     assert first["reused"] is None, first
     assert first["host"] > 0, first  # not vacuous: the tier held the prompt
     assert second["reused"] is not None, second
     assert second["host"] == 0, second  # the kept tier was emptied at attach
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 HELD_BLOCKS = """
@@ -911,16 +862,16 @@ def test_the_attach_waits_for_kv_blocks_a_prefill_left_held_instead_of_starting_
     prefix-cache reset fails until then. The attach waits for them (bounded by the lease) and says so."""
     inner.pytester.makepyfile(HELD_BLOCKS)
     monkeypatch.setenv("FIRST", "1")
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     monkeypatch.delenv("FIRST")
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines(
         ["*pdserve: reuse: prefill-0 still holds KV blocks (a request left them*waiting up to 8s to reset its prefix*"]
     )
     assert "starting a fresh cluster" not in second.stdout.str()
     assert [i["reused"] is not None for i in sorted(inner.infos(), key=lambda i: i["t"])] == [False, True]
-    _stop_all(reuse_dir, inner)
+    stop_all(reuse_dir, inner)
 
 
 @pytest.mark.parametrize(

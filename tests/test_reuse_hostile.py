@@ -18,40 +18,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+import _reuse
 import pytest
 from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
+from _reuse import UP, kept_one, run_reuse, states, up_until
 
 from pytest_pdserve import cli, reuse
 from pytest_pdserve.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-UP = """
-def test_up(pd_cluster, pdinfo):
-    pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
-    assert pd_cluster.complete("hello " * 10, max_tokens=2)["choices"]
-"""
-
-
-@pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
-    for var in reuse.CI_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    return Inner(pytester, monkeypatch)
-
-
-@pytest.fixture
-def reuse_dir(inner: Inner) -> Any:
-    path = inner.pytester.path / "reuse"
-    yield path
-    if path.is_dir():
-        cli.main(["--dir", str(path), "stop", "--all"])
-
-
-def _run(inner: Inner, reuse_dir: Path, *extra: str, timeout: float = 120) -> pytest.RunResult:
-    return inner.run("--pd-reuse", f"--pd-reuse-dir={reuse_dir}", *extra, timeout=timeout)
+# The shared fixtures (tests/_reuse.py): one copy, bound here so pytest finds them.
+inner = _reuse.inner
+reuse_dir = _reuse.reuse_dir
 
 
 def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -104,9 +84,9 @@ def test_a_reuse_dir_with_a_users_files_loses_none_of_them(inner: Inner, monkeyp
 def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
     inner.pytester.makepyfile(UP)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     assert (reuse_dir / reuse.REUSE_DIR_MARKER).is_file()
-    _run(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
+    run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
     inner.gone_within(10.0)
 
@@ -114,27 +94,17 @@ def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) ->
 # ---------------------------------------------------------------------------------------- a stopped keeper
 
 
-def _kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
-    _run(inner, reuse_dir, *extra).assert_outcomes(passed=1)
-    [state] = _states(reuse_dir)
-    return state
-
-
-def _states(reuse_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(reuse_dir.glob("*.json"))]
-
-
 def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_dir: Path) -> None:
     """SIGSTOP the keeper (Ctrl-Z on a debugger, a frozen cgroup): the next run must not wait 20 s on its claim
     and then blame "another run", and `pdserve stop --all` must not wait a minute per cluster: both say the
     keeper is stopped and how to go on."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     pid = state["keeper"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        second = _run(inner, reuse_dir)
+        second = run_reuse(inner, reuse_dir)
         second.assert_outcomes(passed=1)
         why = f"kept cluster {state['id']}: its keeper (pid {pid}) is stopped"
         second.stdout.fnmatch_lines([f"*pd: starting a fresh cluster: {why} (SIGSTOP*kill -CONT {pid}*"])
@@ -156,12 +126,12 @@ def test_stop_all_returns_only_when_nothing_is_left(inner: Inner, reuse_dir: Pat
     """The issue's "done when": `pdserve stop --all` leaves no process and no lease. A script that checks right
     after it returns (`pdserve stop --all && pgrep ...`) must find nothing: not the keeper, not its guard."""
     inner.pytester.makepyfile(UP)
-    _kept_one(inner, reuse_dir)
+    kept_one(inner, reuse_dir)
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0  # in-process: no interpreter exit to wait for
     left = live_procs(inner.mark)  # no wait: at once
     assert left == {}, left
     unheld_locks(inner.lease_dir)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
 
 
 # ------------------------------------------------------------------------------ death during the hand-over
@@ -199,7 +169,7 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
     inner.pytester.makeconftest(INNER_CONFTEST + KILL_AT)
     inner.pytester.makepyfile(UP)
     monkeypatch.setenv("KILL_AT", when)
-    result = _run(inner, reuse_dir)
+    result = run_reuse(inner, reuse_dir)
     assert result.ret == -signal.SIGKILL, result.stdout.str()[-2000:]
 
     def settled() -> bool:  # every process left is a kept cluster's (its keeper runs), or nothing is left
@@ -211,11 +181,11 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
     wait_for(settled, 15.0, f"only owned processes left ({live_procs(inner.mark)})")
     monkeypatch.delenv("KILL_AT")
     inner.pytester.makeconftest(INNER_CONFTEST)
-    _run(inner, reuse_dir).assert_outcomes(passed=1)  # the next run copes either way
+    run_reuse(inner, reuse_dir).assert_outcomes(passed=1)  # the next run copes either way
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
 
 
 def _guards(pids: set[int]) -> set[int]:
@@ -239,11 +209,11 @@ def test_the_ttl_of_the_last_run_applies(inner: Inner, reuse_dir: Path) -> None:
     a shorter TTL (its header says `idle ttl 1s`) must have it stopped that long after it ends, not after the TTL
     of the run that first kept it (15 minutes)."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
-    second = _run(inner, reuse_dir, "--pd-reuse-ttl=1")
+    state = kept_one(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir, "--pd-reuse-ttl=1")
     second.stdout.fnmatch_lines(["*reuse on (idle ttl 1s*", f"*reused kept cluster {state['id']}*"])
     inner.gone_within(15.0)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
 
@@ -266,7 +236,7 @@ def test_no_secret_reaches_the_keepers_log_pdserve_ls_or_the_report(
             assert c.complete("a " * 8, max_tokens=1)["choices"]
         """
     )
-    outputs = [_run(inner, reuse_dir), _run(inner, reuse_dir)]
+    outputs = [run_reuse(inner, reuse_dir), run_reuse(inner, reuse_dir)]
     outputs[0].assert_outcomes(passed=1)
     outputs[1].stdout.fnmatch_lines(["*reused kept cluster*"])
     texts = {
@@ -380,14 +350,14 @@ def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_heade
     and a thousand garbage state files sorted before the real one: the next run still finds and reuses the kept
     cluster, stays quick, and says what it removed in a few lines, not a thousand."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     os.mkfifo(reuse_dir / "a-fifo.json")
     (reuse_dir / "a-dir.json").mkdir()
     (reuse_dir / "a-huge.json").write_bytes(b" " * (2 << 20))
     (reuse_dir / "a-array.json").write_text("[]")
     for i in range(1000):
         (reuse_dir / f"a{i:04d}.json").write_text('{"keeper": 1')
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
     out = second.stdout.str()
@@ -406,15 +376,15 @@ def test_env_the_servers_read_starts_fresh_and_pytests_own_does_not(
     reads (COLUMNS, -q, -k, another --pd-log-dir) does not."""
     inner.pytester.makepyfile(UP)
     monkeypatch.setenv("VLLM_HOSTILE_KNOB", "hf_value_one_1111")
-    kept = _kept_one(inner, reuse_dir)
+    kept = kept_one(inner, reuse_dir)
     monkeypatch.setenv("VLLM_HOSTILE_KNOB", "hf_value_two_2222")
-    fresh = _run(inner, reuse_dir)
+    fresh = run_reuse(inner, reuse_dir)
     fresh.stdout.fnmatch_lines(
         [f"*pd: starting a fresh cluster: kept cluster {kept['id']} differs in env.VLLM_HOSTILE_KNOB"]
     )
     assert "hf_value_" not in fresh.stdout.str()
     monkeypatch.setenv("COLUMNS", "57")
-    same = _run(inner, reuse_dir, "-q", "-k", "test_up", f"--pd-log-dir={inner.pytester.path / 'other-logs'}")
+    same = run_reuse(inner, reuse_dir, "-q", "-k", "test_up", f"--pd-log-dir={inner.pytester.path / 'other-logs'}")
     same.assert_outcomes(passed=1)
     same.stdout.fnmatch_lines(["*reused kept cluster*"])
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
@@ -426,21 +396,9 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
     """`pdserve stop --all` is obeyed even while a run has the cluster claimed: nothing is left (no process, no
     lease, no state), and the run using it fails saying its servers stopped, not with a hang or a traceback."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     go = inner.pytester.path / "go"
-    inner.pytester.makepyfile(
-        f"""
-        import time
-        from pathlib import Path
-
-        def test_up(pd_cluster, pdinfo):
-            pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
-            deadline = time.monotonic() + 60
-            while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            pd_cluster.complete("hello " * 10, max_tokens=2)
-        """
-    )
+    inner.pytester.makepyfile(up_until(go))
     for p in inner.info_dir.glob("*.json"):
         p.unlink()
     with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
@@ -459,7 +417,7 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
     assert "Traceback" not in text.split("short test summary")[-1], text[-3000:]
     inner.gone_within(10.0)
     unheld_locks(inner.lease_dir)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
 
 
 # ----------------------------------------------------------------------------------------- a kept server
@@ -473,16 +431,16 @@ def test_a_kept_server_dead_or_hung_right_before_the_next_run_is_not_handed_out(
     answers nothing): the run must not hand it out, must say why, and must not wait long; the frozen one is
     stopped too (SIGKILL reaches a stopped process)."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     prefill = state["servers"][0]
     os.kill(prefill["pid"], getattr(signal, how))
-    second = _run(inner, reuse_dir, timeout=60)
+    second = run_reuse(inner, reuse_dir, timeout=60)
     second.assert_outcomes(passed=1)
     if how == "SIGSTOP":  # (a dead one is seen by the run or, often first, by the keeper: either is right)
         second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 at * does not answer*"])
     assert [i["reused"] for i in inner.infos()] == [None, None]
     wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), 15.0, "the kept prefill stopped")
-    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
+    assert state["id"] not in [s["id"] for s in states(reuse_dir)]
 
 
 @pytest.mark.parametrize("name", ["keeper.log", "guard.log"])
@@ -494,7 +452,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     (reuse_dir / reuse.REUSE_DIR_MARKER).touch()
     os.mkfifo(reuse_dir / name)
     inner.pytester.makepyfile(UP)
-    result = _run(inner, reuse_dir, timeout=60)
+    result = run_reuse(inner, reuse_dir, timeout=60)
     result.assert_outcomes(passed=1)
     if name == "keeper.log":  # nowhere to log what the keeper does: not kept, and said why
         result.stdout.fnmatch_lines([f"*reuse: the reuse keeper did not start: its log {reuse_dir / name}: not a "
@@ -530,7 +488,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
                    "servers": [fake], "proxy": {**fake, "name": "proxy"}, "keeper": keeper}  # fmt: skip
         (reuse_dir / "planted-1.json").write_text(json.dumps(planted))  # NaN, Infinity: what json.dumps writes
         inner.pytester.makepyfile(UP)
-        result = _run(inner, reuse_dir)
+        result = run_reuse(inner, reuse_dir)
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines(["*reuse: removed *planted-1.json: not a kept-cluster state*"])
         (reuse_dir / "planted-1.json").write_text(json.dumps(planted))
@@ -552,7 +510,7 @@ def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner:
     starts its own (saying the kept one is in use); each keeps its own; `pdserve stop --all` then leaves no
     process of either, no lease, no state."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     for p in inner.info_dir.glob("*.json"):
         p.unlink()
     inner.pytester.makepyfile(  # a barrier: each holds its cluster until both have one (so both looked meanwhile)
@@ -582,11 +540,11 @@ def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner:
     reused = sorted(i["reused"] or "" for i in inner.infos())
     assert reused == ["", state["id"]], (reused, outs)
     assert any(f"kept cluster {state['id']} is in use by another run" in o for o in outs), outs
-    assert len(_states(reuse_dir)) == 2
+    assert len(states(reuse_dir)) == 2
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     assert live_procs(inner.mark) == {}
     unheld_locks(inner.lease_dir)
-    assert _states(reuse_dir) == []
+    assert states(reuse_dir) == []
 
 
 # --------------------------------------------------------------------------------------- pdserve ls / stop
@@ -684,7 +642,7 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
         out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
         assert out.returncode == 0, out
         assert bystander.poll() is None, "a pid named in a state file was signalled"
-        assert _states(reuse_dir) == []
+        assert states(reuse_dir) == []
     finally:
         bystander.kill()
         bystander.wait(10)
@@ -695,15 +653,15 @@ def test_a_kept_server_pid_that_is_another_process_now_is_not_attached(inner: In
     the live process's). The next run goes by pid *and* start time: it does not attach, says why, and asks the
     keeper to stop that cluster; nothing is signalled by pid."""
     inner.pytester.makepyfile(UP)
-    state = _kept_one(inner, reuse_dir)
+    state = kept_one(inner, reuse_dir)
     [path] = reuse_dir.glob("*.json")
     state["servers"][0]["starttime"] += 1
     path.write_text(json.dumps(state))
-    second = _run(inner, reuse_dir)
+    second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     prefill = state["servers"][0]
     second.stdout.fnmatch_lines(
         [f"*reuse: kept cluster {state['id']} not reused: prefill-0 (pid {prefill['pid']}) is gone; stopping it*"]
     )
     assert [i["reused"] for i in inner.infos()] == [None, None]
-    assert state["id"] not in [s["id"] for s in _states(reuse_dir)]
+    assert state["id"] not in [s["id"] for s in states(reuse_dir)]
