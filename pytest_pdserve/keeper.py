@@ -45,6 +45,7 @@ from typing import Any
 from pytest_pdserve.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
+from pytest_pdserve.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.supervise import start_guard
 
 __all__ = ["STATE_SUFFIX", "gone_server", "is_wanted", "main", "peer_uid_pid"]
@@ -127,6 +128,8 @@ class _Kept:
         groups = [int(s["pgid"]) for s in self.servers]
         tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in self.servers]
         res = terminate(groups, env=tokens, grace=grace, kill_wait=10.0)
+        for server in self.servers:  # their IPC sockets (rpc_dirs.py): the servers are gone
+            remove_rpc_dir(server.get("rpc_dir"))
         gated = self.state.get("release_gate")
         if gated:  # as pytest's own release does (gpu_plan): the next server's memory check must not see these
             pids = {int(s["pid"]) for s in self.servers}

@@ -45,6 +45,7 @@ from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wai
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 from pytest_pdserve.redaction import redact_env
 from pytest_pdserve.reuse import Claim
+from pytest_pdserve.rpc_dirs import RPC_BASE_ENV, make_rpc_dir
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.supervise import start_guard
 from pytest_pdserve.watchdog import Watchdog
@@ -184,7 +185,7 @@ class ClusterLauncher:
                     defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
                     platform_args=setup.platform_args,
                 )  # fmt: skip
-                handles.append(self._server(label, role, index, cmd, ports, model, positions))
+                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
                 assert handles[-1].process is not None
                 processes.append(handles[-1].process)
             # The proxy starts together with the servers (it needs only their URLs), so its own start-up
@@ -228,6 +229,7 @@ class ClusterLauncher:
         ports: ServerPorts,
         model: str,
         positions: Sequence[int],
+        engine: str,
     ) -> ServerHandle:
         """One server's process (not started) and handle; its log starts with the env delta it runs with."""
         log_path = self.log_dir / f"{label}-{cmd.name}.log"
@@ -239,11 +241,16 @@ class ClusterLauncher:
         except OSError as exc:
             raise PDServeError(f"{cmd.name}: cannot write its log {log_path}: {exc.strerror or exc}") from None
         url = f"http://127.0.0.1:{ports.http}"
+        env = child_env(cmd.env)
+        rpc_dir = None
+        if engine == "vllm" and RPC_BASE_ENV not in env:  # its IPC sockets in a directory of its own (rpc_dirs.py)
+            rpc_dir = make_rpc_dir()
+            env[RPC_BASE_ENV] = str(rpc_dir)
         proc = ServerProcess(
-            cmd.name, cmd.argv, child_env(cmd.env), log_path,
+            cmd.name, cmd.argv, env, log_path,
             health_url=f"{url}/health", models_url=f"{url}/v1/models",
             model_id=served_model_name(cmd.argv, model),
-            api_key=self.defaults.api_key, run_token=self.run_token,
+            api_key=self.defaults.api_key, run_token=self.run_token, rpc_dir=rpc_dir,
         )  # fmt: skip
         tokens = tuple(self.inventory.gpus[p].token for p in positions)
         return ServerHandle(role, index, url, self.defaults.api_key, log_path, proc, cmd, ports, tokens)

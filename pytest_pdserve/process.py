@@ -43,6 +43,7 @@ from pytest_pdserve.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.readiness import AuthRefused, ReadinessCheck, readiness_client
 from pytest_pdserve.redaction import redact_argv
+from pytest_pdserve.rpc_dirs import remove_rpc_dir
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -129,12 +130,15 @@ class ServerProcess:
         model_id: str | None = None,
         api_key: str | None = None,
         run_token: str,
+        rpc_dir: Path | None = None,
     ) -> None:
         if isinstance(argv, str) or not argv:
             raise ValueError(f"{name}: argv must be a non-empty list of strings, got {argv!r}")
         if model_id is not None and models_url is None:
             raise ValueError(f"{name}: model_id={model_id!r} needs models_url to check it")
         self.name = name
+        #: The server's own VLLM_RPC_BASE_PATH (rpc_dirs.py), removed once it is stopped; None: not ours to remove.
+        self.rpc_dir = rpc_dir
         self.argv: tuple[str, ...] = tuple(argv)
         self.log_path = Path(log_path)
         self.health_url = health_url
@@ -298,6 +302,7 @@ class ServerProcess:
             return self._stop_report
         t0 = time.monotonic()
         if self._popen is None:
+            remove_rpc_dir(self.rpc_dir)  # made for a server that never started
             self._stop_report = StopReport(self.name, None, None, False, 0.0, False, (), (), 0.0)
             return self._stop_report
         popen = self._popen
@@ -324,6 +329,7 @@ class ServerProcess:
             errors.append(f"pid {popen.pid} not reaped within 10 s of SIGKILL (D state?)")
         for msg in errors:
             log.warning("%s: %s", self.name, msg)
+        remove_rpc_dir(self.rpc_dir)  # its sockets: the processes that bound them are gone
         self._stop_report = StopReport(
             name=self.name,
             pid=popen.pid,

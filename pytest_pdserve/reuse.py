@@ -49,6 +49,7 @@ from pytest_pdserve.logfile import open_append
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
 from pytest_pdserve.redaction import redact_argv, redact_env
+from pytest_pdserve.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.tiny_model import cache_base
 
 if TYPE_CHECKING:
@@ -446,6 +447,8 @@ def _sweep(gone: Sequence[KeptCluster], grace: float) -> None:
     tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for kept in gone for s in kept.servers]
     terminate([], env=tokens, grace=grace, kill_wait=10.0)
     for kept in gone:
+        for server in kept.servers:
+            remove_rpc_dir(server.get("rpc_dir"))
         with contextlib.suppress(OSError):
             kept.path.unlink()
 
@@ -661,6 +664,7 @@ def _server_state(proc: Any, handle: Any, effective: Effective | None = None) ->
         "name": proc.name, "role": handle.role, "index": handle.index, "url": handle.url, "pid": proc.pid,
         "pgid": proc.pgid, "starttime": info.starttime if info is not None else -1, "token": proc.server_token,
         "log_path": str(proc.log_path), "gpus": list(handle.gpus),
+        "rpc_dir": str(proc.rpc_dir) if proc.rpc_dir is not None else None,
         "ports": list(dataclasses.astuple(handle.ports)) if handle.ports is not None else None,
         "argv": redact_argv(command.argv) if command is not None else None,  # an --hf-token's value is a secret
         # The API key stays out of the file (the next run has it in its own settings: the fingerprint matched), and

@@ -6,6 +6,7 @@ The simulator run is the README's first Quickstart command; the vLLM run is the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -66,7 +67,12 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
         out = second.stdout.str()
         assert out.count("reused kept cluster") == 2, "the second run started a cluster of its own"
         assert "starting a fresh cluster" not in out
+        # Each kept vLLM server's IPC sockets live in its own directory (rpc_dirs.py), not loose in /tmp.
+        rpc_dirs = [Path(s["rpc_dir"]) for p in reuse_dir.glob("*.json") for s in json.loads(p.read_text())["servers"]]
+        assert len(rpc_dirs) == 4, rpc_dirs
+        assert all(any(e.is_socket() for e in d.iterdir()) for d in rpc_dirs), rpc_dirs
     finally:
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     wait_for(lambda: not live_procs(mark), 15.0, f"no process left ({live_procs(mark)})")
     unheld_locks(tmp_path / "leases")
+    assert [d for d in rpc_dirs if d.exists()] == [], "a stopped server's IPC socket directory was left"

@@ -15,6 +15,7 @@ import pytest
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
 from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import proc_table
+from pytest_pdserve.rpc_dirs import make_rpc_dir, remove_rpc_dir
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
 
@@ -308,3 +309,28 @@ def test_a_fifo_where_the_server_log_goes_is_refused_not_waited_on(tmp_path: Pat
     with pytest.raises(OSError, match="not a regular file"):
         srv.start()
     assert srv.pid is None  # nothing was spawned
+
+
+def test_a_servers_rpc_dir_goes_when_it_stops_and_nothing_else_does(tmp_path: Path) -> None:
+    # vLLM leaves its ZeroMQ IPC socket files behind (14 in /tmp per 1P x 1D cluster, measured): each server gets
+    # its own directory for them (rpc_dirs.py), removed by whoever stops the server.
+    started, unstarted = make_rpc_dir(), make_rpc_dir()
+    (started / "c540ee7e-717e-440d-a6af-a8f05e06c137").touch()
+    srv = ServerProcess(
+        "decode-0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), tmp_path / "d.log",
+        health_url=None, run_token=new_run_token(), rpc_dir=started,
+    ).start()  # fmt: skip
+    assert started.is_dir()
+    srv.stop(grace=1)
+    assert not started.exists()
+    never = ServerProcess("p-0", ["true"], {}, tmp_path / "p.log", health_url=None, run_token="t", rpc_dir=unstarted)
+    never.stop()
+    assert not unstarted.exists()  # made for a server that never started
+    # A path from a state file is removed only when it is such a directory of ours: never another one, nor a link.
+    other = tmp_path / "pdserve-rpc-not-a-dir"
+    other.write_text("x")
+    link = tmp_path / "pdserve-rpc-link"
+    link.symlink_to(tmp_path)
+    for path in (tmp_path, other, link):
+        remove_rpc_dir(path)
+        assert os.path.lexists(path), path

@@ -260,7 +260,9 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
 
     argv = ("vllm", "serve", "m", "--hf-token", "hf_argv_secret_4444", "--api-key=sk-argv-secret-5555", "--seed", "0")
     command = ServerCommand("prefill", 0, argv, {"HF_TOKEN": "hf_env_secret_6666", "VLLM_API_KEY": "sk-env-7777"})
-    proc = SimpleNamespace(name="prefill-0", pid=os.getpid(), pgid=os.getpgid(0), server_token="t", log_path="x")
+    proc = SimpleNamespace(
+        name="prefill-0", pid=os.getpid(), pgid=os.getpgid(0), server_token="t", log_path="x", rpc_dir=None
+    )
     handle = SimpleNamespace(
         role="prefill", index=0, url="http://127.0.0.1:1", gpus=(), ports=ServerPorts(1, 2, 3), command=command,
         ready_seconds=1.0,

@@ -1,0 +1,41 @@
+"""A private directory per vLLM server for its ZeroMQ IPC sockets, removed when the server stops. [stdlib only]
+
+vLLM's API server and engine core talk over ``ipc://$VLLM_RPC_BASE_PATH/<uuid4>`` sockets, and
+``VLLM_RPC_BASE_PATH`` defaults to the temp directory: each 1P x 1D cluster left 14 socket files in /tmp when
+it stopped (measured on vLLM for CPU 0.32; a process that is killed unlinks nothing), thousands over a day of
+CI. So each vLLM server the plugin starts gets its own short directory in the temp directory (short: a Unix
+socket path has 107 bytes at most, and vLLM's uuid takes 36 of them), and whoever stops the server removes it:
+`ServerProcess.stop`, the reuse keeper, or the next run sweeping a dead keeper's cluster. A ``VLLM_RPC_BASE_PATH``
+the user set is left alone. The keeper imports this module under ``python -I -S``: the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+__all__ = ["RPC_BASE_ENV", "RPC_DIR_PREFIX", "make_rpc_dir", "remove_rpc_dir"]
+
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"
+RPC_DIR_PREFIX = "pdserve-rpc-"
+
+
+def make_rpc_dir() -> Path:
+    """A new private (0700) directory ``<tmp>/pdserve-rpc-XXXXXXXX`` for one server's IPC sockets."""
+    return Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
+
+
+def remove_rpc_dir(path: str | os.PathLike[str] | None) -> None:
+    """Remove a directory :func:`make_rpc_dir` made (once its server is gone); anything else is left alone:
+    another name, a link, or a directory that is not ours (the path comes from a state file too)."""
+    if not path:
+        return
+    target = Path(path)
+    with contextlib.suppress(OSError):
+        st = os.lstat(target)
+        if target.name.startswith(RPC_DIR_PREFIX) and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            shutil.rmtree(target, ignore_errors=True)
