@@ -6,7 +6,9 @@ modules import the fixtures from here (``from _reuse import inner, reuse_dir``),
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from _pdsession import Inner, unheld_locks
 
 from pytest_pdserve import cli, reuse
 
-__all__ = ["UP", "inner", "kept_one", "reuse_dir", "run_reuse", "states", "stop_all", "up_until"]
+__all__ = ["UP", "claimed_run", "inner", "kept_one", "reuse_dir", "run_reuse", "states", "stop_all", "up_until"]
 
 UP = """
 def test_up(pd_cluster, pdinfo):
@@ -39,6 +41,21 @@ def test_up(pd_cluster, pdinfo):
         time.sleep(0.05)
     pd_cluster.complete("hello " * 10, max_tokens=2)
 """
+
+
+@contextlib.contextmanager
+def claimed_run(inner: Inner, reuse_dir: Path) -> Iterator[tuple[dict[str, Any], subprocess.Popen[bytes], Path]]:
+    """Keep a cluster, then start a second reuse run that claims it and waits inside its test: yields the kept
+    state, that run's process and the file that lets its test go on (`up_until`)."""
+    inner.pytester.makepyfile(UP)
+    state = kept_one(inner, reuse_dir)
+    go = inner.pytester.path / "go"
+    inner.pytester.makepyfile(up_until(go))
+    for p in inner.info_dir.glob("*.json"):
+        p.unlink()
+    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
+        assert inner.wait_info()["reused"] == state["id"]
+        yield state, proc, go
 
 
 @pytest.fixture

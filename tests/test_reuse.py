@@ -23,7 +23,7 @@ from typing import Any
 import _reuse
 import pytest
 from _pdsession import Inner, live_procs, unheld_locks, wait_for
-from _reuse import UP, kept_one, run_reuse, states, stop_all, up_until
+from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
 from pytest_pdserve import cli, keeper, reuse
 from pytest_pdserve.engine import resolve_engine
@@ -149,14 +149,7 @@ def test_a_run_killed_while_it_holds_a_kept_cluster_leaves_it_for_the_next(inner
 def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearly(
     inner: Inner, reuse_dir: Path
 ) -> None:
-    inner.pytester.makepyfile(UP)
-    state = kept_one(inner, reuse_dir)
-    go = inner.pytester.path / "go"
-    inner.pytester.makepyfile(up_until(go))
-    for p in inner.info_dir.glob("*.json"):
-        p.unlink()
-    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
-        assert inner.wait_info()["reused"] == state["id"]
+    with claimed_run(inner, reuse_dir) as (state, proc, go):
         os.kill(state["keeper"]["pid"], signal.SIGKILL)  # its guard stops the servers this run is using
         pids = [(s["pid"], s["starttime"]) for s in state["servers"]]
         wait_for(lambda: not any(alive_as(*p) for p in pids), 10.0, "kept servers stopped by the keeper's guard")

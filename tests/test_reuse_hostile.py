@@ -22,7 +22,7 @@ from pathlib import Path
 import _reuse
 import pytest
 from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
-from _reuse import UP, kept_one, run_reuse, states, up_until
+from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli, reuse
 from pytest_pdserve.proctree import alive_as, read_stat
@@ -397,14 +397,7 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
 ) -> None:
     """`pdserve stop --all` is obeyed even while a run has the cluster claimed: nothing is left (no process, no
     lease, no state), and the run using it fails saying its servers stopped, not with a hang or a traceback."""
-    inner.pytester.makepyfile(UP)
-    state = kept_one(inner, reuse_dir)
-    go = inner.pytester.path / "go"
-    inner.pytester.makepyfile(up_until(go))
-    for p in inner.info_dir.glob("*.json"):
-        p.unlink()
-    with inner.popen("--pd-reuse", f"--pd-reuse-dir={reuse_dir}") as proc:
-        assert inner.wait_info()["reused"] == state["id"]
+    with claimed_run(inner, reuse_dir) as (state, proc, go):
         out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
         assert out.returncode == 0, out
         assert out.stdout.strip() == f"stopped {state['id']}", out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 
@@ -17,6 +18,14 @@ def _client(dev_mode: bool) -> tuple[Engine, httpx.AsyncClient]:
     return e, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(AppState(engine=e))), base_url="http://s")
 
 
+async def _warm(e: Engine, client: httpx.AsyncClient) -> tuple[dict[str, Any], Any]:
+    """The same 40-token prompt twice: the second hits two 16-token blocks. Returns it and the hits counter."""
+    body: dict[str, Any] = {"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}
+    for _ in range(2):
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+    return body, e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
+
+
 def test_sleep_routes_exist_only_in_dev_mode() -> None:
     async def run() -> None:
         _, client = _client(dev_mode=False)
@@ -29,10 +38,7 @@ def test_sleep_routes_exist_only_in_dev_mode() -> None:
 def test_sleep_pauses_requests_until_wake_up_and_drops_the_cache() -> None:
     async def run() -> None:
         e, client = _client(dev_mode=True)
-        body = {"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}
-        hits = e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
-        for _ in range(2):
-            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        body, hits = await _warm(e, client)
         assert hits._value.get() == 32  # warm: two 16-token blocks
         bad = await client.post("/sleep", params={"level": "3"})  # vLLM's 400 for a query FastAPI refused
         assert (bad.status_code, bad.json()["error"]["param"]) == (400, "query.level")
@@ -59,10 +65,7 @@ def test_pause_queues_requests_until_resume_and_sleep_pauses_too() -> None:
 
     async def run() -> None:
         e, client = _client(dev_mode=True)
-        body = {"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}
-        hits = e.metrics.prefix_cache_hits.labels(**e.metrics.labels)
-        for _ in range(2):
-            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        body, hits = await _warm(e, client)
         assert hits._value.get() == 32
         assert (await client.post("/pause", params={"clear_cache": "false"})).json() == {"status": "paused"}
         assert (await client.get("/is_paused")).json() == {"is_paused": True}
