@@ -85,9 +85,25 @@ pack a vLLM that pins $have (scripts/lock-vllm-cuda.sh refuses the others)"
     >"$venv/bin/vllm"
   chmod +x "$venv/bin/vllm"
   say "unpacked $(manifest_value unpacked_mb) MB in $((SECONDS - t0)) s"
-  # The plugin, offline: the image has setuptools; vLLM's pack brings starlette/uvicorn/httptools/sniffio.
-  "$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e "$repo" >"$stage/pip.log" 2>&1 \
-    || { tail -20 "$stage/pip.log"; die 5 "installing the plugin failed"; }
+  # The plugin, offline (vLLM's pack brings its starlette/uvicorn/httptools/sniffio; the image has the rest).
+  # pip needs setuptools >= 77 for pyproject's license expression; an image with an older one gets what an
+  # editable install writes: the checkout on sys.path and the plugin's entry points.
+  if ! "$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e "$repo" >"$stage/pip.log" 2>&1; then
+    say "pip could not install the checkout ($(grep -m1 -oE '[A-Za-z]+Error: .{0,80}' "$stage/pip.log" || echo see $stage/pip.log)); writing its entry points by hand"
+    local version dist
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -1)
+    dist=$site/pytest_pdserve-$version.dist-info
+    mkdir -p "$dist"
+    echo "$repo" >"$site/pytest_pdserve_checkout.pth"
+    printf 'Metadata-Version: 2.1\nName: pytest-pdserve\nVersion: %s\n' "$version" >"$dist/METADATA"
+    printf '[pytest11]\npdserve = pytest_pdserve.plugin\n\n[console_scripts]\npdserve = pytest_pdserve.cli:main\npdserve-sim = pytest_pdserve.sim.__main__:main\n' \
+      >"$dist/entry_points.txt"
+    printf 'installer\n' >"$dist/INSTALLER"; : >"$dist/RECORD"
+    for pair in pdserve:pytest_pdserve.cli pdserve-sim:pytest_pdserve.sim.__main__; do
+      printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$venv/bin/python" "${pair#*:}" >"$venv/bin/${pair%%:*}"
+      chmod +x "$venv/bin/${pair%%:*}"
+    done
+  fi
   "$venv/bin/python" -c 'import vllm, pytest_pdserve, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' \
     || die 5 "the installed venv cannot import vllm"
   cp "$stage/MANIFEST" "$stage/installed"

@@ -276,3 +276,17 @@ def test_auto_preset_is_picked_from_the_module_names() -> None:
     assert presets.auto_preset(["tests/test_other.py"]) is None
     with pytest.raises(ClusterSpecError, match="need different presets"):
         presets.auto_preset(["test_edge_cases.py", "test_mamba_prefix_cache.py"])
+
+
+def test_multi_connector_edge_case_preset_keeps_the_scripts_token_capacity_on_the_tiny_model() -> None:
+    """The script's 256 MiB are ~2,340 tokens of Qwen3-0.6B but ~500,000 of the tiny model: on real vLLM with the
+    tiny model the preset sizes the KV cache in tokens, so the module's eviction test can evict (issue 24)."""
+    tiny = presets.resolve("vllm-multi-connector-edge-case", environ={}, engine="vllm", platform="cuda")
+    memory = int(tiny.spec.extra_args[1])
+    assert memory == 19 * 128 * presets.TINY_MODEL_KV_BYTES_PER_TOKEN  # 2,340 tokens in whole 128-token blocks
+    assert memory // presets.TINY_MODEL_KV_BYTES_PER_TOKEN >= tiny.spec.max_model_len  # vLLM's start check
+    assert any("KV cache 2490368 bytes instead of the script's 268435456" in n for n in tiny.notes)
+    for env in ({"KV_CACHE_MEMORY_BYTES": "268435456"}, {"MODEL_NAMES": "Qwen/Qwen3-0.6B"}):
+        kept = presets.resolve("vllm-multi-connector-edge-case", environ=env, engine="vllm", platform="cuda")
+        assert kept.spec.extra_args == ("--kv-cache-memory-bytes", "268435456"), env
+        assert not kept.notes
