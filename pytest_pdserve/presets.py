@@ -198,9 +198,22 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 2048), kv_connector="MultiConnector",
         kv_connector_extra_config=json.dumps(multi_connector_config(2147483648, _buffer_device(engine, platform))),
         extra_args=("--kv-cache-memory-bytes", str(memory)),
-        env=_env({"VLLM_KV_CACHE_LAYOUT": "LBHNC", "UCX_NET_DEVICES": "all"}),
+        env=_env({"VLLM_KV_CACHE_LAYOUT": _layout(environ, notes), "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
+
+
+def _layout(environ: Mapping[str, str], notes: list[str]) -> str:
+    """The MultiConnector scripts' ``VLLM_KV_CACHE_LAYOUT`` (LBHNC since vLLM 0.32), or the caller's.
+
+    vLLM 0.26.0 knows only NHD and HND (its engine refuses LBHNC at start: "Invalid value 'LBHNC' for
+    VLLM_KV_CACHE_LAYOUT. Valid options: ['NHD', 'HND']", measured on an H200) and its own script sets HND, so
+    an older vLLM's CI sets ``VLLM_KV_CACHE_LAYOUT=HND`` as it would for the script.
+    """
+    given = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip()
+    if given:
+        notes.append(f"KV cache layout {given} from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC")
+    return given or "LBHNC"
 
 
 def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
@@ -209,7 +222,7 @@ def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> P
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     device = environ.get("KV_BUFFER_DEVICE", "").strip() or "cuda"
     nixl_extra = _buffer_device(engine, platform) or ({} if device == "cuda" else {"kv_buffer_device": device})
-    layout = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip() or "LBHNC"
+    layout = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip() or "LBHNC"  # the accuracy script reads it too
     model = _model(environ, "MODEL_NAMES")
     spec = ClusterSpec(
         name="vllm-multi-connector-accuracy", model=model, block_size=block,

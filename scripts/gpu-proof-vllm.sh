@@ -82,8 +82,13 @@ for s in $suites; do
     examples) where=$repo run_suite examples examples "${common[@]}" ;;
     contract) where=$repo run_suite contract tests/test_contract.py "${base[@]}" ;;
     edge) module_suite edge test_edge_cases.py vllm-edge-case ;;
-    mamba) module_suite mamba test_mamba_prefix_cache.py vllm-mamba-prefix-cache ;;
-    multi) module_suite multi test_multi_connector_edge_cases.py vllm-multi-connector-edge-case ;;
+    # The script's FLASHINFER is not packed (its JIT needs minutes of nvcc per kernel), and its 0.8 memory fraction
+    # twice does not fit one GPU: the CI variables the script honours set both, as a CI job would.
+    mamba) ATTENTION_BACKEND=FLASH_ATTN GPU_MEMORY_UTILIZATION=0.4 \
+             module_suite mamba test_mamba_prefix_cache.py vllm-mamba-prefix-cache ;;
+    # vLLM before 0.32 has no cross-layer layouts: its own script sets HND (presets._layout says why).
+    multi) layout=$("$py" -c 'import vllm, sys; v = tuple(int(x) for x in vllm.__version__.split(".")[:2]); print("HND" if v < (0, 32) else "")')
+           VLLM_KV_CACHE_LAYOUT=$layout module_suite multi test_multi_connector_edge_cases.py vllm-multi-connector-edge-case ;;
     determinism)
       for backend in FLASH_ATTN TRITON_ATTN; do
         where=$repo ATTENTION_BACKEND=$backend run_suite "determinism-$backend" tests/gpu/vllm/test_determinism_matrix.py \

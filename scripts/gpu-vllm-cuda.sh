@@ -58,8 +58,17 @@ stage_parts() {
   say "all $total parts staged in $stage/parts"
 }
 
+launcher() {  # NAME MODULE: a console script for the venv's python, as pip writes one
+  # The __main__ guard matters: vLLM starts its engine core with multiprocessing's spawn, which imports the
+  # parent's __main__ again; without the guard the child runs `vllm serve` once more and dies at bootstrap.
+  printf '#!%s\nimport sys\nfrom %s import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
+    "$venv/bin/python" "$2" >"$venv/bin/$1"
+  chmod +x "$venv/bin/$1"
+}
+
 install() {
   if [ -f "$stage/installed" ] && [ -x "$venv/bin/vllm" ] && cmp -s "$stage/installed" "$stage/MANIFEST"; then
+    launcher vllm vllm.entrypoints.cli.main
     say "already installed: $venv/bin/vllm"; return 0
   fi
   stage_parts || die 3 "cannot install before every part is staged"
@@ -81,9 +90,7 @@ pack a vLLM that pins $have (scripts/lock-vllm-cuda.sh refuses the others)"
   cat "$stage/parts"/vllm-cuda.tar.xz.part* | xz -dc -T0 | tar -x -C "$site" || die 5 "unpacking failed"
   # pip --target wrote console scripts for the packing machine's python: ours point at the venv's.
   rm -rf "$site/bin"
-  printf '#!%s\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' "$venv/bin/python" \
-    >"$venv/bin/vllm"
-  chmod +x "$venv/bin/vllm"
+  launcher vllm vllm.entrypoints.cli.main
   say "unpacked $(manifest_value unpacked_mb) MB in $((SECONDS - t0)) s"
   # The plugin, offline (vLLM's pack brings its starlette/uvicorn/httptools/sniffio; the image has the rest).
   # pip needs setuptools >= 77 for pyproject's license expression; an image with an older one gets what an
@@ -99,10 +106,8 @@ pack a vLLM that pins $have (scripts/lock-vllm-cuda.sh refuses the others)"
     printf '[pytest11]\npdserve = pytest_pdserve.plugin\n\n[console_scripts]\npdserve = pytest_pdserve.cli:main\npdserve-sim = pytest_pdserve.sim.__main__:main\n' \
       >"$dist/entry_points.txt"
     printf 'installer\n' >"$dist/INSTALLER"; : >"$dist/RECORD"
-    for pair in pdserve:pytest_pdserve.cli pdserve-sim:pytest_pdserve.sim.__main__; do
-      printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$venv/bin/python" "${pair#*:}" >"$venv/bin/${pair%%:*}"
-      chmod +x "$venv/bin/${pair%%:*}"
-    done
+    launcher pdserve pytest_pdserve.cli
+    launcher pdserve-sim pytest_pdserve.sim.__main__
   fi
   "$venv/bin/python" -c 'import vllm, pytest_pdserve, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' \
     || die 5 "the installed venv cannot import vllm"

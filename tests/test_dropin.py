@@ -290,3 +290,13 @@ def test_multi_connector_edge_case_preset_keeps_the_scripts_token_capacity_on_th
         kept = presets.resolve("vllm-multi-connector-edge-case", environ=env, engine="vllm", platform="cuda")
         assert kept.spec.extra_args == ("--kv-cache-memory-bytes", "268435456"), env
         assert not kept.notes
+
+
+def test_multi_connector_edge_case_preset_takes_the_callers_kv_cache_layout() -> None:
+    """vLLM 0.26 refuses the 0.32+ scripts' LBHNC at engine start (measured on an H200); its CI sets HND."""
+    assert dict(presets.resolve("vllm-multi-connector-edge-case", environ={}).spec.env)["VLLM_KV_CACHE_LAYOUT"] == (
+        "LBHNC"
+    )
+    older = presets.resolve("vllm-multi-connector-edge-case", environ={"VLLM_KV_CACHE_LAYOUT": "HND"})
+    assert dict(older.spec.env)["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert "KV cache layout HND from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC" in older.notes
