@@ -138,7 +138,7 @@ def _backend_from_log(text: str) -> str | None:
     """The attention layers' backend the start-up log names (a hybrid model's state-space backends left out)."""
     for pattern in _BACKEND_LOG:
         for found in pattern.finditer(text):
-            names = [n for n in re.findall(r"[A-Z][A-Z0-9_]+", found.group(1)) if n not in STATE_SPACE_BACKENDS]
+            names = [str(n) for n in re.findall(r"[A-Z][A-Z0-9_]+", found.group(1)) if n not in STATE_SPACE_BACKENDS]
             if names:
                 return names[0]
     return None
