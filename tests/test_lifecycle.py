@@ -48,8 +48,8 @@ def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
     assert p["ready_seconds"] >= 2
     assert d["ready_seconds"] >= 2
     # Spawned one right after the other: in series the second spawn would wait for the first's >= 2 s startup.
-    # (Relative bounds: a loaded machine slows the spawns and the startups alike; tens of ms measured apart.)
-    assert abs(d["started_at"] - p["started_at"]) < min(p["ready_seconds"], d["ready_seconds"]) / 2, (p, d)
+    # (Relative to the startups, which a loaded machine slows as much: 0.018 s apart at load 13, 3 s startups.)
+    assert abs(d["started_at"] - p["started_at"]) < min(p["ready_seconds"], d["ready_seconds"]) / 4, (p, d)
     print(
         f"spawned {abs(d['started_at'] - p['started_at']):.3f}s apart; cluster up in {info['started_seconds']:.2f}s,"
         f" P and D ready in {p['ready_seconds']:.2f}s and {d['ready_seconds']:.2f}s"
