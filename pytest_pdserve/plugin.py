@@ -115,6 +115,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [redact(line) for line in lines]  # URL passwords, the API key
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """``--pd-export-env``: a vLLM module that cannot import openai & co. names the extra that installs them
+    (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text)."""
+    report = yield
+    export_env.name_missing_extra(collector.config, report)
+    return report
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip items whose ``cuda``/``rocm``/``gpus``/``distributed`` markers cannot be met."""
     apply_skips(config, items)
