@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's static checks, exactly as .pre-commit-config.yaml and tox's lint/type envs run them: ruff check,
+# The project's static checks, exactly as .pre-commit-config.yaml and `tox -e lint` run them: ruff check,
 # ruff format --check, mypy (strict; files and flags in pyproject's [tool.mypy]). Versions are the venv's, which
 # pyproject's `test` extra installs, so a hook, tox and CI cannot disagree on the rules.
 #
