@@ -16,17 +16,18 @@ import contextlib
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_pdserve import owned_flags
 from pytest_pdserve.connector import parse_kv_connector_config
 from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
 from pytest_pdserve.session_inventory import get_inventory
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.spec import ClusterSpec
 
 if TYPE_CHECKING:
@@ -56,6 +57,32 @@ class Exported:
 EXPORTED = pytest.StashKey[Exported]()
 
 
+def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterSpec, list[str]]:
+    """The preset's values as defaults the user's own settings override, as the scripts do: they append
+    ``"${EXTRA_ARGS[@]}"`` last, so CI's ``VLLM_SERVE_EXTRA_ARGS`` (and ``ATTENTION_BACKEND``) beat their fixed
+    flags. A session setting given explicitly, or a ``once`` flag (``--max-model-len``, ...) in the session's extra
+    args, clears the preset's field; each override is returned as a report-header note. Two of the user's own
+    sources that disagree are still refused, by `effective.effective` (``--max-model-len is given twice``).
+    """
+    cleared: dict[str, None] = {}
+    notes = []
+    for name in _SESSION_WINS:
+        if cfg.sources.get(name, "default") != "default" and getattr(preset, name) is not None:
+            cleared[name] = None
+            notes.append(f"{name} {getattr(cfg, name)!r} from {short_source(cfg.sources[name])} overrides the "
+                         f"preset's {getattr(preset, name)!r}")  # fmt: skip
+    source = short_source(cfg.sources.get("vllm_serve_extra_args", "VLLM_SERVE_EXTRA_ARGS"))
+    for hit in owned_flags.match(cfg.vllm_serve_extra_args):
+        field_name = hit.owned.spec_field
+        if hit.owned.policy != "once" or field_name is None or field_name in cleared:
+            continue
+        if getattr(preset, field_name) != getattr(ClusterSpec(), field_name):
+            cleared[field_name] = None
+            notes.append(f"{hit.shown!r} from {source} overrides the preset's {field_name}="
+                         f"{getattr(preset, field_name)!r}")  # fmt: skip
+    return preset.with_(**cleared), notes
+
+
 def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
     """The session cluster's spec: ``--pd-preset`` (if any), explicit session settings over it, then the
     session connector (``--pd-kv-connector-config``). ``pd_cluster`` and ``--pd-export-env`` both use it."""
@@ -65,7 +92,8 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     name = auto_preset(config.args) if cfg.preset == "auto" else cfg.preset
     if name is not None:
         result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
-        spec = result.spec.with_(**{f: None for f in _SESSION_WINS if cfg.sources.get(f, "default") != "default"})
+        spec, overridden = _user_over_preset(result.spec, cfg)
+        result = replace(result, notes=(*result.notes, *overridden))
     if cfg.kv_connector_config is not None:
         spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
     return spec, result
