@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from pytest_pdserve import cpu
+from pytest_pdserve.rlimits import raise_nofile_limit
 from pytest_pdserve.sim import faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
@@ -108,6 +109,7 @@ def _load_gpu() -> tuple[dict[str, Any], Any]:
 def serve(args: ServeArgs, env: SimEnv) -> int:
     """Run the simulator until shutdown; returns the process exit status."""
     configure_logging()
+    raise_nofile_limit()  # as vLLM's set_ulimit does at start
     faults.install_default_signal_behaviour(env.ignore_sigterm)
     logger.info("vLLM API server version %s (pdserve-sim)", env.vllm_version)
     logger.info("non-default args: %s", dict(args.non_default))
