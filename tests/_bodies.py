@@ -91,7 +91,12 @@ def answer(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, 
     response = client.post(route, json=body)
     record: dict[str, Any] = {"status": response.status_code}
     if response.status_code != 200:
-        err = response.json().get("error", {})
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"error": {"message": response.text[:300]}}
+        err = data.get("error", {}) if isinstance(data, dict) else {}
+        err = err if isinstance(err, dict) else {"message": str(err)}  # the API key middleware: {"error": "..."}
         record.update(type=err.get("type"), param=err.get("param"), message=err.get("message"))
     return record
 
@@ -110,3 +115,37 @@ def compared(record: dict[str, Any]) -> dict[str, Any]:
     if several or "ValidatorIterator" in message:
         del keep["message"]
     return keep
+
+
+#: The fields generated bodies mistype: every field the simulator reads, and common ones it passes through.
+FIELDS = {
+    COMPLETIONS: ("model", "prompt", "max_tokens", "temperature", "seed", "n", "stream", "stream_options", "logprobs",
+                  "echo", "ignore_eos", "return_token_ids", "cache_salt", "kv_transfer_params", "top_p", "top_k",
+                  "stop", "min_tokens", "add_special_tokens", "priority"),
+    CHAT: ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "n", "stream",
+           "stream_options", "logprobs", "top_logprobs", "ignore_eos", "return_token_ids", "cache_salt",
+           "kv_transfer_params", "top_p", "stop"),
+}  # fmt: skip
+
+
+def body_strategy() -> Any:
+    """Hypothesis strategy of ``(route, over)``: a valid body with one to three fields given JSON values of any
+    type (numbers as strings, floats with fractions, nested lists and objects, ...), as a client may mistype them."""
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-2, 40, allow_nan=False)
+               | st.sampled_from(["", "5", "0.5", "yes", "x", "true", "-1", "text"]))  # fmt: skip
+    values = st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(["include_usage", "role", "content", "type", "text", "a"]), inner, max_size=3
+            )
+        ),
+        max_leaves=6,
+    )
+    route = st.sampled_from([COMPLETIONS, CHAT])
+    return route.flatmap(
+        lambda r: st.tuples(st.just(r), st.dictionaries(st.sampled_from(FIELDS[r]), values, min_size=1, max_size=3))
+    )

