@@ -76,6 +76,22 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     (CHAT, {"top_logprobs": 3}),
     (CHAT, {"logprobs": True, "top_logprobs": 21}),
     (COMPLETIONS, {"stream_options": {"include_usage": True}}),
+    # Found by scripts/differential-bodies.py (the generated sweep), each a difference fixed in the simulator:
+    (COMPLETIONS, {"n": None}),
+    (COMPLETIONS, {"kv_transfer_params": [], "echo": []}),
+    (COMPLETIONS, {"cache_salt": [None], "prompt": None}),
+    (COMPLETIONS, {"cache_salt": 5, "logprobs": ["x"]}),
+    (CHAT, {"cache_salt": 5, "stream_options": [-1]}),
+    (CHAT, {"messages": -2.0}),
+    (CHAT, {"messages": False, "model": [[None]]}),
+    (COMPLETIONS, {"min_tokens": "-1"}),
+    (COMPLETIONS, {"min_tokens": 20}),
+    (COMPLETIONS, {"temperature": 31}),
+    (COMPLETIONS, {"top_p": 0}),
+    (CHAT, {"model": ""}),
+    (CHAT, {"n": False}),
+    (COMPLETIONS, {"prompt": [[]]}),
+    (COMPLETIONS, {"prompt": [[], []]}),
 ]
 
 
