@@ -324,7 +324,7 @@ def module_lines(config: pytest.Config) -> list[str]:
     exported = config.stash.get(EXPORTED, None)
     if exported is None or not exported.moved:
         return []
-    lines = [f"pdserve: KV moved prefill -> decode in {m}: external_kv_transfer {t:g} tokens, NIXL {b:g} bytes"
+    lines = [f"pdserve: KV moved prefill -> decode in {m}: external_kv_transfer {t:.0f} tokens, NIXL {b:.0f} bytes"
              for m, (t, b) in sorted(exported.moved.items())]  # fmt: skip
     vacuous = vacuous_modules(config)
     if vacuous:
