@@ -165,6 +165,8 @@ def build_server_command(
     env["VLLM_HOST_IP"] = host
     # Dev mode exposes POST /reset_prefix_cache, which the cold-vs-warm determinism check needs.
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if engine.name == "sim":
+        env["PDSERVE_SIM_PLATFORM"] = defaults.platform  # the simulator follows the session's platform rules
     env.update(spec.env)  # ClusterSpec refuses the variables set above that it may not replace (owned_flags)
     env.update(spec.prefill_env if role == "prefill" else spec.decode_env)
     # None removes an inherited key: a server must require a key exactly when the clients know it.

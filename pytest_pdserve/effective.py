@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from pytest_pdserve import owned_flags
+from pytest_pdserve import cpu, owned_flags
+from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
 
 __all__ = ["Effective", "SessionDefaults", "effective"]
@@ -36,6 +37,8 @@ class SessionDefaults:
     platform: str = "cpu"
     #: Where ``vllm_serve_extra_args`` came from, for errors (``VLLM_SERVE_EXTRA_ARGS (env)``).
     extra_args_source: str = "VLLM_SERVE_EXTRA_ARGS / --vllm-serve-extra-args / ini pdserve_vllm_serve_extra_args"
+    #: Where ``attention_backend`` came from, for errors (``ATTENTION_BACKEND (env)``).
+    attention_backend_source: str = "ATTENTION_BACKEND / --attention-backend / ini pdserve_attention_backend"
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,36 @@ class Effective:
         return self.prefill_extra_args if role == "prefill" else self.decode_extra_args
 
 
+def _check_backend_runs(backend: str | None, spec: ClusterSpec, session: SessionDefaults) -> None:
+    """Refuse, before anything starts, a backend the platform would silently replace (issue 26): vLLM for CPU runs
+    CPU_ATTN whatever it is asked and only the effective-config check after a full start would notice.
+    The simulator follows the same rule (pytest_pdserve.cpu), so this holds for both engines.
+
+    :raises ClusterSpecError: naming the backend, where it came from and what runs instead.
+    """
+    if session.platform != "cpu" or backend is None or backend.strip().lower() == "auto":
+        return
+    from pytest_pdserve.sim.cli import ATTENTION_BACKENDS  # vLLM's AttentionBackendEnum names
+
+    running = cpu.running_attention_backend(backend)
+    if backend.strip().upper() == running or backend.strip().upper() not in ATTENTION_BACKENDS:
+        return  # an unknown name is the server's to refuse, in vLLM's words ("Unknown attention backend")
+    where = "ClusterSpec.attention_backend" if spec.attention_backend is not None else session.attention_backend_source
+    raise ClusterSpecError(
+        f"attention backend {backend} (from {where}) does not run on the cpu platform: vLLM for CPU runs {running} "
+        f"whatever it is asked, so the cluster would start and then fail the effective-config check. Use "
+        f"{running} or auto here, or run this on a GPU platform (--pd-simulate-gpus=cuda:N for the simulator)"
+    )
+
+
 def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
     """Merge *spec* with *session*.
 
     :raises OwnedFlagError: a ``once`` owned flag reaches one server from two places.
+    :raises ClusterSpecError: an attention backend the platform would replace (:func:`_check_backend_runs`).
     """
     backend = spec.attention_backend if spec.attention_backend is not None else session.attention_backend
+    _check_backend_runs(backend, spec, session)
     block_size = spec.block_size if spec.block_size is not None else session.block_size
     util = spec.gpu_memory_utilization if spec.gpu_memory_utilization is not None else session.gpu_memory_utilization
     max_len = spec.max_model_len if spec.max_model_len is not None else session.max_model_len

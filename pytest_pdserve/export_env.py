@@ -19,17 +19,19 @@ import os
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_pdserve import owned_flags
 from pytest_pdserve.connector import parse_kv_connector_config
+from pytest_pdserve.metrics import NIXL_BYTES_SUM
 from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
 from pytest_pdserve.session_inventory import get_inventory
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig
+from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.spec import ClusterSpec
 
 if TYPE_CHECKING:
@@ -54,6 +56,12 @@ class Exported:
     saved: dict[str, str | None] = field(default_factory=dict)
     baseline: dict[str, MetricsSnapshot] = field(default_factory=dict)
     preset: str | None = None
+    #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
+    moved: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: The running module and its decode servers' metrics when it began.
+    module_start: tuple[str, dict[str, MetricsSnapshot]] | None = None
+    #: Modules with at least one passed test (only those must have moved KV).
+    passed: set[str] = field(default_factory=set)
 
 
 EXPORTED = pytest.StashKey[Exported]()
@@ -68,6 +76,32 @@ _OUTSIDE_EXTRA = {"lm_eval": "pip install 'lm_eval[api]' (it also downloads the 
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
+def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterSpec, list[str]]:
+    """The preset's values as defaults the user's own settings override, as the scripts do: they append
+    ``"${EXTRA_ARGS[@]}"`` last, so CI's ``VLLM_SERVE_EXTRA_ARGS`` (and ``ATTENTION_BACKEND``) beat their fixed
+    flags. A session setting given explicitly, or a ``once`` flag (``--max-model-len``, ...) in the session's extra
+    args, clears the preset's field; each override is returned as a report-header note. Two of the user's own
+    sources that disagree are still refused, by `effective.effective` (``--max-model-len is given twice``).
+    """
+    cleared: dict[str, None] = {}
+    notes = []
+    for name in _SESSION_WINS:
+        if cfg.sources.get(name, "default") != "default" and getattr(preset, name) is not None:
+            cleared[name] = None
+            notes.append(f"{name} {getattr(cfg, name)!r} from {short_source(cfg.sources[name])} overrides the "
+                         f"preset's {getattr(preset, name)!r}")  # fmt: skip
+    source = short_source(cfg.sources.get("vllm_serve_extra_args", "VLLM_SERVE_EXTRA_ARGS"))
+    for hit in owned_flags.match(cfg.vllm_serve_extra_args):
+        field_name = hit.owned.spec_field
+        if hit.owned.policy != "once" or field_name is None or field_name in cleared:
+            continue
+        if getattr(preset, field_name) != getattr(ClusterSpec(), field_name):
+            cleared[field_name] = None
+            notes.append(f"{hit.shown!r} from {source} overrides the preset's {field_name}="
+                         f"{getattr(preset, field_name)!r}")  # fmt: skip
+    return preset.with_(**cleared), notes
+
+
 def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
     """The session cluster's spec: ``--pd-preset`` (if any), explicit session settings over it, then the
     session connector (``--pd-kv-connector-config``). ``pd_cluster`` and ``--pd-export-env`` both use it."""
@@ -77,7 +111,8 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     name = auto_preset(config.args) if cfg.preset == "auto" else cfg.preset
     if name is not None:
         result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
-        spec = result.spec.with_(**{f: None for f in _SESSION_WINS if cfg.sources.get(f, "default") != "default"})
+        spec, overridden = _user_over_preset(result.spec, cfg)
+        result = replace(result, notes=(*result.notes, *overridden))
     if cfg.kv_connector_config is not None:
         spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
     return spec, result
@@ -268,3 +303,86 @@ def summary_lines(config: pytest.Config) -> list[str]:
 def _get(delta: MetricsDelta, name: str, **labels: str) -> float:
     value = delta.get(name, **labels)
     return 0.0 if value is None else value
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> tuple[float, float] | None:
+    """Decode's external_kv_transfer tokens and NIXL bytes since ``start`` (None: metrics unreadable)."""
+    tokens = nixl = 0.0
+    try:
+        for server in cluster.decode:
+            delta = server.metrics() - start[server.name]
+            tokens += _get(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+            nixl += _get(delta, NIXL_BYTES_SUM)
+    except Exception:  # a report, never a failure of its own (a dead server is reported elsewhere)
+        return None
+    return tokens, nixl
+
+
+def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.Item | None, starting: bool) -> None:
+    """Around each test (``pytest_runtest_protocol``): snapshot decode's metrics when a module starts, and when it
+    ends record the KV it moved from prefill to decode (issue 26: vLLM's test_edge_cases primes decode directly,
+    so its prefix-cache hits stay the same through a proxy that never calls prefill; only these drop to 0)."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None or exported.cluster is None:
+        return
+    module = _module_of(item.nodeid)
+    if starting:
+        if exported.module_start is None or exported.module_start[0] != module:
+            try:
+                exported.module_start = (module, {s.name: s.metrics() for s in exported.cluster.decode})
+            except Exception:  # a report, never a failure of its own
+                exported.module_start = None
+        return
+    if nextitem is not None and _module_of(nextitem.nodeid) == module:
+        return
+    if exported.module_start is not None and exported.module_start[0] == module:
+        moved = _decode_moved(exported.cluster, exported.module_start[1])
+        if moved is not None:
+            exported.moved[module] = moved
+    exported.module_start = None
+
+
+def test_passed(config: pytest.Config, report: pytest.TestReport) -> None:
+    """``pytest_runtest_logreport``: remember the modules with a passed test."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is not None and report.when == "call" and report.passed:
+        exported.passed.add(_module_of(report.nodeid))
+
+
+def require_kv_transfer(config: pytest.Config) -> bool:
+    """``--pd-require-kv-transfer``, else on exactly when a preset is in use (the presets stand for P/D scripts)."""
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    if cfg.sources.get("require_kv_transfer", "default") != "default":
+        return cfg.require_kv_transfer
+    exported = config.stash.get(EXPORTED, None)
+    return exported is not None and exported.preset is not None
+
+
+def vacuous_modules(config: pytest.Config) -> list[str]:
+    """Modules that passed a test and moved no KV from prefill to decode."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None:
+        return []
+    return sorted(m for m, (tokens, nixl) in exported.moved.items() if m in exported.passed and not tokens and
+                  not nixl)  # fmt: skip
+
+
+def module_lines(config: pytest.Config) -> list[str]:
+    """Terminal-summary lines: the KV each module moved from prefill to decode, and what requiring it did."""
+    exported = config.stash.get(EXPORTED, None)
+    if exported is None or not exported.moved:
+        return []
+    lines = [f"pdserve: KV moved prefill -> decode in {m}: external_kv_transfer {t:.0f} tokens, NIXL {b:.0f} bytes"
+             for m, (t, b) in sorted(exported.moved.items())]  # fmt: skip
+    vacuous = vacuous_modules(config)
+    if vacuous:
+        why = ("failing the session (--pd-require-kv-transfer"
+               + (", on under --pd-preset)" if exported.preset else ")"))  # fmt: skip
+        tail = why if require_kv_transfer(config) else "(--pd-require-kv-transfer fails the session for this)"
+        lines.append(f"pdserve: no KV moved from prefill to decode in {', '.join(vacuous)}: the P/D path was not "
+                     f"exercised (a proxy that never calls prefill passes this way); {tail}")  # fmt: skip
+    return lines

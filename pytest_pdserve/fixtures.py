@@ -161,6 +161,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         api_key=cfg.api_key,
         platform=inventory.platform,
         extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
+        attention_backend_source=short_source(cfg.sources["attention_backend"]),
     )
     kept = reuse_options(config)
     # The servers' scratch (vLLM's cache root) is part of their environment: a reuse run's must not move.

@@ -147,10 +147,33 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """Attach what each server and the proxy logged during a failed test as report sections."""
+    """Attach what each server and the proxy logged during a failed test as report sections; note passed modules
+    for ``--pd-require-kv-transfer``."""
     report = yield
     logs.attach_sections(item, report)
+    export_env.test_passed(item.config, report)
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """With ``--pd-export-env``: the KV each test module moved from prefill to decode (export_env.module_boundary)."""
+    export_env.module_boundary(item.config, item, nextitem, starting=True)
+    try:
+        return (yield)
+    finally:
+        export_env.module_boundary(item.config, item, nextitem, starting=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """``--pd-require-kv-transfer`` (on under ``--pd-preset``): a module that passed without moving KV from prefill
+    to decode fails the session (the terminal summary names it)."""
+    config = session.config
+    if PDSERVE_CONFIG not in config.stash or session.exitstatus != pytest.ExitCode.OK:
+        return
+    if export_env.require_kv_transfer(config) and export_env.vacuous_modules(config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -165,6 +188,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line(f"pdserve: reused {names}: {saved:.1f}s of cluster starts saved (--pd-reuse)")
     for line in export_env.summary_lines(config):
         terminalreporter.write_line(line)
+    for line in export_env.module_lines(config):
+        terminalreporter.write_line(line, red="no KV moved" in line and export_env.require_kv_transfer(config))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -335,9 +335,10 @@ def resolve(
     if overrides:
         result = replace(result, spec=result.spec.with_(**overrides))
     spec = result.spec
-    if engine == "vllm" and spec.model is None and (spec.max_model_len or 0) > TINY_MODEL_MAX_LEN:
-        # The scripts' lengths are for real models; pdserve's tiny model declares 2048 positions, and vLLM
-        # refuses a longer --max-model-len unless told (the tiny model's rotary embedding has no real limit).
+    if spec.model is None and (spec.max_model_len or 0) > TINY_MODEL_MAX_LEN:
+        # The scripts' lengths are for real models; pdserve's tiny model declares 2048 positions, and vLLM (and the
+        # simulator, which refuses what vLLM refuses) refuses a longer --max-model-len unless told (the tiny
+        # model's rotary embedding has no real limit).
         env = {**dict(spec.env), "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
         result = PresetResult(
             spec.with_(env=env), result.exports,

@@ -157,6 +157,9 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="SECONDS"),
     Setting("ready_check", "Hand out a cluster only after a request through the proxy moved KV into every decode "
             "server (P/D-ready, not only HTTP-ready)", boolean, True, kind="bool"),
+    Setting("require_kv_transfer", "With --pd-export-env: fail the session when a test module that passed moved no "
+            "KV from prefill to decode (decode's external_kv_transfer tokens and NIXL bytes both 0: a proxy that "
+            "bypasses prefill passes that way); on under --pd-preset", boolean, False, kind="bool"),
     Setting("reuse", "Keep this run's clusters up when pytest ends and attach the next run with the same "
             "configuration to them: on, off, or force (also on CI: CI or BUILD_NUMBER set); see `pdserve ls` and "
             "`pdserve stop --all`", reuse_mode, "off", kind="optional", metavar="MODE"),

@@ -87,6 +87,7 @@ class PDServeConfig:
     cache_salt: str
     request_timeout: float
     ready_check: bool
+    require_kv_transfer: bool
     reuse: str
     """``off``, ``on`` or ``force`` as given; :func:`pytest_pdserve.reuse.reuse_decision` says whether it applies."""
     reuse_ttl: float

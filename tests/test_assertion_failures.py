@@ -13,6 +13,10 @@ import sys
 
 import pytest
 
+#: FLASH_ATTN exists on GPU platforms only (on the CPU platform it is refused before the start, as vLLM for CPU
+#: would run CPU_ATTN): the inner session simulates two CUDA GPUs.
+GPU_PLATFORM = "--pd-simulate-gpus=cuda:2"
+
 INNER = """
 import pytest
 from pytest_pdserve.assertions import *
@@ -82,7 +86,7 @@ def failures(tmp_path_factory: pytest.TempPathFactory) -> str:
     proc = subprocess.run(
         # Clusters broken on purpose: the start-up P/D round trip would refuse NO_PULL before its assertion runs.
         [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE",
-         "--no-pd-ready-check"],
+         "--no-pd-ready-check", GPU_PLATFORM],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return proc.stdout + proc.stderr

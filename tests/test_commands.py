@@ -8,9 +8,12 @@ gets its own side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``) and ``VLLM
 
 from __future__ import annotations
 
+import pytest
+
 from pytest_pdserve import commands
 from pytest_pdserve.cluster import served_model_name
 from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.extra_args import parse_extra_args
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.vllm_compat import Version
@@ -118,9 +121,24 @@ def test_tensor_parallel_flag_only_on_the_role_that_has_it() -> None:
 
 
 def test_cpu_vllm_uses_a_cpu_kv_buffer_and_the_simulator_gets_vllm_argv() -> None:
-    d = build(ClusterSpec(), "decode", session=defaults(platform="cpu"))
+    d = build(ClusterSpec(), "decode", session=defaults(platform="cpu", attention_backend=None))
     assert '"kv_buffer_device":"cpu"' in d.argv[d.argv.index("--kv-transfer-config") + 1]
     sim = EngineInfo("sim", ("python", "-m", "pytest_pdserve.sim"), Version("0.33.0"))
-    s = build(ClusterSpec(), "decode", sim, session=defaults(platform="cpu"))
+    s = build(ClusterSpec(), "decode", sim, session=defaults(platform="cpu", attention_backend=None))
     assert list(s.argv[:5]) == ["python", "-m", "pytest_pdserve.sim", "serve", MODEL]
     assert "kv_buffer_device" not in s.argv[s.argv.index("--kv-transfer-config") + 1]
+
+
+@pytest.mark.parametrize(
+    "engine", [VLLM_033, EngineInfo("sim", ("python", "-m", "pytest_pdserve.sim"), Version("0.33.0"))]
+)
+def test_a_backend_the_cpu_platform_replaces_is_refused_before_the_start(engine: EngineInfo) -> None:
+    """Issue 26: vLLM for CPU runs CPU_ATTN whatever it is asked; one rule (cpu.running_attention_backend) for both
+    engines, applied when the command is built, so nothing starts."""
+    with pytest.raises(ClusterSpecError, match=r"TRITON_ATTN \(from ATTENTION_BACKEND .*runs CPU_ATTN"):
+        build(ClusterSpec(), "decode", engine, session=defaults(platform="cpu"))
+    with pytest.raises(ClusterSpecError, match=r"FLASH_ATTN \(from ClusterSpec.attention_backend\)"):
+        build(ClusterSpec(attention_backend="FLASH_ATTN"), "decode", engine, session=defaults(platform="cpu"))
+    for fine in ("auto", "cpu_attn", None):
+        build(ClusterSpec(), "decode", engine, session=defaults(platform="cpu", attention_backend=fine))
+    assert "--attention-backend" in build(ClusterSpec(), "decode", engine, session=defaults()).argv  # cuda: as asked

@@ -297,7 +297,7 @@ def _argvs(engine: commands.EngineInfo) -> dict[str, list[str]]:
         for role in ("prefill", "decode"):
             cmd = commands.build_server_command(
                 spec=spec, role=role, index=0, model="/models/tiny", ports=commands.ServerPorts(8100, 5559, 20000),
-                engine=engine, defaults=commands.SessionDefaults(attention_backend="TRITON_ATTN", platform="cpu",
+                engine=engine, defaults=commands.SessionDefaults(attention_backend="CPU_ATTN", platform="cpu",
                 vllm_serve_extra_args=("--max-model-len", "512")), gpu_env={},
             )  # fmt: skip
             out[f"{name}/{role}"] = list(cmd.argv[len(engine.argv_prefix) :])

@@ -35,7 +35,9 @@ def test_every_preset_resolves_on_every_engine() -> None:
 
 def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_changes() -> None:
     sim = presets.resolve("vllm-edge-case", environ={}, engine="sim")
-    assert (sim.spec.block_size, sim.spec.max_model_len, sim.notes) == (16, 8192, ())
+    # The simulator refuses a --max-model-len above the model's as vLLM does (issue 26): the same override.
+    assert (sim.spec.block_size, sim.spec.max_model_len) == (16, 8192)
+    assert sim.notes == ("max model len 8192 on the tiny model (declares 2048): VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",)
     cpu = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu")
     assert cpu.spec.block_size == 32
     assert cpu.notes == (
@@ -192,6 +194,25 @@ def test_export_env_from_the_environment(pytester: pytest.Pytester, monkeypatch:
 def test_explicit_settings_beat_the_preset(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mod="import os\ndef test_b(): assert os.environ['BLOCK_SIZE'] == '32'")
     _run(pytester, "--pd-export-env", "--pd-preset=vllm-edge-case", "--pd-block-size=32").assert_outcomes(passed=1)
+
+
+def test_ci_extra_args_override_the_presets_values_as_the_scripts_do(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26: the scripts append "${EXTRA_ARGS[@]}" last, so CI's VLLM_SERVE_EXTRA_ARGS beats their fixed flags;
+    the header names the override. Two of the user's own sources that disagree stay an error."""
+    pytester.makepyfile(test_mod="def test_len(pd_cluster):\n    assert pd_cluster.spec.name == 'vllm-edge-case'\n"
+                        "    assert pd_cluster.prefill[0].client.get('/v1/models').json()['data'][0]"
+                        "['max_model_len'] == 1024\n")  # fmt: skip
+    monkeypatch.setenv("VLLM_SERVE_EXTRA_ARGS", "--max-model-len,1024")
+    result = _run(pytester, "--pd-export-env", "--pd-preset=vllm-edge-case")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*pdserve: preset vllm-edge-case: '--max-model-len 1024' from VLLM_SERVE_EXTRA_ARGS"
+                                 " (env) overrides the preset's max_model_len=8192*"])  # fmt: skip
+    both = _run(pytester, "--pd-export-env", "--pd-preset=vllm-edge-case", "--pd-max-model-len=512")
+    assert both.ret != 0
+    both.stderr.fnmatch_lines(["*--max-model-len is given twice for one server: 512 from *--pd-max-model-len*"
+                               "'--max-model-len 1024' from VLLM_SERVE_EXTRA_ARGS (env)*"])  # fmt: skip
 
 
 def test_a_cluster_that_cannot_start_is_one_error_not_one_per_module(pytester: pytest.Pytester) -> None:

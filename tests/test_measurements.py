@@ -19,6 +19,10 @@ import sys
 
 import pytest
 
+#: FLASH_ATTN exists on GPU platforms only (on the CPU platform it is refused before the start, as vLLM for CPU
+#: would run CPU_ATTN): the inner session simulates two CUDA GPUs.
+GPU_PLATFORM = "--pd-simulate-gpus=cuda:2"
+
 INNER = r"""
 import pytest
 from pytest_pdserve.assertions import *
@@ -123,7 +127,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") and k != "ATTENTION_BACKEND"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={root / 'leases'}", "-rfE", "-s",
-         "--pd-request-timeout=123"],
+         "--pd-request-timeout=123", GPU_PLATFORM],
         cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return proc.stdout + proc.stderr

@@ -205,3 +205,82 @@ def test_the_drop_in_conftest_of_docs_migrating(pytester: pytest.Pytester, vllm_
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*pdserve: preset vllm-edge-case: NixlConnector, block size 16*"])
     assert session_hits(result, "decode-0") > 0
+
+
+# ------------------------------------------------------------------------------------------ bypassed P/D
+# Issue 26: with --pd-export-env the summary gives each module's KV moved from prefill to decode, and
+# --pd-require-kv-transfer (on under --pd-preset) fails a session whose module moved none. vLLM's test_edge_cases
+# primes decode directly, so its decode-side prefix-cache hits are the same through a proxy that never calls prefill
+# (tests/data/proxies/bypass_prefill.py); only decode's external_kv_transfer tokens and NIXL bytes drop to 0.
+
+BYPASS = Path(__file__).parent / "data" / "proxies" / "bypass_prefill.py"
+BYPASS_ARGS = ("--no-pd-ready-check", f"--pd-proxy-command={sys.executable} {BYPASS} --port {{port}} "
+               "--decode-port {decode_ports}")  # fmt: skip
+
+THROUGH_PROXY = """
+import os, httpx
+
+def test_through_the_proxy():
+    url = f"http://{os.environ['PROXY_HOST']}:{os.environ['PROXY_PORT']}/v1/completions"
+    body = {"model": os.environ["TEST_MODEL"], "prompt": "Red Hat is " * 40, "max_tokens": 3}
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+"""
+
+
+def _export_env_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "--pd-engine=sim", "--pd-export-env", f"--pd-lease-dir={pytester.path / 'leases'}", "-p", "no:cacheprovider",
+        *args, timeout=600,
+    )  # fmt: skip
+
+
+def _moved(result: pytest.RunResult, module: str) -> tuple[float, float]:
+    for line in result.outlines:
+        match = re.search(rf"KV moved prefill -> decode in {re.escape(module)}: external_kv_transfer ([\d.e+]+) "
+                          r"tokens, NIXL ([\d.e+]+) bytes", line)  # fmt: skip
+        if match:
+            return float(match.group(1)), float(match.group(2))
+    raise AssertionError(f"no KV-moved line for {module}:\n{result.stdout.str()[-3000:]}")
+
+
+def test_each_module_reports_the_kv_it_moved(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_pd=THROUGH_PROXY, test_nothing="def test_idle(): pass")
+    result = _export_env_run(pytester)
+    result.assert_outcomes(passed=2)
+    tokens, nixl = _moved(result, "test_pd.py")
+    assert tokens > 0
+    assert nixl > 0
+    assert _moved(result, "test_nothing.py") == (0, 0)
+    result.stdout.fnmatch_lines(["*no KV moved from prefill to decode in test_nothing.py*--pd-require-kv-transfer "
+                                 "fails the session for this*"])  # fmt: skip
+    assert result.ret == 0  # not required without a preset or the option
+    required = _export_env_run(pytester, "--pd-require-kv-transfer")
+    assert required.ret == 1
+    required.assert_outcomes(passed=2)
+    required.stdout.fnmatch_lines(["*no KV moved from prefill to decode in test_nothing.py*failing the session*"])
+    assert _export_env_run(pytester, "test_pd.py", "--pd-require-kv-transfer").ret == 0
+
+
+def test_a_proxy_that_never_calls_prefill_is_caught(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_pd=THROUGH_PROXY)
+    result = _export_env_run(pytester, "--pd-require-kv-transfer", *BYPASS_ARGS)
+    result.assert_outcomes(passed=1)  # the answers are right: only the transfer counters tell
+    assert _moved(result, "test_pd.py") == (0, 0)
+    assert result.ret == 1
+
+
+@pytest.mark.parametrize("engine", ["sim", "vllm"])
+def test_vllms_edge_cases_through_a_bypassing_proxy_are_caught(
+    pytester: pytest.Pytester,
+    vllm_modules: Path,
+    engine: str,  # noqa: F811
+) -> None:
+    """The preset turns the requirement on; the module itself passes."""
+    extra = (f"--pd-vllm-executable={_real_vllm()}",) if engine == "vllm" else ()
+    result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", engine, *BYPASS_ARGS, *extra)
+    result.assert_outcomes(passed=1)
+    assert _moved(result, "nixl_integration/test_edge_cases.py") == (0, 0)
+    result.stdout.fnmatch_lines(["*no KV moved from prefill to decode in nixl_integration/test_edge_cases.py*"
+                                 "on under --pd-preset*"])  # fmt: skip
+    assert result.ret == 1
+    shutil.rmtree(pytester.path / "nixl_integration")

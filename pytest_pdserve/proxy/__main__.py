@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from pytest_pdserve.proxy.app import ProxyConfig, create_app
+from pytest_pdserve.rlimits import raise_nofile_limit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" decode={','.join(config.decode_urls)}",
         flush=True,
     )
+    raise_nofile_limit()  # as vLLM does: 1000 concurrent requests need more than the common soft limit of 1024
     # access_log off: the app logs one richer line per request itself.
     app = create_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

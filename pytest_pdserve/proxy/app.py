@@ -55,6 +55,11 @@ _HOP_HEADERS = frozenset(
 )
 
 
+#: Upstream connections open at once: each client request holds one (prefill, then decode), each a file descriptor
+#: beside the client's own; well below a raised RLIMIT_NOFILE, far above what a test suite sends at once.
+DEFAULT_MAX_UPSTREAM_CONNECTIONS = 512
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """What the proxy routes to.
@@ -64,12 +69,14 @@ class ProxyConfig:
     :param api_key: when set, upstream requests carry ``Authorization: Bearer <api_key>``;
         otherwise the client's own ``Authorization`` header is forwarded.
     :param log: where the one-line-per-request log goes (``None``: no log).
+    :param max_upstream_connections: the upstream pool's bound (requests above it wait for a connection).
     """
 
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     api_key: str | None = None
     log: TextIO | None = sys.stdout
+    max_upstream_connections: int = DEFAULT_MAX_UPSTREAM_CONNECTIONS
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -140,6 +147,11 @@ class _Metrics:
             ["role", "kind"],
             registry=self.registry,
         )
+        self.log_write_failures = Counter(
+            "pdserve_proxy_log_write_failures",
+            "Request log lines dropped because writing them failed (the answers were sent).",
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "pdserve_proxy_request_duration_seconds",
             "Time from receiving a request to sending its last byte, by route.",
@@ -167,7 +179,11 @@ class _Proxy:
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         # keepalive_expiry below uvicorn's 5 s keep-alive so we never reuse a socket the
         # upstream is closing; no timeout because generation can legitimately take minutes.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+        # A bounded pool: above it requests wait for a connection (no timeout) instead of failing with ConnectError
+        # when the process runs out of file descriptors (issue 25 class 6).
+        limits = httpx.Limits(
+            max_connections=self.config.max_upstream_connections, max_keepalive_connections=None, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
             self._client = client
             try:
@@ -184,9 +200,13 @@ class _Proxy:
         return headers
 
     def _log(self, line: str) -> None:
+        """Write one log line; a failed write (a full disk, ``ulimit -f``: EFBIG) drops it, never the answer."""
         if self.config.log is not None:
-            self.config.log.write(line + "\n")
-            self.config.log.flush()
+            try:
+                self.config.log.write(line + "\n")
+                self.config.log.flush()
+            except (OSError, ValueError):
+                self.metrics.log_write_failures.inc()
 
     def _finish(self, route: str, status: int, started: float, detail: str) -> None:
         elapsed = time.perf_counter() - started

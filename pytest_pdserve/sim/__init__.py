@@ -55,6 +55,11 @@ PDSERVE_SIM_OVERRIDE_BLOCK_SIZE        unset       N: serve block size N whateve
 PDSERVE_SIM_KV_CONNECTOR_OFF           0           1: ignore --kv-transfer-config (log "Disabling KVTransfer")
 PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 MiB tensor on cuda:0, report the
                                                    device UUID/name in ``/version`` (auto backend: FLASH_ATTN)
+PDSERVE_SIM_PLATFORM                   cpu         cpu, cuda or rocm: the simulated platform (cuda with
+                                                   PDSERVE_SIM_GPU=1); pytest passes the session's. On cpu
+                                                   any --attention-backend runs CPU_ATTN, as on vLLM for CPU
+VLLM_ALLOW_LONG_MAX_MODEL_LEN          0           1/true: --max-model-len may exceed the model's
+                                                   max_position_embeddings (else refused at start, as vLLM does)
 PDSERVE_SIM_VLLM_VERSION               0.33.0      the vLLM version reported and followed (context-length rule:
                                                    >= 0.32 lowers max_tokens to fit, older reserves it)
 =====================================  ==========  =========================================================
@@ -65,8 +70,10 @@ is the tokenizer when the optional ``tokenizers`` package is installed: ``pip in
 built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull), OffloadingConnector
 (CPU tier) and a MultiConnector of those; any other connector is refused at startup.
 
-Without ``--attention-backend`` (or with ``auto``) the backend is ``CPU_ATTN`` (what vLLM picks on
-CPU), which is deterministic; GPU mode picks ``FLASH_ATTN`` like vLLM on Hopper.
+On the simulated CPU platform the backend is ``CPU_ATTN`` whatever ``--attention-backend`` says (vLLM's CPU
+rule), which is deterministic; on cuda/rocm ``auto`` picks ``FLASH_ATTN`` like vLLM on Hopper. vLLM's start
+refusals are the simulator's too: a ``--max-model-len`` above the model's and a KV cache too small for one
+request of ``--max-model-len`` tokens exit 1 with vLLM's message (``sim/start_rules.py``).
 """
 
 from __future__ import annotations

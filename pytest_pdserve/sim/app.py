@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pytest_pdserve.sim import faults, tokenizer
+from pytest_pdserve.sim import faults, protocol, tokenizer
 from pytest_pdserve.sim.engine import (
     Engine,
     EngineDeadError,
@@ -111,44 +111,29 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None, lo: int)
 def _sampling(
     body: Mapping[str, Any], default_max_tokens: int | None, max_field: str = "max_tokens", text_prompt: bool = True
 ) -> SamplingParams:
-    max_tokens = _int_field(body, max_field, None, 1)
+    # ``body`` went through protocol.validated: the types are vLLM's; these are SamplingParams' own checks.
+    max_tokens = body.get(max_field)
     param = max_field
     if max_tokens is None and max_field != "max_tokens":
-        max_tokens = _int_field(body, "max_tokens", None, 1)
+        max_tokens = body.get("max_tokens")
         param = "max_tokens"
-    temperature = body.get("temperature", 1.0)
-    if temperature is None:
-        temperature = 1.0
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-        raise _ApiError(f"temperature must be a number >= 0, got {temperature!r}")
+    protocol.verify_sampling(body, max_tokens if max_tokens is not None else default_max_tokens)
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else float(temperature)
     seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise _ApiError(f"seed must be an integer, got {seed!r}")
     n = body.get("n", 1)
+    if n is not None and n < 1:  # vLLM's _verify_num_sequences
+        raise protocol.VLLMValidationError(f"n must be at least 1, got {n}.")
     if n not in (None, 1):
         raise _ApiError(f"n={n!r} is not supported by pdserve-sim (only n=1)")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=float(temperature),
+        temperature=temperature,
         seed=seed,
-        cache_salt=_cache_salt(body),
+        cache_salt=body.get("cache_salt"),
         max_tokens_param=param,
         text_prompt=text_prompt,
     )
-
-
-def _cache_salt(body: Mapping[str, Any]) -> str | None:
-    """vLLM's ``validate_cache_salt`` (vllm/entrypoints/generate/base/protocol.py), with its wording."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise _ApiError("Parameter 'cache_salt' must be a non-empty string if provided.")
-    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
-        raise _ApiError(
-            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
-        )
-    return salt
 
 
 def _kv_params(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -281,11 +266,22 @@ def _check_model(body: Mapping[str, Any], engine: Engine, loras: Mapping[str, st
     model = body.get("model")
     names = engine.args.served_model_name or (engine.args.model,)
     lora = model in loras
-    if model is not None and model not in names and not lora:
+    # vLLM's _is_model_supported: no model, or an empty one, is the base model (measured: "" answers 200).
+    if model and model not in names and not lora:
         raise _ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.", "NotFoundError", 404, "model"
         )
     return str(model) if lora else engine.args.served_name
+
+
+def _check_logprobs(count: int | None) -> None:
+    """vLLM's engine-side limit (``--max-logprobs``), for ``logprobs`` and chat's ``top_logprobs`` alike."""
+    if count is not None and count > MAX_LOGPROBS:
+        raise protocol.VLLMValidationError(
+            f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
+            parameter="logprobs",
+            value=count,
+        )
 
 
 def _response_head(
@@ -389,6 +385,10 @@ def build_app(state: AppState) -> Starlette:
                 return await handler(request)
             except _ApiError as exc:
                 return error_response(exc.message, exc.err_type, exc.status, exc.param)
+            except protocol.RequestInvalid as exc:
+                return error_response(exc.message, "Bad Request", 400, exc.param)
+            except protocol.VLLMValidationError as exc:
+                return error_response(str(exc), "BadRequestError", 400, exc.parameter)
             except RequestError as exc:
                 return error_response(str(exc), "BadRequestError", 400, exc.param)
             except KVLoadError:
@@ -551,9 +551,11 @@ def build_app(state: AppState) -> Starlette:
         return JSONResponse({"success": True, "new_version": body["new_version"]})
 
     async def completions(request: Request) -> Response:
-        body = await body_of(request)
+        body = protocol.validated(await body_of(request), chat=False)
         model = _check_model(body, engine, state.loras)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and any(p == [] for p in prompt):
+            raise _ApiError("The decoder prompt cannot be empty")  # vLLM's renderer, for [[]] and [[], [1]]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         vocab = engine.shape.vocab_size
@@ -565,6 +567,8 @@ def build_app(state: AppState) -> Starlette:
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
         ):
             prompt_ids = list(prompt)
+        elif prompt == []:
+            raise _ApiError("You must pass at least one prompt")
         else:
             raise _ApiError(
                 "prompt must be a non-empty string or a list of token ids "
@@ -572,17 +576,14 @@ def build_app(state: AppState) -> Starlette:
             )
         params = _sampling(body, 16, text_prompt=isinstance(prompt, str))
         logprobs = _int_field(body, "logprobs", None, 0)
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise _ApiError(
-                f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {MAX_LOGPROBS}"
-            )
+        _check_logprobs(logprobs)
         rid = _request_id(request, "cmpl")
         gen = await engine.generate(prompt_ids, params, _kv_params(body), f"{rid}-0")
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
         lp = await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated
             return _stream(engine, model, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
         choice = {
             "index": 0,
@@ -610,32 +611,24 @@ def build_app(state: AppState) -> Starlette:
         )
 
     async def chat(request: Request) -> Response:
-        body = await body_of(request)
+        body = protocol.validated(await body_of(request), chat=True)
         model = _check_model(body, engine, state.loras)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _ApiError("messages must be a non-empty list of {role, content} objects")
-        lines = []
-        for msg in messages:
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise _ApiError(f"invalid message {msg!r}: expected {{'role': str, 'content': str}}")
-            content = msg.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            lines.append(f"{msg['role']}: {content or ''}\n")
+        messages = body["messages"]
+        if not messages:
+            raise _ApiError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        lines = [f"{msg['role']}: {protocol.content_text(msg.get('content'), args.model)}\n" for msg in messages]
         # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
         prompt_ids = engine.tok.encode("".join(lines) + "assistant: ", add_special_tokens=False)
         params = _sampling(body, None, "max_completion_tokens")
         top = _int_field(body, "top_logprobs", 0, 0) or 0
-        if top > MAX_LOGPROBS:
-            raise _ApiError(f"top_logprobs={top} is greater than max allowed: {MAX_LOGPROBS}")
+        _check_logprobs(top)
         rid = _request_id(request, "chatcmpl")
         gen = await engine.generate(prompt_ids, params, _kv_params(body), rid)
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
         chat_lp = await _chat_logprobs(engine, gen, top) if body.get("logprobs") else None
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated
             return _stream(
                 engine, model, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
             )

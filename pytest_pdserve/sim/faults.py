@@ -49,6 +49,9 @@ class SimEnv:
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
     nondeterminism_rate: float = 1.0
     gpu: bool = False
+    #: The simulated platform (``PDSERVE_SIM_PLATFORM``: cpu, cuda, rocm; default cuda with PDSERVE_SIM_GPU=1,
+    #: else cpu). On cpu the attention backend follows vLLM's CPU rule (pytest_pdserve.cpu).
+    platform: str = "cpu"
     tie_flip: bool = False
     override_block_size: int | None = None
     kv_connector_off: bool = False
@@ -115,6 +118,9 @@ class SimEnv:
         side_port = integer("VLLM_NIXL_SIDE_CHANNEL_PORT", 5600, 1, 65535)
         workers = integer("PDSERVE_SIM_SPAWN_WORKERS", 0, 0, 64)
         version = get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
+        platform = (get("PDSERVE_SIM_PLATFORM") or ("cuda" if flag("PDSERVE_SIM_GPU") else "cpu")).lower()
+        if platform not in ("cpu", "cuda", "rocm"):
+            raise SimEnvError(f"PDSERVE_SIM_PLATFORM={platform!r} is not accepted: expected cpu, cuda or rocm")
         try:
             parse_version(version)
         except ValueError:
@@ -141,6 +147,7 @@ class SimEnv:
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
             gpu=flag("PDSERVE_SIM_GPU"),
+            platform=platform,
             tie_flip=flag("PDSERVE_SIM_TIE_FLIP"),
             override_block_size=integer("PDSERVE_SIM_OVERRIDE_BLOCK_SIZE", None, 1, 1 << 20),
             kv_connector_off=flag("PDSERVE_SIM_KV_CONNECTOR_OFF"),

@@ -141,6 +141,19 @@ def from_config(directory: Path) -> ModelShape:
     if not isinstance(config, dict):
         raise ModelConfigError(f"{where}: not a JSON object")
     config = {**config.get("text_config", {}), **config} if isinstance(config.get("text_config"), dict) else config
+    pattern = config.get("hybrid_override_pattern")
+    block_types = config.get("layers_block_type")
+    if isinstance(block_types, list):
+        # transformers >= 5 writes NemotronH's layers as a list and num_hidden_layers as null (derived from it);
+        # the mapping is its NemotronHConfig._pattern_to_list, read backwards.
+        letters = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                   "moe": "E"}  # fmt: skip
+        unknown = sorted({str(t) for t in block_types if t not in letters})
+        if unknown:
+            raise ModelConfigError(f"{where}: layers_block_type has unknown layer types {unknown}")
+        pattern = "".join(letters[t] for t in block_types)
+        if config.get("num_hidden_layers") is None:
+            config = {**config, "num_hidden_layers": len(block_types)}
     layers = _int(config, "num_hidden_layers", where)
     heads = _int(config, "num_attention_heads", where)
     kv_heads = _int(config, "num_key_value_heads", where, heads)
@@ -158,7 +171,6 @@ def from_config(directory: Path) -> ModelShape:
         directory=directory,
         source=str(where),
     )
-    pattern = config.get("hybrid_override_pattern")
     if isinstance(pattern, str) and "M" in pattern:
         groups = _int(config, "n_groups", where, 1)
         state = _int(config, "ssm_state_size", where)

@@ -24,10 +24,12 @@ from typing import Any
 
 import uvicorn
 
-from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer
+from pytest_pdserve import cpu
+from pytest_pdserve.rlimits import raise_nofile_limit
+from pytest_pdserve.sim import faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
-from pytest_pdserve.sim.engine import Engine
+from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
 from pytest_pdserve.sim.faults import SimEnv
 
 logger = logging.getLogger("pytest_pdserve.sim")
@@ -107,6 +109,7 @@ def _load_gpu() -> tuple[dict[str, Any], Any]:
 def serve(args: ServeArgs, env: SimEnv) -> int:
     """Run the simulator until shutdown; returns the process exit status."""
     configure_logging()
+    raise_nofile_limit()  # as vLLM's set_ulimit does at start
     faults.install_default_signal_behaviour(env.ignore_sigterm)
     logger.info("vLLM API server version %s (pdserve-sim)", env.vllm_version)
     logger.info("non-default args: %s", dict(args.non_default))
@@ -178,9 +181,14 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
             gpu_info["uuid"],
             gpu_info["name"],
         )
-    if backend is None:
-        # vLLM picks FLASH_ATTN on Hopper and CPU_ATTN on the CPU platform.
-        backend = "FLASH_ATTN" if env.gpu else "CPU_ATTN"
+    if env.platform == "cpu":
+        running = cpu.running_attention_backend(backend)
+        if backend is not None and backend != running:
+            logger.info("Cannot use AttentionBackendEnum.%s backend on CPU.", backend)  # vLLM's words
+        backend = running
+    elif backend is None:
+        # vLLM picks FLASH_ATTN on Hopper (ROCm: its own default, simulated as FLASH_ATTN too).
+        backend = "FLASH_ATTN"
     logger.info("Using %s attention backend.", backend)
 
     workers = faults.spawn_workers(env.spawn_workers)
@@ -216,13 +224,23 @@ async def _serve_async(
 
     try:
         shape = model.resolve(args.model)
+        long_len_warning = start_rules.check_max_model_len(args.max_model_len, shape, os.environ)
         tok, tok_warning = tokenizer.load(args.tokenizer, shape.directory)
-    except (model.ModelConfigError, tokenizer.TokenizerError) as exc:
+    except (model.ModelConfigError, tokenizer.TokenizerError, start_rules.StartRefused) as exc:
         sock.close()
         return _startup_error(exc)
-    if tok_warning is not None:
-        logger.warning("%s", tok_warning)
+    for warning in (long_len_warning, tok_warning):
+        if warning is not None:
+            logger.warning("%s", warning)
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
+    try:
+        start_rules.check_kv_cache_fits(
+            engine.max_model_len, engine.block_size, engine.bytes_per_block, engine.mamba_state_bytes,
+            kv_cache_bytes(args),
+        )  # fmt: skip
+    except start_rules.StartRefused as exc:
+        sock.close()
+        return _startup_error(exc)
     logger.info("Model shape from %s; tokenizer: %s", shape.source, tok.name)
     logger.info(
         "KV cache: %d blocks of %d tokens (%d bytes per block, %d bytes per token)",

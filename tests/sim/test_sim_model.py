@@ -129,3 +129,17 @@ def test_real_tokenizer_of_a_model_directory(tmp_path: Path) -> None:
     assert loaded.encode(text) == real.encode(text).ids
     with pytest.raises(tokenizer.TokenizerError, match="no tokenizer.json"):
         tokenizer.load(str(tmp_path), None)
+
+
+def test_the_hybrid_checkpoint_as_transformers_5_writes_it_loads(tmp_path: Path) -> None:
+    """Issue 26: tiny_model.py's NemotronH under transformers 5.19 has layers_block_type and num_hidden_layers
+    null (tests/data/tiny-models/nemotronh-config.json, copied from the built checkpoint); it failed to load."""
+    recorded = Path(__file__).parent.parent / "data" / "tiny-models" / "nemotronh-config.json"
+    (tmp_path / "config.json").write_text(recorded.read_text())
+    shape = model.resolve(str(tmp_path))
+    assert (shape.num_attention_layers, shape.num_mamba_layers, shape.mamba) == (1, 1, model.TINY_NEMOTRONH.mamba)
+    assert shape.kv_bytes_per_token("auto", "auto") == model.TINY_NEMOTRONH.kv_bytes_per_token("auto", "auto")
+    bad = {**json.loads(recorded.read_text()), "layers_block_type": ["linear_attention", "sparkle"]}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(model.ModelConfigError, match=r"layers_block_type has unknown layer types \['sparkle'\]"):
+        model.resolve(str(tmp_path))

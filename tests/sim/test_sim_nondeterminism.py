@@ -8,21 +8,24 @@ import pytest
 
 from ._simproc import SimServer, sim_processes, words
 
+#: GPU backends exist on a GPU platform only: on the simulated CPU platform every one runs CPU_ATTN (vLLM's rule).
+CUDA = {"PDSERVE_SIM_PLATFORM": "cuda"}
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimServer]]:
     with sim_processes(tmp_path_factory.mktemp("nd")) as start:
         started = {
-            "flash_attn": start("--attention-backend", "FLASH_ATTN"),
-            "flashinfer": start("--attention-backend", "FLASHINFER"),
-            "triton": start("--attention-backend", "triton_attn"),
+            "flash_attn": start("--attention-backend", "FLASH_ATTN", env=CUDA),
+            "flashinfer": start("--attention-backend", "FLASHINFER", env=CUDA),
+            "triton": start("--attention-backend", "triton_attn", env=CUDA),
             "flash_attn_rate0": start(
-                "--attention-backend", "FLASH_ATTN", env={"PDSERVE_SIM_NONDETERMINISM_RATE": "0"}
+                "--attention-backend", "FLASH_ATTN", env={**CUDA, "PDSERVE_SIM_NONDETERMINISM_RATE": "0"}
             ),
             "flashinfer_listed": start(
                 "--attention-backend",
                 "FLASHINFER",
-                env={"PDSERVE_SIM_NONDETERMINISTIC_BACKENDS": "FLASHINFER,ROCM_ATTN"},
+                env={**CUDA, "PDSERVE_SIM_NONDETERMINISTIC_BACKENDS": "FLASHINFER,ROCM_ATTN"},
             ),
         }
         yield {name: server.wait_ready() for name, server in started.items()}

@@ -63,7 +63,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
                 *common, "--kv-transfer-config", NIXL_KVC, env={**side(free_port()), "PDSERVE_SIM_FAIL_KV_PULL": "1"}
             ),
             "p_flashinfer": start(
-                *common, "--kv-transfer-config", NIXL_KVC, "--attention-backend", "flashinfer", env=side(free_port())
+                *common,
+                "--kv-transfer-config",
+                NIXL_KVC,
+                "--attention-backend",
+                "flashinfer",
+                env={**side(free_port()), "PDSERVE_SIM_PLATFORM": "cuda"},  # FLASHINFER exists on GPUs only
             ),
             "p_short_lease": start(
                 *common,
