@@ -234,4 +234,5 @@ class ServerDied(PDServeError):
 
     def summary(self) -> str:
         """One line for the terminal summary (redacted)."""
-        return redact(f"cluster {self.cluster!r}: {self.server} {self.what} at {self.when} (first seen by {self.first_seen})")
+        seen = f"first seen by {self.first_seen}"
+        return redact(f"cluster {self.cluster!r}: {self.server} {self.what} at {self.when} ({seen})")

@@ -329,7 +329,7 @@ def _modules_under(directory: Path) -> list[str]:
     build directories skipped, at most :data:`AUTO_SCAN_LIMIT` entries looked at)."""
     found: list[str] = []
     seen = 0
-    for top, dirs, files in os.walk(directory):
+    for _top, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
         found += [f for f in files if f in AUTO]
         seen += len(dirs) + len(files)

@@ -23,7 +23,10 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "SECRET_ENV", "SECRET_FLAGS", "redact", "redact_argv", "redact_env", "register", "secrets_in", "url_password"]
+__all__ = [
+    "MASK", "SECRET_ENV", "SECRET_FLAGS", "redact", "redact_argv", "redact_env", "register", "secrets_in",
+    "url_password",
+]  # fmt: skip
 
 MASK = "***"
 #: Environment variables whose values are secrets (pdserve sets VLLM_API_KEY; the others are common tokens).
@@ -92,7 +95,7 @@ def secrets_in(argv: Sequence[str] = (), env: Mapping[str, str | None] | None = 
     """The secret values an argv (after a :data:`SECRET_FLAGS` flag) and an env (:data:`SECRET_ENV`) carry,
     for :func:`register`: a server prints what it was given (vLLM's ``non-default args``), so a token a run
     hands its servers is hidden in their log excerpts and every message that quotes them."""
-    found = [arg for prev, arg in zip(argv, argv[1:]) if prev in SECRET_FLAGS]
+    found = [arg for prev, arg in zip(argv, argv[1:], strict=False) if prev in SECRET_FLAGS]
     found += [arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in SECRET_FLAGS and "=" in arg]
     found += [v for k, v in (env or {}).items() if k in SECRET_ENV and v]
     return [s for s in found if s]

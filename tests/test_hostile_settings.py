@@ -40,7 +40,9 @@ def pytest_addoption(parser):
 """
 
 
-def test_no_registered_option_takes_an_optional_value(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_registered_option_takes_an_optional_value(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every option of the pdserve group, as pytest registered it, takes exactly one value or none: an optional
     value (nargs "?" or "*") lets argparse take the next word, a test path, as the value (issue 25: `--pd-export-env`
     from PYTEST_ADDOPTS overwrote test_a.py). Each setting's flag is among them, so none escapes the walk."""
@@ -94,7 +96,8 @@ def test_a_number_not_in_ascii_digits_is_a_usage_error(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
     err = result.stderr.str()
-    assert f"{value!r} from " in err and fragment in err, err
+    assert f"{value!r} from " in err, err
+    assert fragment in err, err
     assert "Traceback" not in err + result.stdout.str()
 
 
@@ -114,14 +117,16 @@ def test_a_preset_variable_not_in_ascii_digits_stops_the_run(
         f"--pd-lease-dir={pytester.path / 'leases'}",
     )  # fmt: skip
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
-    result.stderr.fnmatch_lines([f"*preset {preset!r} (from --pd-preset): ${var}={value!r} is not a whole number > 0 "
-                                 "in digits 0-9*"])  # fmt: skip
+    result.stderr.fnmatch_lines(
+        [f"*preset {preset!r} (from --pd-preset): ${var}={value!r} is not a whole number > 0 in digits 0-9*"]
+    )
 
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("PDSERVE_SIM_CRASH_EXIT_CODE", "٣"), ("PDSERVE_SIM_SPAWN_WORKERS", "1_0"), ("VLLM_NIXL_SIDE_CHANNEL_PORT", "５６００"),
-     ("PDSERVE_SIM_STARTUP_DELAY", "1_0"), ("PDSERVE_SIM_NONDETERMINISM_RATE", "٠.5")],
+    [("PDSERVE_SIM_CRASH_EXIT_CODE", "٣"), ("PDSERVE_SIM_SPAWN_WORKERS", "1_0"),
+     ("VLLM_NIXL_SIDE_CHANNEL_PORT", "５６００"), ("PDSERVE_SIM_STARTUP_DELAY", "1_0"),
+     ("PDSERVE_SIM_NONDETERMINISM_RATE", "٠.5")],
 )  # fmt: skip
 def test_the_simulators_environment_takes_ascii_digits_only(var: str, value: str) -> None:
     """The simulator's knobs come from the environment the plugin hands it: the same digits rule."""
@@ -229,8 +234,10 @@ def test_preset_auto_with_no_path_finds_the_collected_module_or_refuses(
     pytester.makepyfile(test_mine="def test_never(): raise AssertionError('must not run')")
     refused = pytester.runpytest_subprocess(*args)
     assert refused.ret == pytest.ExitCode.USAGE_ERROR, refused.stdout.str()[-2000:]
-    refused.stderr.fnmatch_lines(["*--pd-preset auto (from *) found none of vLLM's P/D modules (test_edge_cases.py, *) in "
-                                  f"{pytester.path}; name the preset (--pd-preset=NAME, *) or the module to run*"])  # fmt: skip
+    refused.stderr.fnmatch_lines(
+        ["*--pd-preset auto (from *) found none of vLLM's P/D modules (test_edge_cases.py, *) in "
+         f"{pytester.path}; name the preset (--pd-preset=NAME, *) or the module to run*"]
+    )  # fmt: skip
     Path(pytester.path / "test_mine.py").unlink()
     sub = pytester.mkdir("nixl_integration")
     (sub / "test_edge_cases.py").write_text(EDGE)

@@ -346,10 +346,12 @@ def test_an_old_spelling_with_a_value_is_a_usage_error_naming_the_new_one(
     err = result.stderr.str()
     assert f"{new} / PDSERVE_" in err, err
     if door in ("env", "ini key"):
-        assert f"{value!r} from " in err and f"is not a valid {FLAGS[flag]}" in err, err
+        assert f"{value!r} from " in err, err
+        assert f"is not a valid {FLAGS[flag]}" in err, err
     else:
         where = {"argv": "on the command line", "PYTEST_ADDOPTS": "from PYTEST_ADDOPTS"}.get(door, "from addopts in")
-        assert f"{flag}={value!r} ({where}" in err and f"{flag} takes no value now; write {flag} alone" in err, err
+        assert f"{flag}={value!r} ({where}" in err, err
+        assert f"{flag} takes no value now; write {flag} alone" in err, err
     assert "Traceback" not in err
     assert test_file.read_bytes() == before
     assert not live_procs(inner.mark)
@@ -395,8 +397,12 @@ def test_an_export_file_pdserve_did_not_write_is_never_overwritten(inner: Inner)
     ("where", "value", "why"),
     [
         ("--pd-reuse-mode", "maybe", "accepted values: local, force"),
-        ("PDSERVE_REUSE", "yes please", "accepted values: 1/0, true/false, yes/no, on/off; the mode is set with "
-         "--pd-reuse-mode / PDSERVE_REUSE_MODE / pdserve_reuse_mode"),
+        (
+            "PDSERVE_REUSE",
+            "yes please",
+            "accepted values: 1/0, true/false, yes/no, on/off; the mode is set with "
+            "--pd-reuse-mode / PDSERVE_REUSE_MODE / pdserve_reuse_mode",
+        ),
         ("pdserve_reuse_mode", "on", "accepted values: local, force"),
         ("--pd-reuse-ttl", "0", "expected a number of seconds > 0 and <= 86400"),
         ("--pd-reuse-ttl", "-1", "expected a number of seconds > 0"),
