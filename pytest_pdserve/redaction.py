@@ -11,8 +11,9 @@ What is hidden:
 * the value of a secret environment variable (:data:`SECRET_ENV`) in an env mapping;
 * the password in a URL (``http://user:pw@host`` -> ``http://user:***@host``), registered or not.
 
-Secrets are process-wide (the settings register the API key and attach-URL passwords at configure
-time), so an error raised deep in the process code is redacted without threading the key through.
+Secrets are process-wide (the settings register the API key, attach-URL passwords, the values of
+:data:`SECRET_ENV` variables in the environment and of :data:`SECRET_FLAGS` in the extra args at configure
+time: :func:`secrets_in`), so an error raised deep in the process code is redacted without threading the key through.
 This module is pytest-free and imports only the standard library.
 """
 

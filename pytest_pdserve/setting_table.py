@@ -149,7 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="FILE"),
     Setting("preset", "Server configuration of one of vLLM's nixl_integration scripts for the session cluster: "
             "vllm-edge-case, vllm-mamba-prefix-cache, vllm-multi-connector-edge-case, "
-            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the module names)", preset,
+            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the modules the paths name; "
+            "none is a usage error)", preset,
             None, metavar="NAME"),
     Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
             "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "

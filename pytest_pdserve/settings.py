@@ -323,8 +323,8 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
     )
 
 
-#: A value setting that turns a flag on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.
-_IMPLIES = {"export_env_file": "export_env", "reuse_mode": "reuse"}
+#: The value a flag once took turns it on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.
+_IMPLIES = {s.moved: s.name for s in SETTINGS if s.moved is not None}
 
 
 def _implied_flags(values: dict[str, Any], sources: Mapping[str, str]) -> None:

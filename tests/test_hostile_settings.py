@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import uuid
 from pathlib import Path
 
@@ -210,6 +211,7 @@ def test_an_error_class_cannot_skip_redaction() -> None:
     for text in (str(died), repr(died), died.message, died.summary()):
         assert secret not in text, text
     assert "key=***" in str(died)
+    assert str(pickle.loads(pickle.dumps(died))) == str(died)  # xdist ships it between processes
 
 
 # --------------------------------------------------------------------------- 11: --pd-preset=auto never defaults
