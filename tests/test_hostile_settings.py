@@ -198,6 +198,20 @@ def test_secrets_a_run_hands_its_servers_are_registered(
     assert redact(f"args: {{'hf_token': 'hf_flag_{tag}'}} env hf_env_{tag}") == "args: {'hf_token': '***'} env ***"
 
 
+def test_secrets_a_cluster_spec_hands_a_server_are_registered(tmp_path: Path) -> None:
+    """A ClusterSpec's own extra args and env reach one server only, past the settings: the process registers
+    what it is given (every server and the proxy is a ServerProcess)."""
+    from pytest_pdserve.process import ServerProcess
+    from pytest_pdserve.redaction import redact
+
+    tag = uuid.uuid4().hex[:8]
+    ServerProcess(
+        "prefill-0", ["vllm", "serve", "m", "--hf-token", f"hf_spec_{tag}"], {"HF_TOKEN": f"hf_specenv_{tag}"},
+        tmp_path / "p.log", health_url=None, run_token="t",
+    )  # fmt: skip
+    assert redact(f"x hf_spec_{tag} y hf_specenv_{tag}") == "x *** y ***"
+
+
 def test_an_error_class_cannot_skip_redaction() -> None:
     """The rule lives in the base class: a subclass that overrides __str__ or __repr__ is refused when defined."""
     from pytest_pdserve.errors import PDServeError, ServerDied
