@@ -21,7 +21,7 @@ from pathlib import Path
 
 import _reuse
 import pytest
-from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
+from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli, reuse
@@ -88,7 +88,7 @@ def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) ->
     assert (reuse_dir / reuse.REUSE_DIR_MARKER).is_file()
     run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 # ---------------------------------------------------------------------------------------- a stopped keeper
@@ -116,7 +116,7 @@ def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_
     finally:
         os.kill(pid, signal.SIGCONT)
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 # ------------------------------------------------------------------------------------ pdserve stop --all
@@ -178,12 +178,12 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
         owned = {int(s["pid"]) for k in kept for s in k.servers} | {k.keeper_pid for k in kept}
         return procs <= owned | _guards(procs)
 
-    wait_for(settled, 15.0, f"only owned processes left ({live_procs(inner.mark)})")
+    wait_for(settled, GONE_WITHIN_S, f"only owned processes left ({live_procs(inner.mark)})")
     monkeypatch.delenv("KILL_AT")
     inner.pytester.makeconftest(INNER_CONFTEST)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)  # the next run copes either way
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert states(reuse_dir) == []
 
@@ -212,7 +212,7 @@ def test_the_ttl_of_the_last_run_applies(inner: Inner, reuse_dir: Path) -> None:
     state = kept_one(inner, reuse_dir)
     second = run_reuse(inner, reuse_dir, "--pd-reuse-ttl=1")
     second.stdout.fnmatch_lines(["*reuse on (idle ttl 1s*", f"*reused kept cluster {state['id']}*"])
-    inner.gone_within(15.0)
+    inner.gone_within()
     assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
@@ -325,7 +325,7 @@ def test_a_flag_never_takes_the_next_word_through_any_door(
         result.stdout.fnmatch_lines(["pdserve: reuse on (idle ttl*"])
     else:
         result.stdout.fnmatch_lines(["pdserve: exported: PREFILL_HOST=127.0.0.1 *"])
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 @pytest.mark.parametrize("door", DOORS)
@@ -390,7 +390,7 @@ def test_an_export_file_pdserve_did_not_write_is_never_overwritten(inner: Inner)
     for _ in range(2):  # the second run overwrites the first run's file
         inner.run("--pd-export-env-file=env.sh", "test_x.py").assert_outcomes(passed=1)
     assert (inner.pytester.path / "env.sh").read_text().startswith("# written by pytest-pdserve")
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 @pytest.mark.parametrize(
@@ -512,7 +512,7 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
     text = inner.output()
     assert re.search(r"cluster 'pd': (prefill|decode)-0 stopped answering", text), text[-3000:]
     assert "Traceback" not in text.split("short test summary")[-1], text[-3000:]
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert states(reuse_dir) == []
 
@@ -536,7 +536,7 @@ def test_a_kept_server_dead_or_hung_right_before_the_next_run_is_not_handed_out(
     if how == "SIGSTOP":  # (a dead one is seen by the run or, often first, by the keeper: either is right)
         second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 at * does not answer*"])
     assert [i["reused"] for i in inner.infos()] == [None, None]
-    wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), 15.0, "the kept prefill stopped")
+    wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), GONE_WITHIN_S, "the kept prefill stopped")
     assert state["id"] not in [s["id"] for s in states(reuse_dir)]
 
 
@@ -557,7 +557,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     kept = reuse.list_kept(reuse_dir)
     if kept:  # kept after all: its keeper works
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
 
 
@@ -599,7 +599,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
             p.kill()
             p.wait(10)
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner: Inner, reuse_dir: Path) -> None:
