@@ -64,7 +64,7 @@ def measure(engine: str, rounds: int, exe: str | None = None) -> dict[str, Any]:
     """Run the variants on ``engine``; returns the times, their stats, what was left, and whether the target is met."""
     mark = uuid.uuid4().hex
     env = clean_env(PDSERVE_BENCH_MARK=mark)
-    for var in CI_ENV_VARS:  # CI refuses --pd-reuse=on
+    for var in CI_ENV_VARS:  # CI refuses --pd-reuse (mode local)
         env.pop(var, None)
     if exe is not None:
         env["PDSERVE_VLLM_EXECUTABLE"] = exe

@@ -31,8 +31,6 @@ def render() -> str:
     rows = ["| CLI | ini | env | default | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
         flag = f"`{s.flag}`" + (" (repeatable)" if s.kind == "append" else "")
-        if s.kind == "optional":
-            flag = f"`{s.flag}` / `{s.flag}={s.metavar}`"
         if s.kind == "bool":
             flag += f" / `--no-{s.flag[2:]}`"
         rows.append(f"| {flag} | `{s.ini_key}` | `{s.env_var}` | {_default(s)} | {s.help.replace('|', '/')} |")

@@ -21,6 +21,7 @@ import httpx
 from pytest_pdserve import leases
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.commands import SessionDefaults
+from pytest_pdserve.digits import is_int
 from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import AttachError
 from pytest_pdserve.hints import AUTH_HINT
@@ -188,7 +189,7 @@ def _attached_block_size(handles: Sequence[ServerHandle], timeout: float) -> int
         with contextlib.suppress(Exception):  # best effort: an older server or a metrics-less proxy path
             for labels in scrape(h.client, timeout=timeout, strict=False).series("vllm:cache_config_info"):
                 value = dict(labels).get("block_size", "")
-                if value.isdigit() and int(value) > 0:
+                if is_int(value) and int(value) > 0:
                     return int(value)
     return None
 

@@ -31,10 +31,24 @@ __all__ = [
 
 
 class PDServeError(Exception):
-    """Base class of every error pytest_pdserve raises on purpose; its text is redacted."""
+    """Base class of every error pytest_pdserve raises on purpose; its text is redacted.
+
+    ``str()`` and ``repr()`` (tracebacks, ``--showlocals``, pytest's saferepr of locals) both go through
+    :func:`~pytest_pdserve.redaction.redact`; a subclass says what it means in :meth:`describe` and cannot
+    override either (``__init_subclass__`` refuses it: ``ServerDied.__str__`` once returned its log excerpt raw).
+    """
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("__str__", "__repr__"):
+            if name in vars(cls):
+                raise TypeError(f"{cls.__name__} overrides {name}: override describe() (the base redacts it)")
 
     def __str__(self) -> str:
         return redact(self.describe())
+
+    def __repr__(self) -> str:
+        return redact(super().__repr__())
 
     def describe(self) -> str:
         """The message before redaction (subclasses override this, not ``__str__``)."""
@@ -207,12 +221,18 @@ class ServerDied(PDServeError):
             lines.append(f"full log: {log_path}")
         if excerpt:
             lines.append(f"--- last lines of the {server} log ---\n{excerpt}\n--- end of {server} log ---")
-        self.message = "\n".join(lines)
-        super().__init__(self.message)
+        super().__init__(cluster, server, what, when, excerpt, hint, log_path, first_seen)
+        self._message = "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.message
+    @property
+    def message(self) -> str:
+        """The whole message, redacted (what ``str()`` gives)."""
+        return str(self)
+
+    def describe(self) -> str:
+        return self._message
 
     def summary(self) -> str:
-        """One line for the terminal summary."""
-        return f"cluster {self.cluster!r}: {self.server} {self.what} at {self.when} (first seen by {self.first_seen})"
+        """One line for the terminal summary (redacted)."""
+        seen = f"first seen by {self.first_seen}"
+        return redact(f"cluster {self.cluster!r}: {self.server} {self.what} at {self.when} ({seen})")

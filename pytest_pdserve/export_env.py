@@ -4,7 +4,7 @@ vLLM's own P/D modules (``tests/v1/kv_connector/nixl_integration/test_*.py``) re
 import time, before any fixture exists. With ``--pd-export-env`` the plugin starts the session cluster (the
 settings plus ``--pd-preset``) in ``pytest_sessionstart``, through the same `ClusterManager` the fixtures use
 (same start-up timeout, progress lines, watchdog and teardown at ``pytest_unconfigure``), and puts its
-addresses into ``os.environ``; ``--pd-export-env=FILE`` also writes them as ``export`` lines.
+addresses into ``os.environ``; ``--pd-export-env-file=FILE`` also writes them as ``export`` lines.
 
 Under pytest-xdist every worker starts and exports its own cluster (workers import the modules, the
 controller does not); the controller starts nothing.
@@ -27,8 +27,9 @@ import pytest
 
 from pytest_pdserve import owned_flags
 from pytest_pdserve.connector import parse_kv_connector_config
+from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.metrics import NIXL_BYTES_SUM
-from pytest_pdserve.presets import PresetResult, auto_preset, describe_config
+from pytest_pdserve.presets import AUTO, PRESETS, PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
 from pytest_pdserve.session_inventory import get_inventory
 from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, short_source
@@ -108,7 +109,7 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     result = None
     spec = ClusterSpec()
-    name = auto_preset(config.args) if cfg.preset == "auto" else cfg.preset
+    name = session_preset_name(config)
     if name is not None:
         result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
         spec, overridden = _user_over_preset(result.spec, cfg)
@@ -116,6 +117,33 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     if cfg.kv_connector_config is not None:
         spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
     return spec, result
+
+
+def session_preset_name(config: pytest.Config) -> str | None:
+    """``--pd-preset``'s name; for ``auto``, the preset of the vLLM modules this run collects, from its paths
+    (``config.args``: the command line's, else ``testpaths``, else the current directory).
+
+    Checked at configure time (``pytest_configure`` calls it), so a bad ``auto`` stops the run before any test.
+
+    :raises pytest.UsageError: ``auto`` finds no vLLM module (it would silently run the defaults: block size 128
+        where the module's script runs 16), or modules that need different presets.
+    """
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    if cfg.preset != "auto":
+        return cfg.preset
+    base = config.invocation_params.dir if config.args_source != pytest.Config.ArgsSource.TESTPATHS else config.rootpath
+    where = f"--pd-preset auto (from {cfg.source_of('preset')})"
+    try:
+        name = auto_preset(config.args, base)
+    except ClusterSpecError as exc:
+        raise pytest.UsageError(f"pdserve: {where}: {exc}") from None
+    if name is None:
+        paths = " ".join(config.args) if len(config.args) <= 5 else " ".join(config.args[:5]) + " ..."
+        raise pytest.UsageError(
+            f"pdserve: {where} found none of vLLM's P/D modules ({', '.join(AUTO)}) in {paths}; name the preset "
+            f"(--pd-preset=NAME, one of {', '.join(PRESETS)}) or the module to run"
+        )
+    return name
 
 
 def session_proxy_port(cfg: PDServeConfig, result: PresetResult | None) -> int | None:
@@ -155,6 +183,25 @@ def variables(cluster: PDCluster, max_model_len: int | None, extra: Mapping[str,
     return out
 
 
+#: The first line of every export file: a file without it is someone else's, never overwritten (a test module
+#: named by mistake, a script).
+FILE_HEADER = "# written by pytest-pdserve --pd-export-env\n"
+
+
+def foreign_file(path: Path) -> str | None:
+    """Why *path* must not be written as an export file (it exists and is not one pdserve wrote), or None."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(FILE_HEADER))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if head and head != FILE_HEADER.encode():  # an empty file holds nothing to lose
+        return "exists and was not written by pdserve (its first line is not the export header)"
+    return None
+
+
 def _export(exported: Exported) -> None:
     for key, value in exported.variables.items():
         exported.saved.setdefault(key, os.environ.get(key))
@@ -162,7 +209,7 @@ def _export(exported: Exported) -> None:
     if exported.file is not None:
         exported.file.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
-        exported.file.write_text("# written by pytest-pdserve --pd-export-env\n" + "\n".join(lines) + "\n")
+        exported.file.write_text(FILE_HEADER + "\n".join(lines) + "\n")
 
 
 def start(config: pytest.Config) -> None:
@@ -172,20 +219,25 @@ def start(config: pytest.Config) -> None:
     imported; pytest_unconfigure still stops whatever was started.
     """
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if cfg.export_env is None or is_xdist_controller(config):
+    if not cfg.export_env or is_xdist_controller(config):
         return
-    from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
+    from pytest_pdserve.errors import ClusterUnavailable, PDServeError
     from pytest_pdserve.fixtures import get_manager
 
-    where = cfg.source_of("export_env")
+    where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
     try:
         spec, result = session_spec(config)
     except ClusterSpecError as exc:
         raise pytest.UsageError(f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}") from None
     exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
-    if cfg.export_env:
-        path = Path(cfg.export_env).expanduser()
-        exported.file = path if path.is_absolute() else config.invocation_params.dir / path
+    if cfg.export_env_file is not None:
+        problem = foreign_file(cfg.export_env_file)
+        if problem is not None:
+            raise pytest.UsageError(
+                f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
+                "name a new file, or remove this one if it is yours"
+            )
+        exported.file = cfg.export_env_file
     config.stash[EXPORTED] = exported
     tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
     manager = get_manager(config, tmp_path_factory)

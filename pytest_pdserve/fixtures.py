@@ -86,7 +86,7 @@ def reuse_options(config: pytest.Config) -> ReuseOptions | None:
         )
 
         cfg = config.stash[PDSERVE_CONFIG]
-        enabled, _ = reuse_decision(cfg.reuse, os.environ)
+        enabled, _ = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
         options = None
         if enabled and not cfg.attach_mode:
             options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
@@ -100,8 +100,8 @@ def reuse_header(config: pytest.Config) -> list[str]:
     from pytest_pdserve.reuse import list_kept, reuse_decision
 
     cfg = config.stash[PDSERVE_CONFIG]
-    enabled, why = reuse_decision(cfg.reuse, os.environ)
-    if cfg.reuse == "off":
+    enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
+    if not cfg.reuse:
         return []
     options = reuse_options(config)
     if not enabled or options is None:

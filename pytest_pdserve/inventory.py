@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 # The probes' names are re-exported: callers and tests import them from here.
+from pytest_pdserve.digits import is_int, parse_int
 from pytest_pdserve.gpu_probe import (
     AMD_SMI_LIST,
     NVIDIA_QUERY_APPS,
@@ -156,8 +157,8 @@ class Inventory:
 
 def _match_entry(entry: str, gpus: Sequence[Gpu]) -> tuple[int | None, str]:
     """Position of *entry* in *gpus* and a reason when it does not match."""
-    if entry.isdigit():
-        idx = int(entry)
+    if is_int(entry):
+        idx = parse_int(entry)
         if idx < len(gpus):
             return idx, ""
         return None, f"is index {idx} but only {len(gpus)} GPU(s) exist"
@@ -261,12 +262,12 @@ def parse_simulate_gpus(value: str, platform: str = "auto") -> tuple[Platform, i
     plat_text = plat_text.strip().lower()
     if not sep:
         plat_text = platform if platform in ("cuda", "rocm") else "cuda"
-    if plat_text not in ("cuda", "rocm") or not count_text.strip().isdigit():
+    if plat_text not in ("cuda", "rocm") or not is_int(count_text):
         raise InventoryError(f"{value!r} is not a GPU simulation; use N, cuda:N or rocm:N with N a whole number >= 0")
     if platform in ("cuda", "rocm", "cpu") and plat_text != platform:
         raise InventoryError(f"{value!r} simulates {plat_text} GPUs but the platform is set to {platform}")
     plat: Platform = "rocm" if plat_text == "rocm" else "cuda"
-    return plat, int(count_text)
+    return plat, parse_int(count_text)
 
 
 def simulated_inventory(platform: Platform, count: int, source: str = "simulated") -> Inventory:

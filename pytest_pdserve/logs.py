@@ -52,3 +52,22 @@ def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
                 body = f"{server.name} is not running: exit code {proc.returncode}\n{proc.log_tail(30)}\n" + body
             # Redacted: vLLM logs its non-default args, and server code may print anything it was given.
             report.sections.append((f"pdserve {server.name} log ({server.log_path})", redact(body)))
+
+
+def redact_report(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Every text of a report through the one redaction rule: its failure (or skip) text and its sections.
+
+    Whatever raised it (a ``ServerDied`` with its log excerpt, ``pytest.fail`` with a server's answer, a test
+    that printed a response), the terminal, JUnit XML and xdist all read the report, so a registered secret
+    is hidden in every one of them. The structured traceback is kept unless it holds a secret (then it
+    becomes its redacted text: colours are lost, never the words).
+    """
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, lineno, reason)
+        path, lineno, reason = longrepr
+        report.longrepr = (path, lineno, redact(reason))
+    elif longrepr is not None:
+        text = str(longrepr)
+        if redact(text) != text:
+            report.longrepr = redact(text)
+    report.sections = [(title, redact(body)) for title, body in report.sections]

@@ -28,6 +28,8 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pytest_pdserve.digits import is_int
+
 __all__ = [
     "CACHED_SOURCES",
     "DEFAULT_SETTLE_NAMES",
@@ -223,7 +225,7 @@ class MetricsSnapshot(_Accessors):
     def block_size(self) -> int | None:
         """The effective block size from ``vllm:cache_config_info``, ``None`` when not exposed."""
         raw = (self.info() or {}).get("block_size")
-        return int(raw) if raw is not None and raw.isdigit() else None
+        return int(raw) if raw is not None and is_int(raw) else None  # str.isdigit() is true for "²"
 
     def _matching(self, name: str, labels: Mapping[str, str]) -> list[float]:
         wanted = set(labels.items())

@@ -6,9 +6,12 @@ nothing measurable during collection; vllm and torch are never imported here.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -32,12 +35,28 @@ from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
 from pytest_pdserve.setting_table import remedy
-from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, resolve, settings_origin
+from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    """Register the ``pdserve`` option group and ini keys."""
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """Register the ``pdserve`` option group and ini keys; refuse the spellings of values that moved.
+
+    This runs before argparse parses the arguments (whose own error for ``--pd-reuse=MODE`` names no new
+    spelling), so every place pytest takes arguments from is looked at here, in pytest's order.
+    """
     add_options(parser)
+    config = pluginmanager.get_plugin("pytestconfig")
+    if not isinstance(config, pytest.Config):
+        return
+    with contextlib.suppress(ValueError):  # unbalanced quotes: pytest's own parse says so
+        refuse_moved_values(shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), "from PYTEST_ADDOPTS")
+    ini_addopts: Any = []
+    ini = None
+    with contextlib.suppress(AttributeError, ValueError):  # registered before pytest read its ini: no addopts yet
+        ini = config.inipath
+        ini_addopts = config.getini("addopts") if ini is not None else []
+    refuse_moved_values([str(a) for a in ini_addopts], f"from addopts in {ini}")
+    refuse_moved_values([str(a) for a in config.invocation_params.args], "on the command line")
 
 
 _CHECKOUT_NOTE = pytest.StashKey[str]()
@@ -76,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"pdserve: --pd-reuse: {exc} (reuse_dir from {cfg.source_of('reuse_dir')}; set {remedy('reuse_dir')})"
         ) from None
+    export_env.session_preset_name(config)  # --pd-preset auto that finds nothing: a usage error, now
     start_inventory_detection(config)
 
 
@@ -121,9 +141,11 @@ def pytest_make_collect_report(
     collector: pytest.Collector,
 ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     """``--pd-export-env``: a vLLM module that cannot import openai & co. names the extra that installs them
-    (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text)."""
+    (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text). A collection
+    error's text is redacted too (a module that printed an exported secret at import)."""
     report = yield
     export_env.name_missing_extra(collector.config, report)
+    logs.redact_report(report)
     return report
 
 
@@ -152,6 +174,7 @@ def pytest_runtest_makereport(
     report = yield
     logs.attach_sections(item, report)
     export_env.test_passed(item.config, report)
+    logs.redact_report(report)
     return report
 
 
@@ -181,15 +204,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     ``--pd-export-env``, what the session cluster's caches did (a vacuous pass shows hits 0)."""
     manager = config.stash.get(MANAGER, None)
     for death in manager.deaths if manager is not None else ():
-        terminalreporter.write_line(f"pdserve: {death.summary()}", red=True, bold=True)
+        terminalreporter.write_line(redact(f"pdserve: {death.summary()}"), red=True, bold=True)
     if manager is not None and manager.reused:
         saved = sum(r.first_start_seconds for r in manager.reused)
         names = ", ".join(r.describe().removeprefix("kept cluster ") for r in manager.reused)
         terminalreporter.write_line(f"pdserve: reused {names}: {saved:.1f}s of cluster starts saved (--pd-reuse)")
     for line in export_env.summary_lines(config):
-        terminalreporter.write_line(line)
+        terminalreporter.write_line(redact(line))
     for line in export_env.module_lines(config):
-        terminalreporter.write_line(line, red="no KV moved" in line and export_env.require_kv_transfer(config))
+        terminalreporter.write_line(redact(line), red="no KV moved" in line and export_env.require_kv_transfer(config))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

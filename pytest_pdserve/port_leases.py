@@ -14,6 +14,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.digits import parse_int
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
 from pytest_pdserve.lockfiles import (
     KEPT_RELEASE_WAIT,
@@ -42,11 +43,11 @@ def parse_port_range(text: str) -> tuple[int, int]:
     """
     low, sep, high = text.strip().partition("-")
     try:
-        lo, hi = int(low), int(high)
+        lo, hi = parse_int(low), parse_int(high)
     except ValueError:
         lo = hi = 0
     if not sep or not 1 <= lo <= hi <= 65535:
-        raise ValueError("expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 20000-20999")
+        raise ValueError("expected LOW-HIGH with 1 <= LOW <= HIGH <= 65535 in digits 0-9, e.g. 20000-20999")
     return lo, hi
 
 

@@ -18,10 +18,11 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any
 
 from pytest_pdserve.cpu import fit_cpu_block_size
+from pytest_pdserve.digits import parse_int
 from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.spec import ClusterSpec
 
@@ -63,11 +64,13 @@ def _int_env(environ: Mapping[str, str], var: str, default: int) -> int:
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = parse_int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise ClusterSpecError(f"${var}={raw!r} is not a whole number > 0 (read by the preset, as its script does)")
+        raise ClusterSpecError(
+            f"${var}={raw!r} is not a whole number > 0 in digits 0-9 (read by the preset, as its script does)"
+        )
     return value
 
 
@@ -360,16 +363,42 @@ AUTO = {
 }
 
 
-def auto_preset(paths: Sequence[str]) -> str | None:
+#: A directory given to ``--pd-preset auto`` is searched this many entries deep at most (a vLLM checkout has ~5,000).
+AUTO_SCAN_LIMIT = 50_000
+_SKIP_DIRS = frozenset({"__pycache__", "node_modules", "build", "dist", "site-packages"})
+
+
+def _modules_under(directory: Path) -> list[str]:
+    """The names of :data:`AUTO`'s modules under *directory* (what pytest would collect there; hidden and
+    build directories skipped, at most :data:`AUTO_SCAN_LIMIT` entries looked at)."""
+    found: list[str] = []
+    seen = 0
+    for _top, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+        found += [f for f in files if f in AUTO]
+        seen += len(dirs) + len(files)
+        if seen > AUTO_SCAN_LIMIT:
+            break
+    return found
+
+
+def auto_preset(paths: Sequence[str], base: Path | None = None) -> str | None:
     """The one preset the given test paths' modules need (``--pd-preset auto``); None when none is known.
+
+    A path that is a directory (relative ones under *base*, when given) stands for the modules in it, as
+    for pytest: ``pytest --pd-preset auto`` inside vLLM's nixl_integration directory finds its modules.
 
     :raises ClusterSpecError: the modules need different presets (one session has one cluster).
     """
     wanted = {}
     for path in paths:
-        base = PurePath(path.split("::", 1)[0]).name
-        if base in AUTO:
-            wanted[AUTO[base]] = base
+        given = path.split("::", 1)[0]
+        names = [PurePath(given).name]
+        if base is not None and (directory := base / given).is_dir():
+            names = _modules_under(directory)
+        for name in names:
+            if name in AUTO:
+                wanted[AUTO[name]] = name
     if len(wanted) > 1:
         raise ClusterSpecError(
             "--pd-preset auto: the modules need different presets ("

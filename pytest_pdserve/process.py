@@ -42,7 +42,7 @@ from pytest_pdserve.hints import AUTH_HINT, hint_for
 from pytest_pdserve.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.readiness import AuthRefused, ReadinessCheck, readiness_client
-from pytest_pdserve.redaction import redact_argv
+from pytest_pdserve.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.rpc_dirs import remove_rpc_dir
 
 __all__ = [
@@ -147,6 +147,9 @@ class ServerProcess:
         self.run_token = run_token
         self.server_token = f"{run_token}.{name}.{uuid.uuid4().hex[:8]}"
         self.env: dict[str, str] = dict(env)
+        # What the server is given it may print (vLLM logs its non-default args): a spec's --hf-token or HF_TOKEN
+        # is hidden in its log excerpts and in every message quoting them, like the session's secrets.
+        register(api_key, *secrets_in(self.argv, self.env))
         self.env[RUN_TOKEN_ENV] = run_token
         self.env[SERVER_TOKEN_ENV] = self.server_token
         # Without a health_url it is never asked: an alive process counts as ready.

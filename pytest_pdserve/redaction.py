@@ -11,8 +11,9 @@ What is hidden:
 * the value of a secret environment variable (:data:`SECRET_ENV`) in an env mapping;
 * the password in a URL (``http://user:pw@host`` -> ``http://user:***@host``), registered or not.
 
-Secrets are process-wide (the settings register the API key and attach-URL passwords at configure
-time), so an error raised deep in the process code is redacted without threading the key through.
+Secrets are process-wide (the settings register the API key, attach-URL passwords, the values of
+:data:`SECRET_ENV` variables in the environment and of :data:`SECRET_FLAGS` in the extra args at configure
+time: :func:`secrets_in`), so an error raised deep in the process code is redacted without threading the key through.
 This module is pytest-free and imports only the standard library.
 """
 
@@ -23,7 +24,10 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "SECRET_ENV", "SECRET_FLAGS", "redact", "redact_argv", "redact_env", "register", "url_password"]
+__all__ = [
+    "MASK", "SECRET_ENV", "SECRET_FLAGS", "redact", "redact_argv", "redact_env", "register", "secrets_in",
+    "url_password",
+]  # fmt: skip
 
 MASK = "***"
 #: Environment variables whose values are secrets (pdserve sets VLLM_API_KEY; the others are common tokens).
@@ -86,3 +90,13 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 def redact_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
     """*env* with the values of :data:`SECRET_ENV` variables hidden, then :func:`redact` on the rest."""
     return {k: (MASK if k in SECRET_ENV and v else (redact(v) if isinstance(v, str) else v)) for k, v in env.items()}
+
+
+def secrets_in(argv: Sequence[str] = (), env: Mapping[str, str | None] | None = None) -> list[str]:
+    """The secret values an argv (after a :data:`SECRET_FLAGS` flag) and an env (:data:`SECRET_ENV`) carry,
+    for :func:`register`: a server prints what it was given (vLLM's ``non-default args``), so a token a run
+    hands its servers is hidden in their log excerpts and every message that quotes them."""
+    found = [arg for prev, arg in zip(argv, argv[1:], strict=False) if prev in SECRET_FLAGS]
+    found += [arg.partition("=")[2] for arg in argv if arg.partition("=")[0] in SECRET_FLAGS and "=" in arg]
+    found += [v for k, v in (env or {}).items() if k in SECRET_ENV and v]
+    return [s for s in found if s]

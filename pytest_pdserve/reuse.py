@@ -122,13 +122,13 @@ class ReuseError(PDServeError):
 CI_ENV_VARS = ("CI", "BUILD_NUMBER")
 
 
-def reuse_decision(mode: str, environ: Mapping[str, str]) -> tuple[bool, str]:
+def reuse_decision(reuse: bool, mode: str, environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether this run keeps and reuses clusters, and why, in words (for the report header).
 
-    ``on`` is refused on CI (:data:`CI_ENV_VARS`: a CI job must start from fresh servers, and nobody would stop
-    what it kept); ``force`` keeps anyway.
+    *reuse* asked for, mode ``local`` is refused on CI (:data:`CI_ENV_VARS`: a CI job must start from fresh
+    servers, and nobody would stop what it kept); mode ``force`` keeps anyway.
     """
-    if mode == "off":
+    if not reuse:
         return False, "off"
     ci = next(
         (f"{var}={value}" for var in CI_ENV_VARS
@@ -136,9 +136,9 @@ def reuse_decision(mode: str, environ: Mapping[str, str]) -> tuple[bool, str]:
         None,
     )  # fmt: skip
     if ci is None:
-        return True, "on" if mode == "on" else "force"
-    if mode == "on":
-        return False, f"off: refused because {ci} (a CI job starts fresh servers; --pd-reuse=force keeps them)"
+        return True, "on" if mode != "force" else "force"
+    if mode != "force":
+        return False, f"off: refused because {ci} (a CI job starts fresh servers; --pd-reuse-mode=force keeps them)"
     return True, f"force ({ci} is set)"
 
 

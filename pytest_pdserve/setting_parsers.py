@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_pdserve.commands import proxy_placeholder_problems
+from pytest_pdserve.digits import is_int, parse_float, parse_int
 from pytest_pdserve.extra_args import ExtraArgsError, parse_extra_args
 from pytest_pdserve.inventory import InventoryError, parse_simulate_gpus
 from pytest_pdserve.port_leases import parse_port_range
@@ -31,7 +32,6 @@ __all__ = [
     "check_raw",
     "choice",
     "command",
-    "export_env",
     "extra_args",
     "gpu_ids",
     "kv_connector_config",
@@ -76,10 +76,6 @@ def boolean(text: str) -> bool:
     raise SettingError("accepted values: 1/0, true/false, yes/no, on/off")
 
 
-_INT = re.compile(r"[0-9]+")
-_FLOAT = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
 def number(
     kind: type[int] | type[float], low: float, high: float, *, open_low: bool = False, what: str = ""
 ) -> Callable[[str], Any]:
@@ -94,10 +90,10 @@ def number(
         expected = f"expected a number{what} {low_text} and <= {high:g}"
 
     def parse(text: str) -> Any:
-        value_text = text.strip()
-        if not (_INT if kind is int else _FLOAT).fullmatch(value_text):
-            raise SettingError(expected)
-        value = kind(value_text)
+        try:
+            value = parse_int(text) if kind is int else parse_float(text)
+        except ValueError:
+            raise SettingError(expected) from None
         if value < low or (open_low and value == low) or value > high:
             raise SettingError(expected)
         return value
@@ -139,9 +135,9 @@ def api_key(text: str) -> str:
 def gpu_ids(text: str) -> tuple[int, ...]:
     pieces = [p.strip() for p in text.split(",")]
     accepted = f"expected GPU indices >= 0 (at most {MAX_GPU_INDEX}) separated by commas, e.g. 0 or 0,1"
-    if not pieces or any(not _INT.fullmatch(p) or int(p) > MAX_GPU_INDEX for p in pieces):
+    if not pieces or any(not is_int(p) or int(p) > MAX_GPU_INDEX for p in pieces):
         raise SettingError(accepted)
-    ids = tuple(int(p) for p in pieces)
+    ids = tuple(parse_int(p) for p in pieces)
     if len(set(ids)) != len(ids):
         raise SettingError(f"an index is repeated; {accepted}")
     return ids
@@ -205,7 +201,7 @@ def urls(text: str) -> tuple[str, ...]:
 def simulate_gpus(text: str) -> str:
     # Cross-checked against the platform in resolve(); here only the shape, digits and the bound.
     count = text.strip().rpartition(":")[2].strip()
-    if not _INT.fullmatch(count):
+    if not is_int(count):
         raise SettingError("use N, cuda:N or rocm:N with N a whole number >= 0 (digits 0-9 only)")
     if int(count) > MAX_SIMULATED_GPUS:
         raise SettingError(f"at most {MAX_SIMULATED_GPUS} GPUs can be simulated")
@@ -214,28 +210,6 @@ def simulate_gpus(text: str) -> str:
     except InventoryError as exc:
         raise SettingError(str(exc)) from None
     return text.strip()
-
-
-def export_env(text: str) -> str | None:
-    # "" = export into the environment only; a path = also write `export` lines there; None = off.
-    value = text.strip()
-    if value.lower() in ("1", "true", "yes", "on"):
-        return ""
-    if value.lower() in ("0", "false", "no", "off"):
-        return None
-    return value
-
-
-def reuse_mode(text: str) -> str:
-    # `--pd-reuse` alone arrives as "1" (the optional kind's const).
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return "on"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    if value == "force":
-        return "force"
-    raise SettingError("accepted values: on, off, force (keep clusters even on CI: CI or BUILD_NUMBER set)")
 
 
 def preset(text: str) -> str:
@@ -260,11 +234,11 @@ def kv_connector_config(text: str) -> str:
 
 def port(text: str) -> int:
     try:
-        value = int(text.strip())
+        value = parse_int(text)
     except ValueError:
         value = 0
     if not 1 <= value <= 65535:
-        raise SettingError("expected a port number in 1-65535, e.g. 8192")
+        raise SettingError("expected a port number in 1-65535, e.g. 8192 (digits 0-9 only)")
     return value
 
 

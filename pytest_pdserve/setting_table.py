@@ -20,7 +20,6 @@ from pytest_pdserve.setting_parsers import (
     boolean,
     choice,
     command,
-    export_env,
     extra_args,
     gpu_ids,
     kv_connector_config,
@@ -28,7 +27,6 @@ from pytest_pdserve.setting_parsers import (
     port,
     port_range,
     preset,
-    reuse_mode,
     seconds,
     simulate_gpus,
     text,
@@ -40,7 +38,10 @@ from pytest_pdserve.spec import MAX_BLOCK_SIZE, MAX_MODEL_LEN
 
 __all__ = ["PATH_SETTINGS", "SETTINGS", "SETTINGS_BY_NAME", "Kind", "Setting", "remedy"]
 
-Kind = Literal["value", "bool", "append", "optional"]
+#: How a setting appears on the command line: ``--pd-x VALUE``, ``--pd-x`` / ``--no-pd-x``, or repeatable. No kind
+#: takes an *optional* value: argparse would hand such a flag the next word (``--pd-x test_a.py``), which the user
+#: meant as a path for pytest (tests/test_settings.py walks every registered option to keep it so).
+Kind = Literal["value", "bool", "append"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Setting:
     metavar: str | None = None
     #: Never shown in an error, the header or a log (the API key).
     secret: bool = False
+    #: A flag that once also took a value (``--pd-reuse=MODE``): the setting that takes it now. That old
+    #: spelling, and such a value in the env or ini, is a usage error naming the new one.
+    moved: str | None = None
 
     @property
     def flag(self) -> str:
@@ -137,11 +141,16 @@ SETTINGS: tuple[Setting, ...] = (
             urls, (), kind="append", cli="--pd-decode-url", metavar="URL"),
     Setting("proxy_url", "Attach to a running P/D proxy", url, None, cli="--pd-proxy-url", metavar="URL"),
     Setting("export_env", "Start the session cluster before collection and export PREFILL_HOST/PORT, "
-            "DECODE_HOST/PORT, PROXY_HOST/PORT, TEST_MODEL, BLOCK_SIZE, ... for vLLM's own test modules "
-            "(=FILE also writes them as export lines)", export_env, None, kind="optional", metavar="FILE"),
+            "DECODE_HOST/PORT, PROXY_HOST/PORT, TEST_MODEL, BLOCK_SIZE, ... for vLLM's own test modules",
+            boolean, False, kind="bool",
+            moved="export_env_file"),
+    Setting("export_env_file", "Also write the exported variables to FILE as `export` lines (turns "
+            "--pd-export-env on); a file pdserve did not write is never overwritten", text("a file path"), None,
+            metavar="FILE"),
     Setting("preset", "Server configuration of one of vLLM's nixl_integration scripts for the session cluster: "
             "vllm-edge-case, vllm-mamba-prefix-cache, vllm-multi-connector-edge-case, "
-            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the module names)", preset,
+            "vllm-multi-connector-accuracy, vllm-accuracy, vllm-xpu-disagg, or auto (from the modules the paths name; "
+            "none is a usage error)", preset,
             None, metavar="NAME"),
     Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
             "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "
@@ -161,8 +170,11 @@ SETTINGS: tuple[Setting, ...] = (
             "KV from prefill to decode (decode's external_kv_transfer tokens and NIXL bytes both 0: a proxy that "
             "bypasses prefill passes that way); on under --pd-preset", boolean, False, kind="bool"),
     Setting("reuse", "Keep this run's clusters up when pytest ends and attach the next run with the same "
-            "configuration to them: on, off, or force (also on CI: CI or BUILD_NUMBER set); see `pdserve ls` and "
-            "`pdserve stop --all`", reuse_mode, "off", kind="optional", metavar="MODE"),
+            "configuration to them (refused on CI unless --pd-reuse-mode=force); see `pdserve ls` and "
+            "`pdserve stop --all`", boolean, False, kind="bool",
+            moved="reuse_mode"),
+    Setting("reuse_mode", "How --pd-reuse applies: local (not on CI: CI or BUILD_NUMBER set) or force (on CI too); "
+            "giving it turns --pd-reuse on", choice("local", "force"), "local", metavar="MODE"),
     Setting("reuse_ttl", "Seconds a kept cluster may stay idle before its keeper stops it", seconds, 900.0,
             metavar="SECONDS"),
     Setting("reuse_dir", "Private directory for kept clusters' state and logs (default: "

@@ -78,8 +78,9 @@ class PDServeConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     proxy_url: str | None
-    export_env: str | None
-    """None: off; "": export into os.environ; a path: also write `export` lines there."""
+    export_env: bool
+    export_env_file: Path | None
+    """Where ``export`` lines also go (absolute); giving it turns ``export_env`` on."""
     preset: str | None
     kv_connector_config: str | None
     proxy_port: int | None
@@ -88,8 +89,11 @@ class PDServeConfig:
     request_timeout: float
     ready_check: bool
     require_kv_transfer: bool
-    reuse: str
-    """``off``, ``on`` or ``force`` as given; :func:`pytest_pdserve.reuse.reuse_decision` says whether it applies."""
+    reuse: bool
+    """Asked for (``--pd-reuse``, or a ``reuse_mode`` given); :func:`pytest_pdserve.reuse.reuse_decision` says
+    whether it applies."""
+    reuse_mode: str
+    """``local`` (refused on CI) or ``force``."""
     reuse_ttl: float
     reuse_dir: Path | None
     resolved_engine: str
@@ -129,9 +133,6 @@ def add_options(parser: pytest.Parser) -> None:
                             help=s.help + tail)  # fmt: skip
         elif s.kind == "append":
             group.addoption(s.flag, dest=s.dest, default=None, action="append", metavar=s.metavar,
-                            help=s.help + tail)  # fmt: skip
-        elif s.kind == "optional":  # `--flag` alone or `--flag=VALUE`
-            group.addoption(s.flag, dest=s.dest, default=None, nargs="?", const="1", metavar=s.metavar,
                             help=s.help + tail)  # fmt: skip
         else:
             group.addoption(s.flag, dest=s.dest, default=None, metavar=s.metavar, help=s.help + tail)
@@ -225,19 +226,31 @@ def _base_dir(config: pytest.Config, source: str) -> Path:
     return config.invocation_params.dir
 
 
-def _swallowed_path(config: pytest.Config, flag: str, raw: str) -> bool:
-    """Whether an optional-value flag's value is the next word of the command line and names an existing path.
+def refuse_moved_values(args: Sequence[str], where: str) -> None:
+    """``--pd-reuse=MODE`` and ``--pd-export-env=FILE``, spellings from when those flags took a value, are a usage
+    error naming the setting that takes the value now (argparse's own error names neither).
 
-    argparse hands ``--pd-reuse test_x.py`` the test path as its value (``nargs="?"``): the user meant a path
-    for pytest (``--pd-export-env test_x.py`` would overwrite it). The documented forms are ``--flag=VALUE``
-    and the flag alone.
+    Called when the plugin registers its options, before argparse sees the arguments, for each place pytest
+    reads them from (the command line, ``PYTEST_ADDOPTS``, the ini's ``addopts``).
     """
-    args = [str(a) for a in config.invocation_params.args]
-    last = max((i for i, a in enumerate(args) if a == flag or a.startswith(f"{flag}=")), default=None)
-    if last is None or args[last] != flag or last + 1 >= len(args) or args[last + 1] != raw:
-        return False
-    path = Path(raw.partition("::")[0]).expanduser()  # a node id (test_x.py::test_a) names its file
-    return os.path.lexists(path if path.is_absolute() else config.invocation_params.dir / path)
+    for arg in args:
+        flag, eq, value = str(arg).partition("=")
+        s = _MOVED_BY_FLAG.get(flag)
+        if s is not None and eq and s.moved is not None:
+            new = SETTINGS_BY_NAME[s.moved]
+            shown = redaction.redact(repr(value if len(value) <= 200 else value[:200] + "..."))
+            raise pytest.UsageError(
+                f"pdserve: {flag}={shown} ({where}): {s.flag} takes no value now; write {s.flag} alone, and "
+                f"{new.flag}={new.metavar} for {_what(new)} (set {new.remedy})"
+            )
+
+
+def _what(s: Setting) -> str:
+    """``the file`` for a setting whose metavar is FILE."""
+    return f"the {(s.metavar or 'value').lower()}"
+
+
+_MOVED_BY_FLAG: Mapping[str, Setting] = {s.flag: s for s in SETTINGS if s.moved is not None}
 
 
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> PDServeConfig:
@@ -257,16 +270,17 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             continue
         try:
             check_raw(raw)
-            if s.kind == "optional" and source == s.flag and _swallowed_path(config, s.flag, raw):
-                raise SettingError(
-                    f"it is a path: pytest's arguments right after {s.flag} are read as its value; write "
-                    f"{s.flag}={s.metavar} or give {s.flag} after the paths"
-                )
             values[s.name] = s.parse(raw)
         except SettingError as exc:
-            raise _usage(s, raw, source, str(exc)) from None
+            moved = f"; {_what(SETTINGS_BY_NAME[s.moved])} is set with {remedy(s.moved)}" if s.moved else ""
+            raise _usage(s, raw, source, f"{exc}{moved}") from None
+    _implied_flags(values, sources)
     # Secrets are registered before anything can print them (the header, errors, log headers).
-    redaction.register(values["api_key"], *(redaction.url_password(u) for u in _all_urls(values)))
+    redaction.register(
+        values["api_key"],
+        *(redaction.url_password(u) for u in _all_urls(values)),
+        *redaction.secrets_in(values["vllm_serve_extra_args"], env),  # an --hf-token, $HF_TOKEN servers inherit
+    )
     _check_extra_args(values, sources)
     for name in PATH_SETTINGS:
         if sources[name] != "default" and values[name] is not None:
@@ -276,6 +290,9 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
                 check_dir(values[name])  # the rule lives in paths.py: a file, or nowhere to write, is a usage error
             except PathError as exc:
                 raise _usage(SETTINGS_BY_NAME[name], str(values[name]), sources[name], str(exc)) from None
+    if values["export_env_file"] is not None:  # a file, not a directory: no check_dir (export_env.py checks it)
+        path = Path(values["export_env_file"]).expanduser()
+        values["export_env_file"] = path if path.is_absolute() else _base_dir(config, sources["export_env_file"]) / path
     _check_gpu_sharing(values, sources)
     if values["simulate_gpus"] is not None:
         try:
@@ -305,6 +322,24 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
         sources=types.MappingProxyType(sources),
         shadowed=types.MappingProxyType(shadowed),
     )
+
+
+#: The value a flag once took turns it on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.
+_IMPLIES = {s.moved: s.name for s in SETTINGS if s.moved is not None}
+
+
+def _implied_flags(values: dict[str, Any], sources: Mapping[str, str]) -> None:
+    """A file or mode given turns its flag on; with the flag explicitly off, the two disagree: a usage error."""
+    for given, flag in _IMPLIES.items():
+        if sources[given] == "default":
+            continue
+        if sources[flag] != "default" and values[flag] is False:
+            s = SETTINGS_BY_NAME[flag]
+            raise pytest.UsageError(
+                f"pdserve: {s.name} is off (from {_describe_source(sources[flag])}) but {given} is given (from "
+                f"{_describe_source(sources[given])}), which needs it on; drop one (set {s.remedy})"
+            )
+        values[flag] = True
 
 
 def _all_urls(values: Mapping[str, Any]) -> list[str]:

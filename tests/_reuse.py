@@ -60,7 +60,7 @@ def claimed_run(inner: Inner, reuse_dir: Path) -> Iterator[tuple[dict[str, Any],
 
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
-    for var in reuse.CI_ENV_VARS:  # CI refuses --pd-reuse=on; the CI case sets it itself
+    for var in reuse.CI_ENV_VARS:  # CI refuses --pd-reuse (mode local); the CI case sets it itself
         monkeypatch.delenv(var, raising=False)
     return Inner(pytester, monkeypatch)
 

@@ -172,7 +172,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 def test_export_env_starts_the_session_cluster_before_collection(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mod=MODULE)
-    result = _run(pytester, "--pd-export-env=out/env.sh", "--pd-preset=vllm-edge-case")
+    result = _run(pytester, "--pd-export-env-file=out/env.sh", "--pd-preset=vllm-edge-case")
     result.assert_outcomes(passed=1)  # pd_cluster is the exported cluster (same ports)
     result.stdout.fnmatch_lines([
         "*pdserve: cluster vllm-edge-case (sim, 1P x 1D) ready in*",

@@ -52,7 +52,7 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK_ENV, mark)
     reuse_dir = tmp_path / "reuse"
-    reuse = ("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")  # force: CI sets CI, which refuses plain `on`
+    reuse = ("--pd-reuse", "--pd-reuse-mode=force", f"--pd-reuse-dir={reuse_dir}")  # force: CI sets CI
     try:
         first = _run_examples(pytester, tmp_path, "vllm", *reuse)
         # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.

@@ -604,10 +604,10 @@ def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypat
     monkeypatch.setenv("CI", "true")
     refused = run_reuse(inner, reuse_dir)
     refused.assert_outcomes(passed=1)
-    refused.stdout.fnmatch_lines(["*pdserve: reuse off: refused because CI=true*--pd-reuse=force*"])
+    refused.stdout.fnmatch_lines(["*pdserve: reuse off: refused because CI=true*--pd-reuse-mode=force*"])
     inner.gone_within()
     assert states(reuse_dir) == []
-    forced = inner.run("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")
+    forced = inner.run("--pd-reuse", "--pd-reuse-mode=force", f"--pd-reuse-dir={reuse_dir}")
     forced.assert_outcomes(passed=1)
     forced.stdout.fnmatch_lines(["*reuse force (CI=true is set)*", "*kept pd-1-*"])
     stop_all(reuse_dir, inner)
@@ -793,7 +793,8 @@ def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
     ],
 )
 def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> None:
-    decided, why = reuse.reuse_decision(mode, environ)
+    # "on" is --pd-reuse (mode local), "force" is --pd-reuse --pd-reuse-mode=force, "off" is neither.
+    decided, why = reuse.reuse_decision(mode != "off", "force" if mode == "force" else "local", environ)
     assert decided is enabled
     if not enabled and mode == "on":
         assert "refused because" in why

@@ -276,32 +276,134 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
 # ------------------------------------------------------------------------------------------- bad settings
 
 
-@pytest.mark.parametrize("flag", ["--pd-reuse", "--pd-export-env"])
-def test_a_test_path_after_an_optional_value_flag_is_not_taken_as_its_value(inner: Inner, flag: str) -> None:
-    """`pytest --pd-reuse test_x.py` (flag first, as everyone types it): argparse gives an optional-value flag
-    the next word. --pd-reuse then refused 'test_x.py' as a mode, and `--pd-export-env test_x.py` OVERWROTE the
-    test file with export lines. A value given as a separate word that is an existing path is a usage error
-    that says how to write it; nothing is written."""
-    test_file = inner.pytester.makepyfile(test_x="def test_x():\n    pass\n")
-    before = test_file.read_text()
-    result = inner.run(flag, "test_x.py")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
-    result.stderr.fnmatch_lines(
-        [f"*'test_x.py' from {flag} is not a valid *: it is a path: pytest's arguments right after {flag} are "
-         f"read as its value; write {flag}=* or give {flag} after the paths*"]
-    )  # fmt: skip
-    assert test_file.read_text() == before
+#: Every door a flag comes in by: (name, how the flag is given). ``{flag}`` is the flag; env and ini key are its
+#: setting's (a flag is a boolean there).
+DOORS = ["argv", "PYTEST_ADDOPTS", "ini addopts", "env", "ini key"]
+FLAGS = {"--pd-reuse": "reuse", "--pd-export-env": "export_env"}
+
+
+def _through(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, door: str, words: list[str], setting: str, value: str
+) -> list[str]:
+    """Give *words* (a flag, or its old spelling) through *door*; returns the argv words left for the command line."""
+    from pytest_pdserve.settings import SETTINGS_BY_NAME
+
+    s = SETTINGS_BY_NAME[setting]
+    if door == "PYTEST_ADDOPTS":
+        monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(words))
+    elif door == "ini addopts":
+        inner.pytester.makeini(f"[pytest]\naddopts = {' '.join(words)}\n")
+    elif door == "env":
+        monkeypatch.setenv(s.env_var, value)
+    elif door == "ini key":
+        inner.pytester.makeini(f"[pytest]\n{s.ini_key} = {value}\n")
+    else:
+        return words
+    return []
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("flag", list(FLAGS))
+def test_a_flag_never_takes_the_next_word_through_any_door(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, flag: str, door: str
+) -> None:
+    """`pytest --pd-reuse test_x.py`, as everyone types it, and `PYTEST_ADDOPTS="--pd-export-env" pytest
+    test_x.py`: both flags are plain flags (issue 25: `--pd-export-env` took an optional value and OVERWROTE
+    test_x.py with export lines when it came from PYTEST_ADDOPTS or the ini's addopts). Through every door the
+    flag is on, test_x.py is the test run, and test_x.py is byte-identical afterwards."""
+    check = "assert os.environ.get('PREFILL_PORT')" if flag == "--pd-export-env" else "pass"
+    test_file = inner.pytester.makepyfile(test_x=f"import os\ndef test_x():\n    {check}\n")
+    before = test_file.read_bytes()
+    words = _through(inner, monkeypatch, door, [flag], FLAGS[flag], "1")
+    # The path right after the flag, as typed: pytest puts PYTEST_ADDOPTS and addopts before the command line
+    # (pytester.run, not runpytest_subprocess: that puts its own --basetemp first).
+    args = [*words, "test_x.py", *inner.args(f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")]
+    result = inner.pytester.run(sys.executable, "-m", "pytest", *args, timeout=120)
+    result.assert_outcomes(passed=1)
+    assert test_file.read_bytes() == before
+    if flag == "--pd-reuse":
+        result.stdout.fnmatch_lines(["pdserve: reuse on (idle ttl*"])
+    else:
+        result.stdout.fnmatch_lines(["pdserve: exported: PREFILL_HOST=127.0.0.1 *"])
     inner.gone_within()
-    ok = inner.run("test_x.py", flag, f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")
-    ok.assert_outcomes(passed=1)  # the flag alone after the paths (the README's form) still works
-    assert test_file.read_text() == before
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize(
+    ("flag", "value", "new"),
+    [("--pd-export-env", "test_x.py", "--pd-export-env-file"), ("--pd-reuse", "force", "--pd-reuse-mode")],
+)
+def test_an_old_spelling_with_a_value_is_a_usage_error_naming_the_new_one(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, door: str, flag: str, value: str, new: str
+) -> None:
+    """`--pd-export-env=FILE` and `--pd-reuse=MODE` (and such a value in the env or ini) are usage errors that name
+    the option taking the value now; nothing starts and nothing is written."""
+    test_file = inner.pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    before = test_file.read_bytes()
+    words = _through(inner, monkeypatch, door, [f"{flag}={value}"], FLAGS[flag], value)
+    result = inner.run(*words, "test_x.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    err = result.stderr.str()
+    assert f"{new} / PDSERVE_" in err, err
+    if door in ("env", "ini key"):
+        assert f"{value!r} from " in err, err
+        assert f"is not a valid {FLAGS[flag]}" in err, err
+    else:
+        where = {"argv": "on the command line", "PYTEST_ADDOPTS": "from PYTEST_ADDOPTS"}.get(door, "from addopts in")
+        assert f"{flag}={value!r} ({where}" in err, err
+        assert f"{flag} takes no value now; write {flag} alone" in err, err
+    assert "Traceback" not in err
+    assert test_file.read_bytes() == before
+    assert not live_procs(inner.mark)
+
+
+def test_a_mode_or_file_turns_its_flag_on_and_an_explicit_off_disagrees(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--pd-reuse-mode=force` alone means reuse (as `--pd-reuse=force` did); with `--no-pd-reuse` the two say
+    different things: a usage error naming both sources, not one silently winning."""
+    inner.pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    monkeypatch.setenv("CI", "true")
+    forced = inner.run("--pd-reuse-mode=force", f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")
+    forced.assert_outcomes(passed=1)
+    forced.stdout.fnmatch_lines(["pdserve: reuse force (CI=true is set)*"])
+    both = inner.run("--no-pd-reuse", "--pd-reuse-mode=force")
+    assert both.ret == pytest.ExitCode.USAGE_ERROR
+    both.stderr.fnmatch_lines(
+        ["*reuse is off (from --pd-reuse) but reuse_mode is given (from --pd-reuse-mode), which needs it on*"]
+    )
+    file_off = inner.run("--no-pd-export-env", "--pd-export-env-file=env.sh")
+    assert file_off.ret == pytest.ExitCode.USAGE_ERROR
+    assert not (inner.pytester.path / "env.sh").exists()
+
+
+def test_an_export_file_pdserve_did_not_write_is_never_overwritten(inner: Inner) -> None:
+    """`--pd-export-env-file test_x.py` (the user named the file option, then a test path): test_x.py is not a
+    file pdserve wrote, so the run stops before anything starts; a file it wrote is rewritten."""
+    test_file = inner.pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    before = test_file.read_bytes()
+    refused = inner.run("--pd-export-env-file", "test_x.py")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*export_env_file *test_x.py (from --pd-export-env-file) exists and was not "
+                                  "written by pdserve*"])  # fmt: skip
+    assert test_file.read_bytes() == before
+    for _ in range(2):  # the second run overwrites the first run's file
+        inner.run("--pd-export-env-file=env.sh", "test_x.py").assert_outcomes(passed=1)
+    assert (inner.pytester.path / "env.sh").read_text().startswith("# written by pytest-pdserve")
+    inner.gone_within()
 
 
 @pytest.mark.parametrize(
     ("where", "value", "why"),
     [
-        ("--pd-reuse", "maybe", "accepted values: on, off, force"),
-        ("PDSERVE_REUSE", "yes please", "accepted values: on, off, force"),
+        ("--pd-reuse-mode", "maybe", "accepted values: local, force"),
+        (
+            "PDSERVE_REUSE",
+            "yes please",
+            "accepted values: 1/0, true/false, yes/no, on/off; the mode is set with "
+            "--pd-reuse-mode / PDSERVE_REUSE_MODE / pdserve_reuse_mode",
+        ),
+        ("pdserve_reuse_mode", "on", "accepted values: local, force"),
         ("--pd-reuse-ttl", "0", "expected a number of seconds > 0 and <= 86400"),
         ("--pd-reuse-ttl", "-1", "expected a number of seconds > 0"),
         ("PDSERVE_REUSE_TTL", "nan", "expected a number of seconds > 0"),

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pytest_pdserve.digits import parse_float, parse_int
 from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
 
 DEFAULT_NONDETERMINISTIC_BACKENDS = frozenset({"FLASH_ATTN"})
@@ -88,12 +89,12 @@ class SimEnv:
             if value is None:
                 return default
             try:
-                result = float(value)
+                result = parse_float(value)
             except ValueError:
                 result = float("nan")
             if not (result >= lo and (hi is None or result <= hi)):
                 bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-                raise SimEnvError(f"{name}={value!r} is not accepted: expected a number {bound}")
+                raise SimEnvError(f"{name}={value!r} is not accepted: expected a number {bound} (digits 0-9)")
             return result
 
         def integer(name: str, default: int | None, lo: int, hi: int = 2**31) -> int | None:
@@ -101,11 +102,11 @@ class SimEnv:
             if value is None:
                 return default
             try:
-                result = int(value)
+                result = parse_int(value)
             except ValueError:
                 result = lo - 1
             if not lo <= result <= hi:
-                raise SimEnvError(f"{name}={value!r} is not accepted: expected an integer in [{lo}, {hi}]")
+                raise SimEnvError(f"{name}={value!r} is not accepted: expected an integer in [{lo}, {hi}] (digits 0-9)")
             return result
 
         backends_raw = get("PDSERVE_SIM_NONDETERMINISTIC_BACKENDS")

@@ -40,7 +40,7 @@ def test_kept_cluster_holds_its_gpu_between_runs_and_gives_it_up(
 ) -> None:
     inner.pytester.makepyfile(test_reuse=REUSE_TEST)
     reuse_dir = tmp_path / "reuse"
-    reuse = ["--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}", *physical_gpus.share_args]
+    reuse = ["--pd-reuse", "--pd-reuse-mode=force", f"--pd-reuse-dir={reuse_dir}", *physical_gpus.share_args]
     try:
         monkeypatch.setenv("RECORD_AS", "first")
         inner.run(*reuse).assert_outcomes(passed=1)
