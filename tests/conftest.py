@@ -46,7 +46,8 @@ def clean_pdserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------------------ test tiers
 # The tiers are pyproject's markers `vllm` and `gpu` (README "Development" has each tier's command). They are set
 # here, from what a test uses, so that no test has to remember them: a test needs real vLLM when it requests
-# `real_vllm` (or a fixture that does) or is parametrised with the engine "vllm"; tests/gpu needs a GPU.
+# `real_vllm` (or a fixture that does) or is parametrised with the engine "vllm"; tests/gpu needs a GPU. The few
+# tests that run the vLLM venv's python directly carry `@pytest.mark.vllm` themselves (test_cpu_env, test_vllm_compat).
 
 
 def _needs_real_vllm(item: pytest.Item) -> bool:
