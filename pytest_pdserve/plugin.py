@@ -12,7 +12,7 @@ from collections.abc import Generator
 
 import pytest
 
-from pytest_pdserve import export_env, logs
+from pytest_pdserve import export_env, logs, start_failure
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
     CURRENT_ITEM,
@@ -135,7 +135,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """Attach what each server and the proxy logged during a failed test as report sections."""
+    """A start error as its message alone; what each server and the proxy logged during a failed test as report
+    sections."""
+    start_failure.report_as_message(call)
     report = yield
     logs.attach_sections(item, report)
     return report
