@@ -466,8 +466,8 @@ class _Progress:
     """Start-up progress: role, elapsed time, last log line.
 
     On a terminal, at most one line per role per 5 s. Into a log (CI, a pipe) a line only when the role's last log
-    line changed since its last line (still at most one per 5 s, the first 5 s after its start), or after 30 s
-    without one: a start that only waits would otherwise repeat one line every 5 s per server.
+    line changed since its previous line, or after 30 s without one; at most one per 5 s and none in a start's
+    first 5 s. A start that only waits repeated one line every 5 s per server: most of a CI log.
     """
 
     EVERY = 5.0
