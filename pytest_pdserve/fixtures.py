@@ -140,6 +140,12 @@ def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], N
     return report
 
 
+def writes_to_terminal(config: pytest.Config) -> bool:
+    """Whether pytest's output goes to a terminal (a person watching) rather than to a log or a pipe (CI)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    return bool(getattr(terminal, "isatty", False))  # a bool before pytest 9, a callable bool since
+
+
 def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The session's cluster manager, built from the resolved settings (once per process)."""
     from pytest_pdserve.commands import SessionDefaults
@@ -176,7 +182,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
         share_gpus=cfg.share_gpus, port_range=cfg.port_range,
-        reporter=make_reporter(config, logs / "pdserve.log"), reuse=kept,
+        reporter=make_reporter(config, logs / "pdserve.log"), reuse=kept, terminal=writes_to_terminal(config),
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
     return manager

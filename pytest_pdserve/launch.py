@@ -95,6 +95,7 @@ class ClusterLauncher:
         proxy_command: tuple[str, ...] | None,
         report: Reporter,
         port_range: tuple[int, int | None] = DEFAULT_PORT_RANGE,
+        terminal: bool = True,
     ) -> None:
         self.defaults = defaults
         self.inventory = inventory
@@ -105,6 +106,8 @@ class ClusterLauncher:
         self.shutdown_timeout = shutdown_timeout
         self.proxy_command = proxy_command
         self.report = report
+        #: Whether the reports reach a terminal (a person watching) or a log (CI): how often progress is shown.
+        self.terminal = terminal
         self.run_token = new_run_token()
         self.port_range = port_range
         self._watchdog: Watchdog | None = None
@@ -283,7 +286,7 @@ class ClusterLauncher:
         inherit_fds: Sequence[int] = (),
     ) -> None:
         deadline = t0 + self.startup_timeout
-        progress = _Progress(self.report)
+        progress = _Progress(self.report, self.terminal)
         if shared:
             # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
             # (The proxy, last in `handles`, uses no GPU: it starts with the first server.)
@@ -365,7 +368,7 @@ class ClusterLauncher:
         assert proxy.process is not None
         proxy.process.start([fd for lease in port_leases for fd in lease.fds])
         watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report))
+        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report, self.terminal))
         proxy.ready_seconds = ready["proxy"]
         return proxy
 
@@ -460,17 +463,30 @@ def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
 
 
 class _Progress:
-    """Throttled start-up progress: role, elapsed time, last log line; at most one line per role per 5 s."""
+    """Start-up progress: role, elapsed time, last log line.
+
+    On a terminal, at most one line per role per 5 s. Into a log (CI, a pipe) a line only when the role's last log
+    line changed since its previous line, or after 30 s without one; at most one per 5 s and none in a start's
+    first 5 s. A start that only waits repeated one line every 5 s per server: most of a CI log.
+    """
 
     EVERY = 5.0
+    QUIET_EVERY = 30.0
 
-    def __init__(self, report: Reporter) -> None:
+    def __init__(self, report: Reporter, terminal: bool = True) -> None:
         self.report = report
+        self.terminal = terminal
         self.last: dict[str, float] = {}
+        self.shown: dict[str, str] = {}
 
     def __call__(self, name: str, elapsed: float, last_line: str) -> None:
         now = time.monotonic()
-        if now - self.last.get(name, 0.0) < self.EVERY:
+        # Into a log, the first line too waits 5 s: a start that takes less (the simulator's) shows none.
+        since = now - self.last.get(name, 0.0 if self.terminal else now - elapsed)
+        if since < self.EVERY:
+            return
+        if not self.terminal and last_line == self.shown.get(name) and since < self.QUIET_EVERY:
             return
         self.last[name] = now
+        self.shown[name] = last_line
         self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {last_line[-160:]}")

@@ -1,5 +1,8 @@
 """Per-test log slices: what each server and the proxy wrote while one test ran, attached when it fails.
 
+Only servers that wrote during the test (or died) get a section: the others' "(no output during this test)" was
+most of a failure's report on a cluster of several servers.
+
 Offsets are recorded at the start of each test; a cluster started during that test's setup has no
 offset and contributes everything it wrote. The sections travel inside the test report, so they reach
 the terminal (and JUnit XML) under xdist too, where ``-s`` cannot show live output.
@@ -30,7 +33,7 @@ def record_offsets(item: pytest.Item) -> None:
 
 
 def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Add one report section per server with the lines it wrote during this test (failed reports only)."""
+    """Add one report section per server that wrote during this test, or is dead (failed reports only)."""
     if not report.failed:
         return
     manager = item.config.stash.get(MANAGER, None)
@@ -45,9 +48,12 @@ def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             lines = text.splitlines()
             if len(lines) > MAX_LINES:
                 lines = [f"[... {len(lines) - MAX_LINES} earlier lines in {server.log_path}]"] + lines[-MAX_LINES:]
-            body = "\n".join(lines) if lines else "(no output during this test)"
             proc = server.process
-            if proc is not None and proc.pid is not None and not proc.alive:
+            dead = proc is not None and proc.pid is not None and not proc.alive
+            if not lines and not dead:
+                continue  # a server that wrote nothing during the test has nothing to say about it
+            body = "\n".join(lines) if lines else "(no output during this test)"
+            if dead and proc is not None:
                 # A server that died during an earlier test explains this one's errors: say so, with its last words.
                 body = f"{server.name} is not running: exit code {proc.returncode}\n{proc.log_tail(30)}\n" + body
             # Redacted: vLLM logs its non-default args, and server code may print anything it was given.

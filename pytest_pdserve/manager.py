@@ -63,6 +63,7 @@ class ClusterManager:
         port_range: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
         reuse: ReuseOptions | None = None,
+        terminal: bool = True,
     ) -> None:
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
@@ -79,7 +80,7 @@ class ClusterManager:
         self.launcher = ClusterLauncher(
             defaults=defaults, inventory=inventory, gpus=self.gpus, log_dir=log_dir, lease_dir=lease_dir,
             startup_timeout=startup_timeout, shutdown_timeout=shutdown_timeout, proxy_command=proxy_command,
-            report=self.report, port_range=port_range or DEFAULT_PORT_RANGE,
+            report=self.report, port_range=port_range or DEFAULT_PORT_RANGE, terminal=terminal,
         )  # fmt: skip
         self.run_token = self.launcher.run_token
         self._running: dict[ClusterSpec, LaunchedCluster] = {}

