@@ -843,7 +843,9 @@ HELD_BLOCKS = """
 import os
 
 def test_held(pd_cluster_factory, pdinfo):
-    cluster = pd_cluster_factory(name="held", kv_connector_extra_config={"kv_lease_duration": 3})
+    # 15 s: long enough that the blocks are still held when the next run attaches on a loaded machine (with 3 s
+    # the lease ran out between the two runs there, and the attach had nothing to wait for).
+    cluster = pd_cluster_factory(name="held", kv_connector_extra_config={"kv_lease_duration": 15})
     pdinfo(cluster, reused=cluster.reused.kept_id if cluster.reused else None)
     if os.environ.get("FIRST"):  # a prefill whose KV no decode reads: its blocks stay held for the lease
         cluster.prefill[0].complete("held " * 100, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -863,7 +865,7 @@ def test_the_attach_waits_for_kv_blocks_a_prefill_left_held_instead_of_starting_
     second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines(
-        ["*pdserve: reuse: prefill-0 still holds KV blocks (a request left them*waiting up to 8s to reset its prefix*"]
+        ["*pdserve: reuse: prefill-0 still holds KV blocks (a request left them*waiting up to 20s to reset its prefix*"]
     )
     assert "starting a fresh cluster" not in second.stdout.str()
     assert [i["reused"] is not None for i in sorted(inner.infos(), key=lambda i: i["t"])] == [False, True]
