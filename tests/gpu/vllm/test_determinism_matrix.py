@@ -23,6 +23,10 @@ from pytest_pdserve.assertions import (
 )
 from pytest_pdserve.prompts import prompt_with_tokens
 
+#: Like every proof under tests/gpu: skipped with the plugin's own reason where there is no CUDA GPU, before a
+#: cluster starts.
+pytestmark = pytest.mark.cuda
+
 
 @pytest.fixture(scope="module")
 def cluster(pd_cluster: Any) -> Any:
