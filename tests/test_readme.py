@@ -120,12 +120,21 @@ def test_every_repository_path_the_readme_names_exists() -> None:
     assert not missing, f"README names paths this repository lacks: {missing}"
 
 
+#: pytest options whose value is the next word (`-m "not vllm"`, `-k name`, `-p plugin`, `-n 2`).
+PYTEST_VALUE_FLAGS = frozenset({"-m", "-k", "-p", "-n", "-o", "-c", "--rootdir", "--basetemp"})
+
+
 def test_every_readme_command_is_real(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """Each command of the README's shell blocks runs something that exists: scripts and files are there, pytest's
     paths exist and its options are registered, `pdserve` accepts the arguments, `tox -e` envs are defined."""
     from pytest_pdserve import cli
+    from pytest_pdserve.markers import MARKERS
 
     options = _pytest_options(pytester)
+    # The markers this repository registers (pyproject's tiers) and the plugin's own (cuda, rocm, gpus, ...).
+    ini = (REPO / "pyproject.toml").read_text().split("markers = [", 1)[1].split("]", 1)[0]
+    markers = set(re.findall(r'^\s*"(\w+)', ini, re.M)) | {line.split("(")[0].split(":")[0] for line in MARKERS}
+    assert {"vllm", "gpu", "cuda"} <= markers, sorted(markers)
     tox = (REPO / "tox.ini").read_text()
     tox_envs = set(re.findall(r"^\[testenv:([\w-]+)\]", tox, re.M)) | {"py310", "py311", "py312", "py313"}
     problems = []
@@ -137,8 +146,13 @@ def test_every_readme_command_is_real(pytester: pytest.Pytester, tmp_path: Path)
         if program in (".venv/bin/python", "python3") and args[:2] == ["-m", "pytest"]:
             program, args = "pytest", args[2:]
         if program == "pytest":
-            for arg in args:
+            for i, arg in enumerate(args):
                 flag = arg.split("=", 1)[0]
+                if i and args[i - 1] in PYTEST_VALUE_FLAGS:
+                    if args[i - 1] == "-m":  # a marker expression: every name in it is a registered marker
+                        names = set(re.findall(r"[A-Za-z_]\w*", arg)) - {"and", "or", "not"}
+                        problems += [f"{where}: -m names {n}, no registered marker" for n in sorted(names - markers)]
+                    continue
                 if flag.startswith(("--pd-", "--no-pd-")) and flag not in options:
                     problems.append(f"{where}: {flag} is not an option")
                 elif not arg.startswith("-") and arg not in READER_FILES and not (REPO / arg).exists():
