@@ -66,9 +66,9 @@ PDSERVE_SIM_VLLM_VERSION               0.33.0      the vLLM version reported and
 
 The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the KV cache; its ``tokenizer.json``, or
 ``--tokenizer DIR``, is the tokenizer, through the optional ``tokenizers`` package: without it such a server refuses
-to start, ``pip install tokenizers``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's shape and the
-built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull), OffloadingConnector
-(CPU tier) and a MultiConnector of those; any other connector is refused at startup.
+to start, ``pip install tokenizers``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's
+shape and the built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull),
+OffloadingConnector (CPU tier) and a MultiConnector of those; any other connector is refused at startup.
 
 On the simulated CPU platform the backend is ``CPU_ATTN`` whatever ``--attention-backend`` says (vLLM's CPU
 rule), which is deterministic; on cuda/rocm ``auto`` picks ``FLASH_ATTN`` like vLLM on Hopper. vLLM's start
