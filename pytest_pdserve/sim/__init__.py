@@ -6,9 +6,9 @@ Run it exactly like ``vllm serve``::
     python -m pytest_pdserve.sim serve MODEL ...
 
 It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``, ``/tokenize``, ``/metrics``, ``/version``, and in dev mode ``/reset_prefix_cache``,
-``/reset_mm_cache``, ``/reset_encoder_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``,
-``/resume``, ``/is_paused``, ``/weight_info``, ``/update_weight_version``), keeps a
+``/v1/chat/completions``, ``/tokenize``, ``/detokenize``, ``/metrics``, ``/version``, and in dev mode
+``/reset_prefix_cache``, ``/reset_mm_cache``, ``/reset_encoder_cache``, ``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``, ``/update_weight_version``), keeps a
 block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
 P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
 
@@ -64,11 +64,11 @@ PDSERVE_SIM_VLLM_VERSION               0.33.0      the vLLM version reported and
                                                    >= 0.32 lowers max_tokens to fit, older reserves it)
 =====================================  ==========  =========================================================
 
-The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the KV cache; its ``tokenizer.json``
-is the tokenizer when the optional ``tokenizers`` package is installed: ``pip install tokenizers``; or
-``--tokenizer DIR``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's shape and the
-built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull), OffloadingConnector
-(CPU tier) and a MultiConnector of those; any other connector is refused at startup.
+The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the KV cache; its ``tokenizer.json``, or
+``--tokenizer DIR``, is the tokenizer, through the optional ``tokenizers`` package: without it such a server refuses
+to start, ``pip install tokenizers``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's
+shape and the built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull),
+OffloadingConnector (CPU tier) and a MultiConnector of those; any other connector is refused at startup.
 
 On the simulated CPU platform the backend is ``CPU_ATTN`` whatever ``--attention-backend`` says (vLLM's CPU
 rule), which is deterministic; on cuda/rocm ``auto`` picks ``FLASH_ATTN`` like vLLM on Hopper. vLLM's start

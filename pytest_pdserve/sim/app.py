@@ -610,6 +610,17 @@ def build_app(state: AppState) -> Starlette:
             {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
         )
 
+    async def detokenize(request: Request) -> Response:
+        # vLLM's POST /detokenize: the renderer's tokenizer.decode(tokens), special tokens kept (HF's default).
+        body = await body_of(request)
+        _check_model(body, engine, state.loras)
+        tokens = body.get("tokens")
+        vocab = engine.shape.vocab_size
+        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                 for t in tokens)):  # fmt: skip
+            raise _ApiError(f"tokens must be a list of token ids in [0, {vocab})")
+        return JSONResponse({"prompt": engine.tok.detokenize(tokens)})
+
     async def chat(request: Request) -> Response:
         body = protocol.validated(await body_of(request), chat=True)
         model = _check_model(body, engine, state.loras)
@@ -671,6 +682,7 @@ def build_app(state: AppState) -> Starlette:
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
     ]
     if engine.env.runtime_lora_updating:
         # vLLM's serve/lora/api_router.attach_router: the routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING.

@@ -334,7 +334,7 @@ def _fraction(value: str) -> float:
 
 _EPILOG = """\
 The model: a local checkpoint directory is read (config.json: layers, KV heads, head size, dtype, context;
-tokenizer.json with 'pip install tokenizers'); known names (Qwen/Qwen3-0.6B, ...) have their shapes built in;
+tokenizer.json, which needs 'pip install tokenizers'); known names (Qwen/Qwen3-0.6B, ...) have their shapes built in;
 any other name gets the tiny Llama's shape and the built-in tokenizer.
 
 Environment (read at startup; a bad value exits with status 2 and names the variable):

@@ -235,7 +235,7 @@ class Engine:
     ) -> None:
         self.args = args
         self.shape = shape if shape is not None else model.resolve(args.model)
-        self.tok = tok if tok is not None else tokenizer.load(args.tokenizer, self.shape.directory)[0]
+        self.tok = tok if tok is not None else tokenizer.load(args.tokenizer, self.shape.directory)
         self.max_model_len = (
             args.max_model_len if args.max_model_len is not None else self.shape.max_position_embeddings
         )

@@ -225,13 +225,12 @@ async def _serve_async(
     try:
         shape = model.resolve(args.model)
         long_len_warning = start_rules.check_max_model_len(args.max_model_len, shape, os.environ)
-        tok, tok_warning = tokenizer.load(args.tokenizer, shape.directory)
+        tok = tokenizer.load(args.tokenizer, shape.directory)
     except (model.ModelConfigError, tokenizer.TokenizerError, start_rules.StartRefused) as exc:
         sock.close()
         return _startup_error(exc)
-    for warning in (long_len_warning, tok_warning):
-        if warning is not None:
-            logger.warning("%s", warning)
+    if long_len_warning is not None:
+        logger.warning("%s", long_len_warning)
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
         start_rules.check_kv_cache_fits(

@@ -106,26 +106,17 @@ def test_eviction_is_lru_of_free_blocks_and_not_vacuous() -> None:
     asyncio.run(scenario())
 
 
-def _tiny_llama_dir() -> Path | None:
-    root = Path("/work/main/.cache/pdserve/models")
-    found = sorted(root.glob("llama-*/tokenizer.json")) if root.is_dir() else []
-    return found[0].parent if found else None
-
-
 @pytest.mark.skipif(not tokenizer.tokenizers_available(), reason="the optional 'tokenizers' package is not installed")
-def test_real_tokenizer_of_a_model_directory(tmp_path: Path) -> None:
+def test_real_tokenizer_of_a_model_directory(tmp_path: Path, tiny_llama_dir: Path) -> None:
     import tokenizers
 
-    source = _tiny_llama_dir()
-    if source is None:
-        pytest.skip("no tiny Llama built in the shared cache")
+    source = tiny_llama_dir
     e = engine(str(source))
     real = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
     text = "Red Hat is the best company in the world, since 1993."
     assert e.tok.encode(text) == real.encode(text).ids
     assert e.tok.encode(text) != tokenizer.encode(text)
-    loaded, warning = tokenizer.load(str(source), None)
-    assert warning is None
+    loaded = tokenizer.load(str(source), None)
     assert loaded.encode(text) == real.encode(text).ids
     with pytest.raises(tokenizer.TokenizerError, match="no tokenizer.json"):
         tokenizer.load(str(tmp_path), None)
