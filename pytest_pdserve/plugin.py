@@ -26,6 +26,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     pytest_timeout_set_timer,
     reuse_header,
     reuse_options,
+    run_log_name,
     stop_manager,
 )
 from pytest_pdserve.markers import apply_skips, register_markers
@@ -97,6 +98,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
     second = f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}"
     lines.append(second)
+    if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
+        lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
     if cfg.attach_mode:
         # Attach mode: say so first, since engine/GPU settings above do not apply to servers we did not start.
         proxy = cfg.proxy_url or "built-in (started here)"

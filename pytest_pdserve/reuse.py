@@ -45,7 +45,7 @@ from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
 from pytest_pdserve.lockfiles import want
-from pytest_pdserve.logfile import open_append
+from pytest_pdserve.logfile import open_append, write_replace
 from pytest_pdserve.paths import ensure_dir
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
 from pytest_pdserve.redaction import redact_argv, redact_env
@@ -210,13 +210,9 @@ def ensure_reuse_dir(path: Path) -> Path:
     check_reuse_dir(path)
     if not _marked(path):
         try:
-            fd = os.open(path / REUSE_DIR_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            write_replace(path / REUSE_DIR_MARKER, _MARKER_TEXT)
         except OSError as exc:
             raise ReuseError(f"reuse directory {path}: cannot create {REUSE_DIR_MARKER}: {exc.strerror}") from None
-        try:
-            os.write(fd, _MARKER_TEXT)
-        finally:
-            os.close(fd)
     return path
 
 
