@@ -776,9 +776,11 @@ def _not_scheduling(h: Any) -> str | None:
     """Why a server schedules no request, in words, or None. vLLM 0.32's ``/is_sleeping`` is true while the
     scheduler is paused (``/pause``, ``/sleep`` at any level: ``EngineCore.is_sleeping``); ``/is_paused`` says so
     on its own where ``/is_sleeping`` counts only the executor. A server without either route: nothing says so."""
+    from pytest_pdserve.deadline import get_within
+
     for route, key in (("/is_sleeping", "is_sleeping"), ("/is_paused", "is_paused")):
         try:
-            r = h.client.get(route)
+            r = get_within(h.client, route, 5.0)
             if r.status_code == 200 and bool(r.json().get(key)):
                 return f"{h.name} is asleep or paused (POST /sleep or /pause without /wake_up or /resume)"
         except Exception:  # an older server, a body that is not JSON: nothing says it stopped
@@ -898,6 +900,7 @@ def adopt(
     from pytest_pdserve.clients import http_transport
     from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
     from pytest_pdserve.commands import ServerCommand, ServerPorts
+    from pytest_pdserve.deadline import get_within
     from pytest_pdserve.launch import LaunchedCluster
 
     t0 = time.monotonic()
@@ -927,7 +930,7 @@ def adopt(
     with httpx.Client(headers=headers, timeout=2.0, trust_env=False, transport=http_transport()) as client:
         for h in (*servers, proxy):
             try:
-                status = client.get(f"{h.url}/health").status_code
+                status = get_within(client, f"{h.url}/health", 2.0).status_code
             except httpx.HTTPError as exc:
                 raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
             if status != 200:

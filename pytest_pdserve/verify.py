@@ -41,6 +41,7 @@ import httpx
 
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
+from pytest_pdserve.deadline import get_within
 from pytest_pdserve.errors import ServerStartupError
 from pytest_pdserve.hints import hint_for
 from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
@@ -117,9 +118,13 @@ class EffectiveConfigError(ServerStartupError):
         self.mismatches = tuple(mismatches)
 
 
+#: The whole of one read-back GET (/v1/models, /version): a server that trickles its answer gives none.
+READ_BACK_TIMEOUT = 10.0
+
+
 def _get_json(client: httpx.Client, path: str) -> Any:
     try:
-        response = client.get(path)
+        response = get_within(client, path, READ_BACK_TIMEOUT)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
