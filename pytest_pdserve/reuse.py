@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
@@ -47,7 +48,15 @@ from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid
 from pytest_pdserve.lockfiles import want
 from pytest_pdserve.logfile import open_append, write_replace
 from pytest_pdserve.paths import ensure_dir
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
+from pytest_pdserve.proctree import (
+    RUN_TOKEN_ENV,
+    SERVER_TOKEN_ENV,
+    alive_as,
+    isolated_argv,
+    listens_on,
+    read_stat,
+    terminate,
+)
 from pytest_pdserve.redaction import redact_argv, redact_env
 from pytest_pdserve.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.tiny_model import cache_base
@@ -384,6 +393,29 @@ class KeptCluster:
     def dead_server(self) -> str | None:
         """The first server that is not the process that was kept, else None (the keeper's own rule)."""
         return gone_server(self.servers)
+
+    def foreign_listener(self) -> str | None:
+        """The first server whose URL is not served by the kept process itself, in words, else None.
+
+        The state file can be edited (by the user, or whoever can write the reuse dir): a URL pointed at another
+        listener would receive this run's API key with the first request. So before any request, each URL must be
+        ``http://127.0.0.1:PORT`` and PORT a listening socket of the kept pid (`proctree.listens_on`).
+        """
+        for server in self.servers:
+            url = urlsplit(str(server.get("url", "")))
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            if url.scheme != "http" or url.hostname != "127.0.0.1" or port is None:
+                return f"{server.get('name')}: its URL {server.get('url')!r} is not http://127.0.0.1:PORT"
+            if not listens_on(int(server["pid"]), port):
+                return (
+                    f"{server.get('name')}: port {port} is not a listening socket of the kept process "
+                    f"(pid {server['pid']}): the state file {self.path} was changed or the port was taken over; "
+                    "nothing was sent to it"
+                )
+        return None
 
     def keeper_stopped(self) -> str | None:
         """Why its keeper cannot answer now, when it is stopped (SIGSTOP, a debugger, a frozen cgroup), else None.
@@ -909,6 +941,9 @@ def adopt(
     dead = kept.dead_server()
     if dead is not None:
         raise ReuseError(dead)
+    foreign = kept.foreign_listener()  # before the first request: each carries the API key
+    if foreign is not None:
+        raise ReuseError(foreign)
 
     def handle(s: Mapping[str, Any]) -> ServerHandle:
         command = None
