@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from pytest_pdserve import clients
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.deadline import get_within
@@ -293,7 +294,9 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
         prompt = _ready_prompt(cluster, 1000 + i)
         before = {d.name: d.metrics() for d in cluster.decode}
         try:
-            cluster.proxy.complete(prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
+            # The whole answer within the request timeout (a total here, not per read: a trickle is no answer).
+            total = clients.OPTIONS.request_timeout
+            cluster.proxy.complete_within(total, prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
         except (AssertionError, httpx.HTTPError) as exc:
             raise NotPDReady(
                 "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}{_hints(cluster)}"
