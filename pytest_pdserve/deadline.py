@@ -55,6 +55,7 @@ class _Cutter:
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self.fired = False
+        self._done = False
 
     def add(self, stream: Any) -> None:
         sock = stream.get_extra_info("socket") if stream is not None else None
@@ -65,8 +66,15 @@ class _Cutter:
             if self.fired:
                 self._cut(sock)
 
+    def done(self) -> None:
+        """The answer is complete: a timer firing now must not cut a connection the pool may hand out again."""
+        with self._lock:
+            self._done = True
+
     def fire(self) -> None:
         with self._lock:
+            if self._done:
+                return
             self.fired = True
             for sock in self._socks:
                 self._cut(sock)
@@ -117,12 +125,14 @@ class DeadlineTransport(httpx.BaseTransport):
                     if time.monotonic() > deadline:
                         raise late()
             finally:
+                cutter.done()  # before the connection goes back to the pool
                 response.close()
         except httpx.TransportError:
             if cutter.fired or time.monotonic() > deadline:
                 raise late() from None
             raise
         finally:
+            cutter.done()
             timer.cancel()
         return httpx.Response(
             response.status_code, headers=response.headers, content=b"".join(chunks), request=request,
