@@ -13,7 +13,10 @@ controller does not); the controller starts nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import os
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +58,15 @@ class Exported:
 
 
 EXPORTED = pytest.StashKey[Exported]()
+
+#: pytest-pdserve's extra with what vLLM's own modules import (pyproject's [project.optional-dependencies] is the
+#: one list; it is read back from the installed metadata).
+VLLM_TESTS_EXTRA = "vllm-tests"
+#: What the modules need that no extra of ours installs: test_accuracy.py runs lm_eval's gsm8k through the
+#: "local-completions" API model, and lm_eval downloads the dataset when it runs.
+_OUTSIDE_EXTRA = {"lm_eval": "pip install 'lm_eval[api]' (it also downloads the gsm8k dataset: network access)"}
+#: How pytest reports a test module whose import failed for a missing module (its CollectError text).
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
@@ -164,6 +176,46 @@ def start(config: pytest.Config) -> None:
         pytest.exit(f"pdserve: cannot write the export file {exported.file} (from {where}): {exc.strerror or exc}", 1)
     with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
         exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
+
+
+@functools.cache
+def extra_modules(extra: str) -> frozenset[str]:
+    """Import names of what pytest-pdserve's *extra* installs (empty where the package metadata is missing)."""
+    from packaging.requirements import Requirement
+
+    try:
+        lines = importlib.metadata.requires("pytest-pdserve") or []
+    except importlib.metadata.PackageNotFoundError:
+        return frozenset()
+    names = set()
+    for line in lines:
+        req = Requirement(line)
+        # Only this extra's lines: a platform marker (uvloop's) holds with or without the extra.
+        if req.marker is not None and req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
+            names.add(req.name.lower().replace("-", "_"))  # openai, regex, requests: import name = project name
+    return frozenset(names)
+
+
+def name_missing_extra(config: pytest.Config, report: pytest.CollectReport) -> None:
+    """A module collected in an ``--pd-export-env`` session that failed to import one of what vLLM's modules need:
+    add to its error the command that installs it, instead of leaving a bare ``ModuleNotFoundError``."""
+    if not report.failed or EXPORTED not in config.stash:
+        return
+    match = _NO_MODULE.search(str(report.longrepr))
+    if match is None:
+        return
+    top = match.group(1).split(".", 1)[0]
+    if top in extra_modules(VLLM_TESTS_EXTRA):
+        what = ", ".join(sorted(extra_modules(VLLM_TESTS_EXTRA)))
+        remedy = f"pip install 'pytest-pdserve[{VLLM_TESTS_EXTRA}]' (installs {what})"
+    elif top in _OUTSIDE_EXTRA:
+        remedy = _OUTSIDE_EXTRA[top]
+    else:
+        return
+    report.longrepr = (
+        f"{report.longrepr}\n\npdserve: {report.nodeid} needs {top!r}, which vLLM's nixl_integration modules "
+        f"import and this environment lacks: {remedy}"
+    )
 
 
 def restore(config: pytest.Config) -> None:

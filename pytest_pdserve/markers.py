@@ -8,18 +8,20 @@ at collection with a usage error listing each bad test and marker.
 On a CPU-only machine a GPU count applies only to tests that use no pd fixture (they do their own GPU
 work, like vLLM's ``test_accuracy_rocm.py``, and are skipped); tests that use ``pd_cluster`` /
 ``pd_cluster_factory`` run on the CPU engine, and their report carries a ``pdserve`` section saying so
-(shown by ``-rA``).
+(shown by ``-rA``). Under ``--pd-share-gpus`` such a test needs one GPU, whatever its count: every server of
+its cluster runs on that one GPU (its report says so too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.session_inventory import get_inventory
+from pytest_pdserve.settings import PDSERVE_CONFIG
 
 __all__ = [
     "MARKERS",
@@ -29,6 +31,7 @@ __all__ = [
     "cpu_note",
     "register_markers",
     "requirement_for",
+    "shared_gpu_need",
     "skip_reason",
 ]
 
@@ -142,8 +145,16 @@ def _how(inv: Inventory) -> str:
     return inv.source if inv.simulated or inv.platform == "cpu" else f"detected via {inv.source}"
 
 
-def skip_reason(req: Requirement, inv: Inventory) -> str | None:
+def shared_gpu_need(req: Requirement, share_gpus: bool) -> int:
+    """The GPUs *req* needs from the inventory: under ``--pd-share-gpus`` a test whose GPUs are its pd cluster's
+    needs one, since every server of that cluster runs on one GPU (a ``gpus(2)`` P/D test runs on one H200)."""
+    return min(req.gpus, 1) if share_gpus and req.uses_cluster else req.gpus
+
+
+def skip_reason(req: Requirement, inv: Inventory, *, share_gpus: bool = False) -> str | None:
     """Why an item with *req* cannot run on *inv*, or None when it can."""
+    if share_gpus and req.uses_cluster and req.gpus > 1:
+        req = replace(req, gpus=shared_gpu_need(req, share_gpus))
     if req.platforms and inv.platform not in req.platforms:
         wanted = " or ".join(sorted(req.platforms))
         return f"needs platform {wanted}, this machine is {inv.platform} ({_how(inv)})"
@@ -167,12 +178,18 @@ def skip_reason(req: Requirement, inv: Inventory) -> str | None:
     return reason
 
 
-def cpu_note(req: Requirement, inv: Inventory) -> str | None:
-    """Why a GPU-count marker was not enforced (a CPU-only machine, a test that uses a pd fixture), or None."""
-    if inv.platform != "cpu" or req.gpus == 0 or not req.uses_cluster or inv.count >= req.gpus:
+def cpu_note(req: Requirement, inv: Inventory, *, share_gpus: bool = False) -> str | None:
+    """Why a GPU-count marker was not enforced as written, for a test that uses a pd fixture, or None: on a
+    CPU-only machine its cluster runs on the CPU engine; under ``--pd-share-gpus`` it needs one GPU."""
+    if req.gpus == 0 or not req.uses_cluster or inv.count >= req.gpus:
         return None
-    return (f"{', '.join(req.shown)} not enforced: this machine is CPU-only ({_how(inv)}), so the pd cluster runs "
-            "on the CPU engine; --pd-platform=cuda or rocm makes GPU counts apply")  # fmt: skip
+    if inv.platform == "cpu":
+        return (f"{', '.join(req.shown)} not enforced: this machine is CPU-only ({_how(inv)}), so the pd cluster "
+                "runs on the CPU engine; --pd-platform=cuda or rocm makes GPU counts apply")  # fmt: skip
+    if shared_gpu_need(req, share_gpus) < req.gpus:
+        return (f"{', '.join(req.shown)} counted as 1 GPU: --pd-share-gpus runs every server of the test's pd "
+                f"cluster on one GPU ({inv.count} visible)")  # fmt: skip
+    return None
 
 
 def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -195,10 +212,11 @@ def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not needs:
         return
     inv = get_inventory(config)
+    share = config.stash[PDSERVE_CONFIG].share_gpus if PDSERVE_CONFIG in config.stash else False
     for item, req in needs:
-        reason = skip_reason(req, inv)
+        reason = skip_reason(req, inv, share_gpus=share)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
-        elif (note := cpu_note(req, inv)) is not None:
+        elif (note := cpu_note(req, inv, share_gpus=share)) is not None:
             # A report section reaches every phase's report, so -rA (and JUnit XML) show it.
             item.add_report_section("setup", "pdserve", note)

@@ -90,24 +90,25 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     """Engine / model / backend / extra args, then platform, inventory and log dir; attach mode adds the URLs first."""
     cfg = config.stash[PDSERVE_CONFIG]
     extra = shlex.join(cfg.vllm_serve_extra_args) if cfg.vllm_serve_extra_args else "none"
-    lines = [
-        f"pdserve: engine {cfg.resolved_engine} ({cfg.engine_reason}), "
-        f"model {cfg.model or 'engine default'}, attention backend {cfg.attention_backend or 'auto'}, "
-        f"extra args {extra}"
-    ]
-    log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
-    second = f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}"
-    lines.append(second)
-    if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
-        lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
     if cfg.attach_mode:
-        # Attach mode: say so first, since engine/GPU settings above do not apply to servers we did not start.
+        # No engine runs here: `engine sim (auto: ...)` would name one nothing starts. Say what we attach to; the
+        # engine, backend and extra args are the deployment's own (the ready line shows what the servers report).
         proxy = cfg.proxy_url or "built-in (started here)"
-        lines.insert(
-            0,
+        lines = [
             f"pdserve: attached (no servers started, no GPUs leased): prefill {' '.join(cfg.prefill_urls) or 'none'}; "
             f"decode {' '.join(cfg.decode_urls) or 'none'}; proxy {proxy}",
-        )
+            f"pdserve: engine none started (the attached servers' own), model {cfg.model or 'as the servers serve'}",
+        ]
+    else:
+        lines = [
+            f"pdserve: engine {cfg.resolved_engine} ({cfg.engine_reason}), "
+            f"model {cfg.model or 'engine default'}, attention backend {cfg.attention_backend or 'auto'}, "
+            f"extra args {extra}"
+        ]
+    log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
+    lines.append(f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}")
+    if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
+        lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
     lines += reuse_header(config)
     given = settings_origin(cfg)
     if given:
@@ -116,6 +117,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if _CHECKOUT_NOTE in config.stash:
         lines.append(config.stash[_CHECKOUT_NOTE])
     return [redact(line) for line in lines]  # URL passwords, the API key
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """``--pd-export-env``: a vLLM module that cannot import openai & co. names the extra that installs them
+    (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text)."""
+    report = yield
+    export_env.name_missing_extra(collector.config, report)
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

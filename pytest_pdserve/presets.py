@@ -155,11 +155,41 @@ def multi_connector_config(offload_bytes: int, nixl_extra: Mapping[str, str]) ->
     }
 
 
+#: run_multi_connector_edge_case_test.sh's ``KV_CACHE_MEMORY_BYTES`` default, sized for its model.
+SCRIPT_KV_CACHE_BYTES = 268435456
+#: KV bytes per token of the script's model (Qwen3-0.6B: 28 layers x 8 KV heads x 128 x K,V x bf16), so the
+#: script's 256 MiB holds ~2,340 tokens and the module's 100 eviction prompts (~20,000 tokens) evict.
+SCRIPT_MODEL_KV_BYTES_PER_TOKEN = 114688
+#: The tiny Llama's KV bytes per token at float32 (2 layers x 2 KV heads x 32 x K,V x 4 bytes); at bfloat16,
+#: which vLLM on a GPU picks for a float32 checkpoint, half that, so the same bytes hold twice the tokens.
+TINY_MODEL_KV_BYTES_PER_TOKEN = 1024
+
+
+def _tiny_kv_cache_bytes(block: int) -> int:
+    """The tiny model's KV bytes for the tokens the script's 256 MiB give its own model, in whole blocks."""
+    tokens = SCRIPT_KV_CACHE_BYTES // SCRIPT_MODEL_KV_BYTES_PER_TOKEN
+    return -(-tokens // block) * block * TINY_MODEL_KV_BYTES_PER_TOKEN
+
+
 def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     _check_offload("vllm-multi-connector-edge-case", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
-    memory = _int_env(environ, "KV_CACHE_MEMORY_BYTES", 268435456)
+    memory = _int_env(environ, "KV_CACHE_MEMORY_BYTES", SCRIPT_KV_CACHE_BYTES)
+    if (
+        engine == "vllm"
+        and _model(environ, "MODEL_NAMES") is None
+        and not environ.get("KV_CACHE_MEMORY_BYTES", "").strip()
+    ):
+        # On the tiny model the script's 256 MiB hold ~500,000 tokens: nothing would ever be evicted and
+        # test_prefill_cpu_offload_after_gpu_eviction could not pass. Keep the script's token capacity instead.
+        memory = _tiny_kv_cache_bytes(block)
+        notes.append(
+            f"KV cache {memory} bytes instead of the script's {SCRIPT_KV_CACHE_BYTES}: the tiny model's "
+            f"{TINY_MODEL_KV_BYTES_PER_TOKEN} bytes per token (float32; half at bfloat16) hold the "
+            f"{SCRIPT_KV_CACHE_BYTES // SCRIPT_MODEL_KV_BYTES_PER_TOKEN} tokens the script's model gets, so its "
+            "eviction test evicts"
+        )
     spec = ClusterSpec(
         name="vllm-multi-connector-edge-case", block_size=block,
         # On the simulator, the script's own model: its KV bytes per token (114,688 for Qwen3-0.6B) make the
@@ -168,9 +198,22 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 2048), kv_connector="MultiConnector",
         kv_connector_extra_config=json.dumps(multi_connector_config(2147483648, _buffer_device(engine, platform))),
         extra_args=("--kv-cache-memory-bytes", str(memory)),
-        env=_env({"VLLM_KV_CACHE_LAYOUT": "LBHNC", "UCX_NET_DEVICES": "all"}),
+        env=_env({"VLLM_KV_CACHE_LAYOUT": _layout(environ, notes), "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
+
+
+def _layout(environ: Mapping[str, str], notes: list[str]) -> str:
+    """The MultiConnector scripts' ``VLLM_KV_CACHE_LAYOUT`` (LBHNC since vLLM 0.32), or the caller's.
+
+    vLLM 0.26.0 knows only NHD and HND (its engine refuses LBHNC at start: "Invalid value 'LBHNC' for
+    VLLM_KV_CACHE_LAYOUT. Valid options: ['NHD', 'HND']", measured on an H200) and its own script sets HND, so
+    an older vLLM's CI sets ``VLLM_KV_CACHE_LAYOUT=HND`` as it would for the script.
+    """
+    given = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip()
+    if given:
+        notes.append(f"KV cache layout {given} from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC")
+    return given or "LBHNC"
 
 
 def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
@@ -179,7 +222,7 @@ def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> P
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     device = environ.get("KV_BUFFER_DEVICE", "").strip() or "cuda"
     nixl_extra = _buffer_device(engine, platform) or ({} if device == "cuda" else {"kv_buffer_device": device})
-    layout = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip() or "LBHNC"
+    layout = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip() or "LBHNC"  # the accuracy script reads it too
     model = _model(environ, "MODEL_NAMES")
     spec = ClusterSpec(
         name="vllm-multi-connector-accuracy", model=model, block_size=block,

@@ -131,12 +131,22 @@ def _get_json(client: httpx.Client, path: str) -> Any:
         return None
 
 
+#: Backends of a hybrid model's state-space layers (vLLM's ``MambaAttentionBackendEnum``, each class's
+#: ``get_name()``). vLLM 0.26 on an H200 logs "Detected attention backend(s) ['MAMBA2_ATTN', 'FLASH_ATTN']" for the
+#: tiny NemotronH: ``--attention-backend`` chose FLASH_ATTN for the attention layers, the Mamba layers have their own.
+STATE_SPACE_BACKENDS = frozenset(
+    {"MAMBA1_ATTN", "MAMBA2_ATTN", "SHORT_CONV_ATTN", "PLE_SHORT_CONV_ATTN", "LINEAR_ATTN", "BAILING_LINEAR_ATTN",
+     "GDN_ATTN"}
+)  # fmt: skip
+
+
 def _backend_from_log(text: str) -> str | None:
+    """The attention layers' backend the start-up log names (a hybrid model's state-space backends left out)."""
     for pattern in _BACKEND_LOG:
-        found = pattern.search(text)
-        if found:
-            names = re.findall(r"[A-Z][A-Z0-9_]+", found.group(1))
-            return names[0] if names else None
+        for found in pattern.finditer(text):
+            names = [str(n) for n in re.findall(r"[A-Z][A-Z0-9_]+", found.group(1)) if n not in STATE_SPACE_BACKENDS]
+            if names:
+                return names[0]
     return None
 
 

@@ -2,6 +2,7 @@
 # Run tests/gpu on real GPUs, in one command, and keep the evidence (docs/hardware.md records the results).
 #
 #   scripts/gpu-proof.sh [--fake] [OUT_DIR]
+#   scripts/gpu-proof.sh --engine=vllm [OUT_DIR]     real vLLM (CUDA): scripts/gpu-proof-vllm.sh says what it runs
 #
 # OUT_DIR defaults to $OUT (the device machine's result folder) or /tmp/gpu-proof. On the device (torch
 # present, no PyPI) it makes a venv with --system-site-packages (for torch) and installs this checkout
@@ -16,6 +17,11 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 fake=0
+case "${1:-}" in
+  --engine=vllm) shift; exec bash scripts/gpu-proof-vllm.sh "$@" ;;
+  --engine=sim) shift ;;
+  --engine=*) echo "gpu-proof: --engine takes sim or vllm, got '${1#--engine=}'" >&2; exit 2 ;;
+esac
 if [[ "${1:-}" == "--fake" ]]; then fake=1; shift; fi
 out=${1:-${OUT:-/tmp/gpu-proof}}
 mkdir -p "$out"

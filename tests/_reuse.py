@@ -92,6 +92,6 @@ def kept_one(inner: Inner, reuse_dir: Path, *extra: str) -> dict[str, Any]:
 def stop_all(reuse_dir: Path, inner: Inner) -> None:
     """``pdserve stop --all``, then nothing left: no marked process, no held lease, no state."""
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert states(reuse_dir) == []

@@ -691,3 +691,57 @@ def test_no_private_name_is_imported_across_modules() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_pdserve"):
                 found += [f"{path.relative_to(package)}: {a.name}" for a in node.names if a.name.startswith("_")]
     assert not found
+
+
+# --------------------------------------------------------------------------------------- batch invariance
+
+
+def batch_bodies(n: int) -> list[dict[str, Any]]:
+    return [{"prompt": " ".join(f"filler{i}x{j}" for j in range(40)), "max_tokens": 8} for i in range(n)]
+
+
+def test_batch_invariant_sends_each_batch_and_compares_the_probe(cluster: FakeCluster) -> None:
+    probe = {"prompt": " ".join(f"probe{j}" for j in range(40)), "max_tokens": 8}
+    result = A.assert_batch_invariant(cluster, probe, batch_bodies(3), batch_sizes=(1, 2, 4))
+    assert result.labels == ("batch of 1", "batch of 2", "batch of 4")
+    assert len({out.text for out in result.outputs}) == 1
+    received = decode_engine(cluster).received
+    assert len(received) == 1 + 2 + 4  # every probe and filler reached decode, through P/D
+    assert sum(1 for body in received if body["prompt"] == probe["prompt"]) == 3
+
+
+def test_batch_invariant_names_the_batch_size_that_changed_the_output(cluster: FakeCluster) -> None:
+    probe = {"prompt": " ".join(f"probe{j}" for j in range(40)), "max_tokens": 8}
+    engine = decode_engine(cluster)
+    plain_serve = engine.serve
+
+    def batch_dependent(body: dict[str, Any]) -> httpx.Response:
+        # The probe's output changes once the engine has served anything else: the batch of 2 differs.
+        first = not engine.received
+        response = plain_serve(body)
+        if body["prompt"] != probe["prompt"] or first:
+            return response
+        answer = response.json()
+        choice = answer["choices"][0]
+        choice["text"] = " w9" * 8
+        if "token_ids" in choice:
+            choice["token_ids"] = [9] * 8
+        return httpx.Response(200, json=answer)
+
+    engine.serve = batch_dependent  # type: ignore[method-assign]
+    with pytest.raises(AssertionError) as err:
+        A.assert_batch_invariant(cluster, probe, batch_bodies(1), batch_sizes=(1, 2))
+    assert "output depends on the batch size" in str(err.value)
+    assert "batch of 2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fillers", "message"),
+    [((1,), 0, "at least two sizes"), ((1, 0), 0, "whole numbers >= 1"), ((1, True), 0, "whole numbers >= 1"),
+     ((1, 8), 3, "3 fillers for a batch of 8: need 7")],
+)  # fmt: skip
+def test_batch_invariant_refuses_what_cannot_compare(
+    cluster: FakeCluster, sizes: tuple[int, ...], fillers: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        A.assert_batch_invariant(cluster, {"prompt": "a b c"}, batch_bodies(fillers), batch_sizes=sizes)

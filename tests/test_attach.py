@@ -227,8 +227,11 @@ def test_attach_with_given_proxy(
     assert inner.leases("port") == [], "attach mode with --pd-proxy-url leased a port"
     inner.result.stdout.fnmatch_lines(
         [f"pdserve: attached (no servers started, no GPUs leased): prefill {p.url}; decode {d0.url}; "
-         f"proxy {deployment.proxy.url}"]
+         f"proxy {deployment.proxy.url}",
+         "pdserve: engine none started (the attached servers' own), model as the servers serve"]
     )  # fmt: skip
+    # Issue 29: the header named the engine --pd-engine=auto would have started ("engine sim (auto: ...)").
+    assert "pdserve: engine sim" not in inner.result.stdout.str()
 
 
 def test_attach_starts_builtin_proxy(

@@ -238,6 +238,57 @@ def test_under_xdist_each_worker_exports_its_own_cluster(pytester: pytest.Pytest
     result.assert_outcomes(passed=2)
 
 
+#: A conftest that makes the named modules absent, as on a machine without them: importing one fails as usual.
+ABSENT = """
+import sys
+
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "remedy"),
+    [
+        ("openai", "pip install 'pytest-pdserve[vllm-tests]' (installs openai, regex, requests)"),
+        ("regex", "pip install 'pytest-pdserve[vllm-tests]' (installs openai, regex, requests)"),
+        ("lm_eval", "pip install 'lm_eval[api]' (it also downloads the gsm8k dataset: network access)"),
+    ],
+)
+def test_a_vllm_module_missing_what_it_imports_names_the_install(
+    pytester: pytest.Pytester, module: str, remedy: str
+) -> None:
+    """Issue 29: vLLM's modules import openai & co.; without them the collection error says what to install."""
+    pytester.makeconftest(ABSENT.format(names=("openai", "regex", "requests", "lm_eval")))
+    pytester.makepyfile(test_mod=f"import os\nimport {module}\nPORT = os.environ['PREFILL_PORT']\ndef test_x(): pass")
+    result = _run(pytester, "--pd-export-env")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"*ModuleNotFoundError: No module named '{module}'",
+            f"pdserve: test_mod.py needs '{module}', which vLLM's nixl_integration modules import and this "
+            f"environment lacks: {remedy}",
+        ]
+    )
+
+
+def test_a_missing_module_outside_export_env_or_the_extra_is_left_as_pytest_says_it(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(ABSENT.format(names=("openai",)))
+    pytester.makepyfile(test_a="import openai\ndef test_x(): pass", test_b="import no_such_module_29\n")
+    without = _run(pytester)  # no --pd-export-env: not a vLLM module session
+    without.assert_outcomes(errors=2)
+    assert "pdserve: test_a.py needs" not in without.stdout.str()
+    with_env = _run(pytester, "--pd-export-env")
+    with_env.assert_outcomes(errors=2)
+    assert "pdserve: test_a.py needs 'openai'" in with_env.stdout.str()
+    assert "pdserve: test_b.py needs" not in with_env.stdout.str()  # not one of what vLLM's modules import
+
+
 # ------------------------------------------------------------------------------------------ vLLM checkout
 
 
@@ -276,3 +327,27 @@ def test_auto_preset_is_picked_from_the_module_names() -> None:
     assert presets.auto_preset(["tests/test_other.py"]) is None
     with pytest.raises(ClusterSpecError, match="need different presets"):
         presets.auto_preset(["test_edge_cases.py", "test_mamba_prefix_cache.py"])
+
+
+def test_multi_connector_edge_case_preset_keeps_the_scripts_token_capacity_on_the_tiny_model() -> None:
+    """The script's 256 MiB are ~2,340 tokens of Qwen3-0.6B but ~500,000 of the tiny model: on real vLLM with the
+    tiny model the preset sizes the KV cache in tokens, so the module's eviction test can evict (issue 24)."""
+    tiny = presets.resolve("vllm-multi-connector-edge-case", environ={}, engine="vllm", platform="cuda")
+    memory = int(tiny.spec.extra_args[1])
+    assert memory == 19 * 128 * presets.TINY_MODEL_KV_BYTES_PER_TOKEN  # 2,340 tokens in whole 128-token blocks
+    assert memory // presets.TINY_MODEL_KV_BYTES_PER_TOKEN >= (tiny.spec.max_model_len or 0) > 0  # start check
+    assert any("KV cache 2490368 bytes instead of the script's 268435456" in n for n in tiny.notes)
+    for env in ({"KV_CACHE_MEMORY_BYTES": "268435456"}, {"MODEL_NAMES": "Qwen/Qwen3-0.6B"}):
+        kept = presets.resolve("vllm-multi-connector-edge-case", environ=env, engine="vllm", platform="cuda")
+        assert kept.spec.extra_args == ("--kv-cache-memory-bytes", "268435456"), env
+        assert not kept.notes
+
+
+def test_multi_connector_edge_case_preset_takes_the_callers_kv_cache_layout() -> None:
+    """vLLM 0.26 refuses the 0.32+ scripts' LBHNC at engine start (measured on an H200); its CI sets HND."""
+    assert dict(presets.resolve("vllm-multi-connector-edge-case", environ={}).spec.env)["VLLM_KV_CACHE_LAYOUT"] == (
+        "LBHNC"
+    )
+    older = presets.resolve("vllm-multi-connector-edge-case", environ={"VLLM_KV_CACHE_LAYOUT": "HND"})
+    assert dict(older.spec.env)["VLLM_KV_CACHE_LAYOUT"] == "HND"
+    assert "KV cache layout HND from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC" in older.notes

@@ -124,7 +124,8 @@ def test_wait_then_timeout_names_the_holder(tmp_path: Path, holders: list[Holder
     with pytest.raises(LeaseTimeout) as exc_info:
         acquire_gpus(tmp_path, KEYS, 2, timeout=0.5, poll=0.05, on_wait=messages.append)
     took = time.monotonic() - t0
-    assert 0.5 <= took < 3.0
+    print(f"gave up after {took:.2f}s for a 0.5 s timeout")
+    assert 0.5 <= took < 10.0  # never before the timeout; after it, one more poll (a margin for a loaded machine)
     assert len(messages) == 1, "one message while nothing changes"
     assert messages[0].startswith("pdserve: waiting for 2 free adjacent GPU(s) (all 4 leased: GPU-aaaa by pid ")
     assert f"pid {holder.proc.pid} (holder test)" in messages[0]
@@ -142,7 +143,8 @@ def test_wait_succeeds_when_gpus_are_released(tmp_path: Path) -> None:
     finally:
         timer.join()
     assert lease.positions == (0, 1)
-    assert 0.3 <= lease.waited < 3.0
+    print(f"got the GPUs after {lease.waited:.2f}s, released after 0.3 s")
+    assert 0.3 <= lease.waited < 10.0  # the release came after 0.3 s; noticed a poll later, or a loaded one
     lease.release()
 
 
@@ -164,7 +166,8 @@ def test_release_gate_is_bounded(tmp_path: Path) -> None:
     lease = try_acquire_gpus(tmp_path, KEYS, 1)
     assert lease is not None
     took = lease.release(wait_until=lambda: False, timeout=0.3)
-    assert 0.3 <= took < 2.0
+    print(f"gate gave up after {took:.2f}s for a 0.3 s timeout")
+    assert 0.3 <= took < 10.0  # the 0.3 s timeout, then a release (a margin for a loaded machine)
     again = try_acquire_gpus(tmp_path, KEYS[:1], 1)
     assert again is not None, "the lease must be released even when the gate times out"
     again.release()

@@ -201,3 +201,52 @@ def test_reason_for_platform_mismatch_on_real_hardware() -> None:
     assert skip_reason(Requirement(gpus=2), cpu) is None
     no_gpu = Inventory("cuda", (), None, "nvidia-smi")
     assert skip_reason(Requirement(gpus=2), no_gpu) == "needs 2 GPUs, none visible (cuda, detected via nvidia-smi)"
+
+
+SHARED_GPU_TESTS = """
+import pytest
+
+@pytest.mark.gpus(2)
+def test_pd_on_two(pd_cluster_factory): pass
+
+@pytest.mark.distributed(num_gpus=2)
+def test_pd_distributed_two(pd_cluster_factory): pass
+
+@pytest.mark.gpus(2)
+def test_own_gpu_work_on_two(): pass
+"""
+
+
+@pytest.mark.parametrize("how", ["argv", "env", "ini", "off"])
+def test_share_gpus_counts_a_pd_test_as_one_gpu_whatever_its_gpus_mark(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Issue 24: under --pd-share-gpus a P/D test's gpus(2) / distributed(num_gpus=2) is what its cluster needs,
+    one GPU (so vLLM's mamba P/D test runs on one H200); a test doing its own GPU work still needs two."""
+    pytester.makepyfile(SHARED_GPU_TESTS)
+    args = ["-rA", "--pd-simulate-gpus=cuda:1"]
+    if how == "argv":
+        args.append("--pd-share-gpus")
+    elif how == "env":
+        monkeypatch.setenv("PDSERVE_SHARE_GPUS", "1")
+    elif how == "ini":
+        pytester.makeini("[pytest]\npdserve_share_gpus = true\n")
+    got = outcomes(pytester, *args)
+    sim = "simulated via --pd-simulate-gpus=cuda:1"
+    assert got["test_own_gpu_work_on_two"] == f"needs 2 GPUs, 1 visible (cuda, {sim})"
+    if how == "off":
+        assert got["test_pd_on_two"] == got["test_pd_distributed_two"] == f"needs 2 GPUs, 1 visible (cuda, {sim})"
+        return
+    assert got["test_pd_on_two"] == got["test_pd_distributed_two"] == "PASSED"
+    result = pytester.runpytest(*args)
+    result.stdout.fnmatch_lines(["*gpus(2) counted as 1 GPU: --pd-share-gpus runs every server of the test's pd "
+                                 "cluster on one GPU (1 visible)*"])  # fmt: skip
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_shared_gpu_rule_as_a_function(share: bool) -> None:
+    inv = Inventory("cuda", _gpus(1), None, "nvidia-smi")
+    pd = Requirement(gpus=2, uses_cluster=True, shown=("gpus(2)",))
+    own = Requirement(gpus=2, uses_cluster=False, shown=("gpus(2)",))
+    assert (skip_reason(pd, inv, share_gpus=share) is None) is share
+    assert skip_reason(own, inv, share_gpus=share) is not None

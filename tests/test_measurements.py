@@ -249,3 +249,21 @@ def test_tie_flip_gets_its_verdict(session: str) -> None:
 
 def test_tie_flip_is_accepted_with_a_tolerance(session: str) -> None:
     assert "ACCEPTED FlipVerdict(" in session
+
+
+@pytest.mark.parametrize(
+    ("log", "backend"),
+    [
+        # vLLM 0.26.0 on an H200, tiny NemotronH (hybrid), --attention-backend FLASH_ATTN (issue 24's GPU run):
+        ("Using AttentionBackendEnum.FLASH_ATTN backend.\nDetected attention backend(s) ['MAMBA2_ATTN', 'FLASH_ATTN']",
+         "FLASH_ATTN"),
+        ("Detected attention backend(s) ['MAMBA2_ATTN', 'TRITON_ATTN']", "TRITON_ATTN"),
+        ("Detected attention backend(s) ['CPU_ATTN']", "CPU_ATTN"),
+        ("Detected attention backend(s) ['GDN_ATTN']\nUsing FLASHINFER attention backend", "FLASHINFER"),
+        ("Detected attention backend(s) ['MAMBA2_ATTN']", None),
+    ],
+)  # fmt: skip
+def test_a_hybrid_models_state_space_backend_is_not_its_attention_backend(log: str, backend: str | None) -> None:
+    from pytest_pdserve.verify import _backend_from_log
+
+    assert _backend_from_log(log) == backend

@@ -7,6 +7,7 @@ import re
 import socket
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def test_readiness_is_noticed_quickly(standin: Factory) -> None:
         srv.stop(grace=0)
         if latencies[-1] < 0.3:
             break
+    print(f"readiness noticed {latencies} s after the server listened")
     assert 0 <= min(latencies) < 0.3, f"readiness noticed {latencies} s after the server listened"
 
 
@@ -109,7 +111,8 @@ def test_progress_reports_the_last_log_line(standin: Factory) -> None:
     assert progress, "on_progress was never called during a 1.3 s startup"
     name, elapsed, line = progress[0]
     assert name == "standin"
-    assert 0.9 <= elapsed <= 5.0
+    # The first call comes after about a second (never before: the interval is timed), whatever the load.
+    assert 0.9 <= elapsed <= 30.0
     assert line.startswith(("stand-in starting", "pdserve: starting"))
 
 
@@ -132,8 +135,10 @@ def test_crash_at_startup_fails_fast_with_exit_code_and_log(standin: Factory) ->
         srv.wait_ready(t0 + 60)
     noticed = time.monotonic()
     exited = float(log_value(srv, "EXITING_AT"))
-    assert noticed - exited < 0.5, f"crash noticed {noticed - exited:.2f}s after the process exited"
-    assert noticed - t0 < 10, "waited for the deadline instead of failing fast"
+    # Within a few of the 10 ms polls, with room for a loaded machine; far below the 60 s deadline it was given.
+    print(f"crash noticed {noticed - exited:.3f}s after the process exited, {noticed - t0:.2f}s after the wait began")
+    assert noticed - exited < 5.0, f"crash noticed {noticed - exited:.2f}s after the process exited"
+    assert noticed - t0 < 30, "waited for the deadline instead of failing fast"
     err = exc_info.value
     assert err.returncode == 3
     assert msg in err.log_tail
@@ -167,7 +172,9 @@ def test_hang_times_out_at_the_deadline_and_the_process_is_gone(standin: Factory
     with pytest.raises(ServerStartupTimeout) as exc_info:
         srv.wait_ready(t0 + 1.0)
     took = time.monotonic() - t0
-    assert 1.0 <= took < 3.0, f"timeout raised after {took:.2f}s for a 1.0s deadline"
+    print(f"timeout raised after {took:.2f}s for a 1.0s deadline")
+    # Never before the deadline; after it, only the kill of the server (a 10x margin for a loaded machine).
+    assert 1.0 <= took < 10.0, f"timeout raised after {took:.2f}s for a 1.0s deadline"
     assert gone(pid), "the timed-out server is still running"
     assert srv.returncode == -9
     assert "connect" in exc_info.value.waiting_for.lower()
@@ -177,10 +184,11 @@ def test_hang_times_out_at_the_deadline_and_the_process_is_gone(standin: Factory
 def test_graceful_stop_needs_no_sigkill(standin: Factory) -> None:
     srv = standin().start()
     srv.wait_ready(time.monotonic() + 20)
-    report = srv.stop(grace=5)
+    report = srv.stop(grace=30)
+    print(f"graceful stop took {report.total_seconds:.2f}s")
     assert not report.sigkill_needed
     assert report.returncode == -15
-    assert report.total_seconds < 3.0
+    assert report.total_seconds < 15.0  # did not sit out the 30 s grace
     assert srv.stop(grace=5) is report, "stop() is idempotent"
 
 
@@ -188,9 +196,10 @@ def test_ignored_sigterm_escalates_to_sigkill(standin: Factory) -> None:
     srv = standin("--ignore-sigterm").start()
     srv.wait_ready(time.monotonic() + 20)
     report = srv.stop(grace=0.5)
+    print(f"SIGKILL after {report.term_seconds:.2f}s for a 0.5 s grace")
     assert report.sigkill_needed
     assert report.returncode == -9
-    assert 0.5 <= report.term_seconds < 2.0
+    assert 0.5 <= report.term_seconds < 10.0  # the grace, then the kill (a 10x margin for a loaded machine)
     assert report.remaining_pids == ()
 
 
@@ -202,7 +211,7 @@ def test_setsid_child_is_swept_by_token(standin: Factory) -> None:
     assert not gone(child)
     report = srv.stop(grace=2)
     assert child in report.swept_pids
-    assert wait_until(lambda: gone(child), 1.0), f"setsid child {child} survived stop()"
+    assert wait_until(lambda: gone(child), 10.0), f"setsid child {child} survived stop()"
 
 
 def test_stop_only_touches_its_own_server(standin: Factory) -> None:
@@ -219,9 +228,14 @@ def test_chatty_log_does_not_block(standin: Factory) -> None:
     srv = standin("--spam-bytes", str(8 << 20)).start()
     srv.wait_ready(time.monotonic() + 30)
     assert srv.log_offset() > 8 << 20
-    t0 = time.monotonic()
-    tail = srv.log_tail(5)
-    assert time.monotonic() - t0 < 0.5, "log_tail read the whole 8 MB log"
+    # What it allocates, not how long it takes (reading 8 MB takes milliseconds, more on a loaded machine).
+    tracemalloc.start()
+    try:
+        tail = srv.log_tail(5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"log_tail allocated {peak} bytes: it read the whole 8 MB log"
     assert len(tail.splitlines()) == 5
     assert "READY_AT" in tail or "chatty" in tail
 
@@ -252,7 +266,7 @@ def test_wait_all_fails_at_once_when_any_exits(standin: Factory) -> None:
     t0 = time.monotonic()
     with pytest.raises(ServerExitedEarly) as exc_info:
         wait_all_ready([slow, crasher], t0 + 60)
-    assert time.monotonic() - t0 < 10, "waited for the deadline instead of failing fast"
+    assert time.monotonic() - t0 < 30, "waited for the 60 s deadline instead of failing fast"
     assert exc_info.value.name == "prefill-0"
     assert exc_info.value.returncode == 7
     assert slow.alive, "the other server is left for the caller to stop"

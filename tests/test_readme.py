@@ -1,7 +1,10 @@
-"""The README's promises that code can check: the options table and the Quickstart commands."""
+"""The README's promises that code can check: the options table, the Quickstart commands, and that every command,
+flag, environment variable and repository path it names is real."""
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,146 @@ def test_readme_example_test_passes_on_the_simulator(pytester: pytest.Pytester, 
         "--pd-engine=sim", f"--pd-lease-dir={tmp_path / 'leases'}", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=2)
+
+
+# ------------------------------------------------------------------------------ every README command is real
+
+REPO = README.parent
+#: Placeholders the README uses on purpose (`set --pd-x / PDSERVE_X / pdserve_x` stands for any setting).
+PLACEHOLDERS = {"--pd-x", "PDSERVE_X"}
+#: Paths the README names that are not in this repository, and why.
+NOT_HERE = {
+    "benchmarks/results/": "written by benchmarks/run_all.py",
+    "tests/v1/": "vLLM's own tree (nixl_integration), not this repository's tests/",
+    "tests/conftest.py": "vLLM's tests/conftest.py (the --confcutdir rule)",
+}
+#: Files the README's commands use that the reader creates: the README's own example test.
+READER_FILES = {"test_pd.py": "the test under 'A test, as a vLLM author writes it'"}
+
+
+def _bash_commands() -> list[list[str]]:
+    """Every command of the README's ```bash blocks, split into words, without comments and VAR=value prefixes."""
+    text = README.read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)\n```", text, re.S):
+        for line in block.splitlines():
+            command: list[str] = []
+            for word in [*shlex.split(line, comments=True), "&&"]:
+                if word != "&&":
+                    command.append(word)
+                    continue
+                while command and re.match(r"^[A-Z_][A-Z0-9_]*=", command[0]):
+                    command.pop(0)
+                if command:
+                    commands.append(command)
+                command = []
+    return commands
+
+
+def _pytest_options(pytester: pytest.Pytester) -> set[str]:
+    result = pytester.runpytest_subprocess("--help")
+    assert result.ret == 0
+    return set(re.findall(r"--(?:no-)?pd-[a-z0-9-]+", result.stdout.str()))
+
+
+def test_every_pdserve_flag_the_readme_names_is_an_option(pytester: pytest.Pytester) -> None:
+    options = _pytest_options(pytester)
+    named = set(re.findall(r"--(?:no-)?pd-[a-z0-9-]+", README.read_text())) - PLACEHOLDERS
+    assert named, "the README names no --pd- flag"
+    assert not named - options, f"README names flags pytest --help does not list: {sorted(named - options)}"
+
+
+def test_every_pdserve_env_var_the_readme_names_is_read_by_the_code() -> None:
+    source = "\n".join(p.read_text() for p in (REPO / "pytest_pdserve").rglob("*.py"))
+    named = set(re.findall(r"\bPDSERVE_[A-Z0-9_]*[A-Z0-9]\b", README.read_text())) - PLACEHOLDERS
+    env_vars = {s.env_var for s in SETTINGS}
+    unknown = sorted(n for n in named if n not in env_vars and n not in source)
+    assert not unknown, f"README names environment variables no code reads: {unknown}"
+
+
+def test_every_repository_path_the_readme_names_exists() -> None:
+    pattern = (
+        r"(?<![\w/.-])((?:\.ci|benchmarks|constraints|docs|examples|plugins|pytest_pdserve|scripts|tests)/[\w./-]*)"
+    )
+    missing = []
+    for path in sorted(set(re.findall(pattern, README.read_text()))):
+        path = path.rstrip(".")
+        if any(path.startswith(prefix) for prefix in NOT_HERE):
+            continue
+        if not (REPO / path).exists():
+            missing.append(path)
+    assert not missing, f"README names paths this repository lacks: {missing}"
+
+
+def test_every_readme_command_is_real(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """Each command of the README's shell blocks runs something that exists: scripts and files are there, pytest's
+    paths exist and its options are registered, `pdserve` accepts the arguments, `tox -e` envs are defined."""
+    from pytest_pdserve import cli
+
+    options = _pytest_options(pytester)
+    tox = (REPO / "tox.ini").read_text()
+    tox_envs = set(re.findall(r"^\[testenv:([\w-]+)\]", tox, re.M)) | {"py310", "py311", "py312", "py313"}
+    problems = []
+    commands = _bash_commands()
+    assert len(commands) >= 10, commands
+    for command in commands:
+        where = shlex.join(command)
+        program, args = command[0], command[1:]
+        if program in (".venv/bin/python", "python3") and args[:2] == ["-m", "pytest"]:
+            program, args = "pytest", args[2:]
+        if program == "pytest":
+            for arg in args:
+                flag = arg.split("=", 1)[0]
+                if flag.startswith(("--pd-", "--no-pd-")) and flag not in options:
+                    problems.append(f"{where}: {flag} is not an option")
+                elif not arg.startswith("-") and arg not in READER_FILES and not (REPO / arg).exists():
+                    problems.append(f"{where}: {arg} does not exist")
+        elif program in ("bash", ".venv/bin/python"):
+            if args[:2] == ["-m", "venv"] or args[:1] == ["-m"] and args[1:2] == ["pip"]:
+                continue
+            if not (REPO / args[0]).is_file():
+                problems.append(f"{where}: {args[0]} does not exist")
+        elif program == "python3" and args[:2] == ["-m", "venv"]:
+            continue
+        elif program == ".venv/bin/pip" and args[:1] == ["install"]:
+            for arg in args[1:]:
+                if not arg.startswith("-") and not (REPO / arg.split("[", 1)[0]).exists():
+                    problems.append(f"{where}: {arg} does not exist")
+        elif program == "pdserve":
+            try:  # a reuse dir that does not exist: parsed and answered, nothing touched
+                cli.main(["--dir", str(tmp_path / "no-reuse-dir"), *args])
+            except SystemExit as exc:  # argparse's usage error
+                problems.append(f"{where}: pdserve refused its arguments (exit {exc.code})")
+        elif program == "tox":
+            env = args[args.index("-e") + 1] if "-e" in args else None
+            if env is not None and env not in tox_envs:
+                problems.append(f"{where}: tox has no env {env}")
+        elif program == "pre-commit":
+            if args != ["install"] or not (REPO / ".pre-commit-config.yaml").is_file():
+                problems.append(f"{where}: not `pre-commit install` with a .pre-commit-config.yaml")
+        else:
+            problems.append(f"{where}: {program} is a command this test does not know how to check: teach it")
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_limit_of_prompt_with_tokens_holds_on_the_simulator(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """The README says `prompt_with_tokens(cluster, 5000)` raises ValueError on the simulator's max_model_len 2048."""
+    text = " ".join(README.read_text().split())
+    said = "`5000 tokens do not fit http://127.0.0.1:PORT: its max_model_len is 2048`"
+    assert "`prompt_with_tokens(cluster, 5000)`" in text
+    assert said in text
+    pytester.makepyfile(
+        test_limit="""
+import pytest
+from pytest_pdserve.prompts import prompt_with_tokens
+
+def test_limit(pd_cluster):
+    with pytest.raises(ValueError, match=r"^5000 tokens do not fit http://127.0.0.1:\\d+: its max_model_len is 2048$"):
+        prompt_with_tokens(pd_cluster, 5000)
+    assert len(prompt_with_tokens(pd_cluster, 2048)) > 0  # the limit itself fits
+"""
+    )
+    result = pytester.runpytest_subprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={tmp_path / 'leases'}", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=1)

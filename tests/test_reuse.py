@@ -22,7 +22,7 @@ from typing import Any
 
 import _reuse
 import pytest
-from _pdsession import Inner, live_procs, unheld_locks, wait_for
+from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
 from pytest_pdserve import cli, keeper, reuse
@@ -91,7 +91,7 @@ def test_an_idle_cluster_stops_after_the_ttl(inner: Inner, reuse_dir: Path) -> N
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir, "--pd-reuse-ttl=1").assert_outcomes(passed=1)
     assert states(reuse_dir)
-    inner.gone_within(15.0)
+    inner.gone_within()
     assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
@@ -101,7 +101,7 @@ def test_a_killed_keeper_takes_its_servers_down_and_the_next_run_starts_fresh(in
     inner.pytester.makepyfile(UP)
     state = kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGKILL)
-    inner.gone_within(10.0)  # the keeper's guard stopped the kept servers
+    inner.gone_within()  # the keeper's guard stopped the kept servers
     second = run_reuse(inner, reuse_dir)
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*kept cluster {state['id']}'s keeper (pid {state['keeper']['pid']}) is gone*"])
@@ -113,7 +113,7 @@ def test_sigterm_to_the_keeper_stops_its_clusters(inner: Inner, reuse_dir: Path)
     inner.pytester.makepyfile(UP)
     state = kept_one(inner, reuse_dir)
     os.kill(state["keeper"]["pid"], signal.SIGTERM)
-    inner.gone_within(10.0)
+    inner.gone_within()
     assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
 
@@ -152,13 +152,15 @@ def test_a_keeper_killed_under_a_run_that_uses_its_cluster_fails_that_run_clearl
     with claimed_run(inner, reuse_dir) as (state, proc, go):
         os.kill(state["keeper"]["pid"], signal.SIGKILL)  # its guard stops the servers this run is using
         pids = [(s["pid"], s["starttime"]) for s in state["servers"]]
-        wait_for(lambda: not any(alive_as(*p) for p in pids), 10.0, "kept servers stopped by the keeper's guard")
+        wait_for(
+            lambda: not any(alive_as(*p) for p in pids), GONE_WITHIN_S, "kept servers stopped by the keeper's guard"
+        )
         go.touch()
         assert proc.wait(60) == 1
     out = inner.output()
     # The reused cluster's servers are not this run's processes: the death is seen by /health, and said so.
     assert re.search(r"cluster 'pd': (prefill|decode)-0 stopped answering \(GET /health", out), out[-3000:]
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
 
 
@@ -409,7 +411,7 @@ def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path
     state = kept_one(inner, reuse_dir)
     prefill = state["servers"][0]
     os.killpg(prefill["pgid"], signal.SIGKILL)
-    inner.gone_within(10.0)  # decode and proxy too: a cluster without its prefill is no cluster
+    inner.gone_within()  # decode and proxy too: a cluster without its prefill is no cluster
     assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert f"stopped {state['id']} (prefill-0 (pid {prefill['pid']}) is gone)" in (reuse_dir / "keeper.log").read_text()
@@ -420,7 +422,7 @@ def test_a_kept_cluster_whose_state_file_is_removed_stops(inner: Inner, reuse_di
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
     [path] = reuse_dir.glob("*.json")
     path.unlink()  # `rm -rf ~/.cache/pytest-pdserve`: no run could find it again
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert "its state file is gone" in (reuse_dir / "keeper.log").read_text()
 
@@ -489,7 +491,7 @@ def test_a_run_that_waits_for_the_kept_gpus_gets_them(inner: Inner, reuse_dir: P
     other.stdout.fnmatch_lines(["*waiting for*GPU*kept for reuse*"])
     assert "another run waits for its leases (GPUs or a fixed port)" in (reuse_dir / "keeper.log").read_text()
     assert state["id"] not in [s["id"] for s in states(reuse_dir)]
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
 
 
@@ -593,7 +595,7 @@ def test_a_fixed_proxy_port_held_by_a_kept_cluster_is_given_up_to_a_run_that_nee
     other.assert_outcomes(passed=1)
     assert "another run waits for its leases" in (reuse_dir / "keeper.log").read_text()
     assert states(reuse_dir) == []
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
 
 
@@ -603,7 +605,7 @@ def test_ci_refuses_reuse_unless_forced(inner: Inner, reuse_dir: Path, monkeypat
     refused = run_reuse(inner, reuse_dir)
     refused.assert_outcomes(passed=1)
     refused.stdout.fnmatch_lines(["*pdserve: reuse off: refused because CI=true*--pd-reuse=force*"])
-    inner.gone_within(5.0)
+    inner.gone_within()
     assert states(reuse_dir) == []
     forced = inner.run("--pd-reuse=force", f"--pd-reuse-dir={reuse_dir}")
     forced.assert_outcomes(passed=1)

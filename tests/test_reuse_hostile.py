@@ -21,7 +21,7 @@ from pathlib import Path
 
 import _reuse
 import pytest
-from _pdsession import INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
+from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli, reuse
@@ -88,7 +88,7 @@ def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) ->
     assert (reuse_dir / reuse.REUSE_DIR_MARKER).is_file()
     run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 # ---------------------------------------------------------------------------------------- a stopped keeper
@@ -116,7 +116,7 @@ def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_
     finally:
         os.kill(pid, signal.SIGCONT)
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 # ------------------------------------------------------------------------------------ pdserve stop --all
@@ -178,12 +178,12 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
         owned = {int(s["pid"]) for k in kept for s in k.servers} | {k.keeper_pid for k in kept}
         return procs <= owned | _guards(procs)
 
-    wait_for(settled, 15.0, f"only owned processes left ({live_procs(inner.mark)})")
+    wait_for(settled, GONE_WITHIN_S, f"only owned processes left ({live_procs(inner.mark)})")
     monkeypatch.delenv("KILL_AT")
     inner.pytester.makeconftest(INNER_CONFTEST)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)  # the next run copes either way
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert states(reuse_dir) == []
 
@@ -212,7 +212,7 @@ def test_the_ttl_of_the_last_run_applies(inner: Inner, reuse_dir: Path) -> None:
     state = kept_one(inner, reuse_dir)
     second = run_reuse(inner, reuse_dir, "--pd-reuse-ttl=1")
     second.stdout.fnmatch_lines(["*reuse on (idle ttl 1s*", f"*reused kept cluster {state['id']}*"])
-    inner.gone_within(15.0)
+    inner.gone_within()
     assert states(reuse_dir) == []
     unheld_locks(inner.lease_dir)
     assert "idle for 1s" in (reuse_dir / "keeper.log").read_text()
@@ -291,7 +291,7 @@ def test_a_test_path_after_an_optional_value_flag_is_not_taken_as_its_value(inne
          f"read as its value; write {flag}=* or give {flag} after the paths*"]
     )  # fmt: skip
     assert test_file.read_text() == before
-    inner.gone_within(5.0)
+    inner.gone_within()
     ok = inner.run("test_x.py", flag, f"--pd-reuse-dir={inner.pytester.path / 'reuse'}")
     ok.assert_outcomes(passed=1)  # the flag alone after the paths (the README's form) still works
     assert test_file.read_text() == before
@@ -410,7 +410,7 @@ def test_stop_all_while_a_run_uses_the_cluster_leaves_nothing_and_fails_that_run
     text = inner.output()
     assert re.search(r"cluster 'pd': (prefill|decode)-0 stopped answering", text), text[-3000:]
     assert "Traceback" not in text.split("short test summary")[-1], text[-3000:]
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
     assert states(reuse_dir) == []
 
@@ -434,7 +434,7 @@ def test_a_kept_server_dead_or_hung_right_before_the_next_run_is_not_handed_out(
     if how == "SIGSTOP":  # (a dead one is seen by the run or, often first, by the keeper: either is right)
         second.stdout.fnmatch_lines([f"*kept cluster {state['id']} failed its check (prefill-0 at * does not answer*"])
     assert [i["reused"] for i in inner.infos()] == [None, None]
-    wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), 15.0, "the kept prefill stopped")
+    wait_for(lambda: not alive_as(prefill["pid"], prefill["starttime"]), GONE_WITHIN_S, "the kept prefill stopped")
     assert state["id"] not in [s["id"] for s in states(reuse_dir)]
 
 
@@ -455,7 +455,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     kept = reuse.list_kept(reuse_dir)
     if kept:  # kept after all: its keeper works
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
     unheld_locks(inner.lease_dir)
 
 
@@ -497,7 +497,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
             p.kill()
             p.wait(10)
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    inner.gone_within(10.0)
+    inner.gone_within()
 
 
 def test_two_runs_at_once_share_no_cluster_and_stop_all_ends_both_keepers(inner: Inner, reuse_dir: Path) -> None:

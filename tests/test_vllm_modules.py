@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve import presets, vllm_compat
+from pytest_pdserve import export_env, presets, vllm_compat
 from pytest_pdserve.engine import resolve_engine
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"
-#: The modules import these (not the plugin's dependencies: pyproject's `test` extra has them).
-MODULE_DEPS = ("openai", "regex", "requests")
+#: The modules import these (not the plugin's dependencies: pyproject's `vllm-tests` extra, in `test` too).
+MODULE_DEPS = tuple(sorted(export_env.extra_modules(export_env.VLLM_TESTS_EXTRA)))
 
 
 def _installed_version() -> str:
@@ -41,9 +41,10 @@ def _installed_version() -> str:
 @pytest.fixture(scope="session")
 def vllm_modules() -> Path:
     """vLLM's nixl_integration directory for the installed version (fetched once, cached per version)."""
+    assert MODULE_DEPS, "pytest-pdserve's metadata lists no vllm-tests extra (pip install -e '.[test]')"
     missing = [m for m in MODULE_DEPS if __import__("importlib.util").util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"vLLM's modules import {', '.join(missing)}: pip install -e '.[test]'")
+        pytest.skip(f"vLLM's modules import {', '.join(missing)}: pip install -e '.[vllm-tests]'")
     version = _installed_version()
     proc = subprocess.run(["bash", str(FETCH), version], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

@@ -139,9 +139,11 @@ def test_server_tree_dies_with_its_parent(
     if how == "kill":
         parent.kill()
     parent.wait(10)
-    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 5.0)
+    # 0.2 s measured at load average 11 on 2 cores, 1.3 s with the 1 s grace of a server ignoring SIGTERM; 30 s is
+    # a loaded machine's margin (a tree that outlives its parent never goes). How soon: bench_teardown.
+    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 30.0)
     took = time.monotonic() - t0
-    assert took < 5.0
+    assert took < 30.0
     print(f"watchdog cleanup ({knobs}, {how}): {took * 1000:.0f} ms from parent death to all gone")
     log = (tmp_path / "watchdog.log").read_text()
     assert "EOF from parent" in log or "parent changed" in log
@@ -158,7 +160,7 @@ def test_lease_is_held_until_the_watchdog_finished_killing(
     # The server ignores SIGTERM, so the watchdog is still in its 1 s grace: the lease must be held.
     assert not gone(pids["server"])
     assert try_acquire_gpus(lease_dir, ["g0", "g1"], 1) is None
-    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 5.0)
+    wait_all_gone([pids["server"], pids["child"], pids["watchdog"]], 30.0)
     lease = try_acquire_gpus(lease_dir, ["g0", "g1"], 2)
     assert lease is not None, "the lease was not freed after the watchdog exited"
     lease.release()

@@ -117,6 +117,54 @@ def assert_deterministic(
     return ComparisonResult(tuple(outputs), labels, tuple(deltas), tuple(ties))
 
 
+def assert_batch_invariant(
+    cluster: PDCluster,
+    request: Mapping[str, Any],
+    fillers: Sequence[Mapping[str, Any]],
+    *,
+    batch_sizes: Sequence[int] = (1, 4, 16),
+    endpoint: str | None = None,
+    tie_tolerance: float | None = None,
+) -> ComparisonResult:
+    """*request*'s output must not depend on how many other requests the engine batches it with.
+
+    For each size ``n`` in *batch_sizes*, *request* is sent through the proxy at the same time as ``n - 1`` of
+    *fillers* (other prompts, so the engine runs them in one batch), and every output is compared with the first
+    size's. vLLM's kernels are not batch-invariant by default (``VLLM_BATCH_INVARIANT=1`` asks for it), so a
+    divergence is reported with its tie / confident verdict like :func:`assert_deterministic`'s.
+
+    :param fillers: at least ``max(batch_sizes) - 1`` requests (fields as in *request*).
+    """
+    __tracebackhide__ = True
+    if not batch_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in batch_sizes):
+        raise ValueError(f"batch_sizes={batch_sizes!r} must be whole numbers >= 1")
+    if len(batch_sizes) < 2:
+        raise ValueError(f"batch_sizes={batch_sizes!r} must name at least two sizes to compare anything")
+    if len(fillers) < max(batch_sizes) - 1:
+        raise ValueError(f"{len(fillers)} fillers for a batch of {max(batch_sizes)}: need {max(batch_sizes) - 1}")
+    if tie_tolerance is not None and not tie_tolerance > 0:
+        raise ValueError(f"tie_tolerance={tie_tolerance!r} must be > 0 (nats)")
+    from concurrent.futures import ThreadPoolExecutor  # only this check sends requests concurrently
+
+    probe = with_defaults(request, cluster.model, determinism=True)
+    others = [with_defaults(f, cluster.model, determinism=True) for f in fillers]
+    outputs: list[Completion] = []
+    with ThreadPoolExecutor(max_workers=max(batch_sizes)) as pool:
+        for n in batch_sizes:
+            batch = [probe, *others[: n - 1]]
+            futures = [pool.submit(complete_with_extras, cluster.client, body, endpoint) for body in batch]
+            outputs.append(futures[0].result())
+            for future in futures[1:]:
+                future.result()  # a filler that failed is a failed check too
+    labels = tuple(f"batch of {n}" for n in batch_sizes)
+    title = "output depends on the batch size"
+    require_output(title, outputs)
+    ties = compare_outputs(
+        title, outputs, labels, engine=cluster.engine, backend=cluster.attention_backend, tie_tolerance=tie_tolerance
+    )
+    return ComparisonResult(tuple(outputs), labels, (), tuple(ties))
+
+
 def assert_pd_matches_single(
     cluster: PDCluster,
     request: Mapping[str, Any],
