@@ -21,6 +21,7 @@ import httpx
 from pytest_pdserve import leases
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.commands import SessionDefaults
+from pytest_pdserve.deadline import get_within
 from pytest_pdserve.digits import is_int
 from pytest_pdserve.effective import effective
 from pytest_pdserve.errors import AttachError
@@ -142,7 +143,7 @@ def attach(
 
 
 def _get(h: ServerHandle, path: str, timeout: float) -> httpx.Response:
-    return httpx.get(f"{h.url}{path}", headers=h.headers, timeout=timeout, trust_env=False)
+    return get_within(None, f"{h.url}{path}", timeout, headers=h.headers)  # a trickling body must not hold us
 
 
 def _check_health(h: ServerHandle, paths: Sequence[str], timeout: float) -> None:

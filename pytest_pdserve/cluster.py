@@ -18,6 +18,7 @@ import httpx
 
 from pytest_pdserve import clients, vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
+from pytest_pdserve.deadline import within
 from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.logfile import log_size, read_since
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
@@ -135,6 +136,13 @@ class ServerHandle:
         payload: dict[str, Any] = {"prompt": prompt, "temperature": 0.0, **body}
         return self._post_json("/v1/completions", payload)
 
+    def complete_within(self, total: float, prompt: str | list[int], **body: Any) -> dict[str, Any]:
+        """:meth:`complete`, answered in full within ``total`` seconds (``httpx.ReadTimeout`` past it): for the
+        plugin's own checks, which a server trickling its answer must not hold (httpx's timeouts are per read)."""
+        __tracebackhide__ = True
+        payload: dict[str, Any] = {"prompt": prompt, "temperature": 0.0, **body}
+        return self._post_json("/v1/completions", payload, total=total)
+
     def chat(self, messages: Sequence[Mapping[str, Any]] | str, **body: Any) -> dict[str, Any]:
         """POST ``/v1/chat/completions`` (a string is one user message; temperature 0 unless given)."""
         __tracebackhide__ = True
@@ -151,11 +159,11 @@ class ServerHandle:
         __tracebackhide__ = True
         return clients.reset_prefix_cache(self.client, self.label, reset_external=reset_external)
 
-    def _post_json(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def _post_json(self, path: str, payload: dict[str, Any], total: float | None = None) -> dict[str, Any]:
         __tracebackhide__ = True
         if self.model is not None:
             payload.setdefault("model", self.model)
-        response = self.client.post(path, json=payload)
+        response = self.client.post(path, json=payload, extensions=within(total) if total is not None else None)
         if response.status_code != 200:
             raise AssertionError(
                 REQUEST_FAILED_MESSAGE.format(

@@ -28,6 +28,7 @@ import pytest
 from pytest_pdserve import owned_flags
 from pytest_pdserve.connector import parse_kv_connector_config
 from pytest_pdserve.errors import ClusterSpecError
+from pytest_pdserve.logfile import write_replace
 from pytest_pdserve.metrics import NIXL_BYTES_SUM
 from pytest_pdserve.presets import AUTO, PRESETS, PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
@@ -209,7 +210,9 @@ def _export(exported: Exported) -> None:
     if exported.file is not None:
         exported.file.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
-        exported.file.write_text(FILE_HEADER + "\n".join(lines) + "\n")
+        text = FILE_HEADER + "\n".join(lines) + "\n"
+        # Replaced by rename, never written through: a link planted as FILE in a shared directory is refused.
+        write_replace(exported.file, text.encode(), mode=0o644)
 
 
 def start(config: pytest.Config) -> None:
@@ -254,7 +257,10 @@ def start(config: pytest.Config) -> None:
     exported.cluster = cluster
     max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
     exported.variables = variables(cluster, max_len, result.exports if result else {})
-    _export(exported)
+    try:
+        _export(exported)
+    except OSError as exc:
+        pytest.exit(f"pdserve: cannot write the export file {exported.file} (from {where}): {exc.strerror or exc}", 1)
     with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
         exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
 

@@ -52,23 +52,43 @@ def worker_id(config: pytest.Config) -> str:
     return str(workerinput["workerid"]) if workerinput else "master"
 
 
+RUN_LOGS = pytest.StashKey[Path]()
+
+
+RUN_NAME = pytest.StashKey[str]()
+
+
+def run_log_name(config: pytest.Config) -> str:
+    """This run's own directory under ``--pd-log-dir``: two runs given the same log dir never share a file (their
+    reports would carry each other's log tails). ``<time>-<pid>``; xdist workers share their run's, by its id."""
+    if RUN_NAME not in config.stash:
+        workerinput = getattr(config, "workerinput", None)
+        if workerinput and workerinput.get("testrunuid"):
+            config.stash[RUN_NAME] = f"xdist-{workerinput['testrunuid']}"
+        else:
+            config.stash[RUN_NAME] = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return config.stash[RUN_NAME]
+
+
 def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts) or pytest's basetemp.
+    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts; in a directory of this run's own, see
+    :func:`run_log_name`) or pytest's basetemp. The same path every call (created again if it was removed).
 
     Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
     """
-    cfg = config.stash[PDSERVE_CONFIG]
-    if cfg.log_dir is not None:
-        base = cfg.log_dir
-    elif (kept := reuse_options(config)) is not None:
-        # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
-        from pytest_pdserve.reuse import run_log_dir
+    if RUN_LOGS not in config.stash:
+        cfg = config.stash[PDSERVE_CONFIG]
+        if cfg.log_dir is not None:
+            base = cfg.log_dir / run_log_name(config)
+        elif (kept := reuse_options(config)) is not None:
+            # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
+            from pytest_pdserve.reuse import run_log_dir
 
-        base = run_log_dir(kept.directory)
-    else:
-        base = tmp_path_factory.getbasetemp() / "pdserve-logs"
-    path = base / worker_id(config) if worker_id(config) != "master" else base
-    return ensure_dir(path, LOG_DIR_MODE)
+            base = run_log_dir(kept.directory)
+        else:
+            base = tmp_path_factory.getbasetemp() / "pdserve-logs"
+        config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
+    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE)
 
 
 REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
@@ -126,16 +146,25 @@ def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], N
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
 
+    refused: list[str] = []  # why pdserve.log is not written (said once, on the terminal)
+
     def report(message: str) -> None:
         message = redact(message)  # e.g. an attached URL's password in the ready line
         log.info("%s", message)
-        with contextlib.suppress(OSError), os.fdopen(open_append(session_log), "a", encoding="utf-8") as fh:
-            fh.write(message + "\n")  # open_append: a FIFO planted as pdserve.log must not hang the run
+        lines = [message]
+        try:  # open_append: a FIFO planted as pdserve.log must not hang the run, nor a link make us write elsewhere
+            with os.fdopen(open_append(session_log), "a", encoding="utf-8") as fh:
+                fh.write(message + "\n")
+        except OSError as exc:  # the session's own log: the run goes on without it
+            if not refused:
+                refused.append(exc.strerror or str(exc))
+                lines.insert(0, f"pdserve: not writing the session log {session_log}: {refused[0]}")
         if terminal is None:
             return
         ctx = capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()
         with ctx:
-            terminal.write_line(message)
+            for line in lines:
+                terminal.write_line(line)
 
     return report
 

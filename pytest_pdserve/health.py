@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from pytest_pdserve import clients
+from pytest_pdserve.deadline import get_within
 from pytest_pdserve.errors import ServerDied, describe_returncode
 from pytest_pdserve.hints import hint_for
 
@@ -211,7 +212,7 @@ def _probe(server: _Server) -> str | None:
         with httpx.Client(
             timeout=PROBE_TIMEOUT_S, trust_env=False, headers=server.headers, transport=clients.http_transport()
         ) as client:
-            status = client.get(url).status_code
+            status = get_within(client, url, PROBE_TIMEOUT_S).status_code
     except httpx.HTTPError as exc:
         return f"GET {path}: {type(exc).__name__}"
     return f"GET {path}: HTTP {status}" if status >= 500 else None

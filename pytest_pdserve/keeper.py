@@ -44,6 +44,7 @@ from typing import Any
 
 from pytest_pdserve.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
+from pytest_pdserve.logfile import write_replace
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
 from pytest_pdserve.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.supervise import start_guard
@@ -291,11 +292,7 @@ class _Keeper:
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(state, fh)
-    os.replace(tmp, path)
+    write_replace(path, json.dumps(state).encode())  # never through a link planted as the state file
 
 
 def _listen(uid: int) -> tuple[socket.socket, str]:
@@ -340,7 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "since": started,
         }  # fmt: skip
         path = reuse_dir / f"{state['id']}{STATE_SUFFIX}"
-        _write_state(path, state)
+        try:
+            _write_state(path, state)
+        except OSError as exc:  # e.g. a link planted where the state file goes: said to the run, which stops them
+            print(f"error: cannot write the state file {path}: {exc.strerror or exc}", flush=True)
+            return 2
         locks = [(int(fd), Path(lock)) for fd, lock in item.get("locks", ())]
         for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
             write_holder(lock, f"{KEPT_FOR_REUSE}: {state['id']} (pdserve ls)")

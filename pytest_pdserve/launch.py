@@ -40,6 +40,7 @@ from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.logfile import open_append
+from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
@@ -113,19 +114,37 @@ class ClusterLauncher:
         self._watchdog: Watchdog | None = None
         self._guard: subprocess.Popen[bytes] | None = None
 
+    def log_path(self, name: str) -> Path:
+        """``name`` in the log directory, which is made again if it was removed mid-run: private (0700) like the
+        first time (a plain ``mkdir`` made it 0755).
+
+        :raises PathError: it cannot be made (the message names it)."""
+        return ensure_dir(self.log_dir, LOG_DIR_MODE) / name
+
+    def _supervisor_log(self, name: str) -> Path | None:
+        """The watchdog's or the guard's log, or None (it logs nowhere) when what is there is refused (a link, a
+        FIFO: logfile.open_append); said on the terminal, where their own stderr would be captured by pytest."""
+        path = self.log_path(name)
+        try:
+            os.close(open_append(path))
+        except OSError as exc:
+            self.report(f"pdserve: not writing {path}: {exc.strerror or exc}; that supervisor logs nowhere")
+            return None
+        return path
+
     # ------------------------------------------------------------------ supervisors
 
     def watch(self) -> Watchdog:
         """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token)."""
         if self._guard is None or self._guard.poll() is not None:
             # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
-            self._guard = start_guard(self.run_token, self.orphan_grace(), self.log_dir / "guard.log")
+            self._guard = start_guard(self.run_token, self.orphan_grace(), self._supervisor_log("guard.log"))
         if self._watchdog is None or not self._watchdog.alive:
             # wait=False: the hello is checked at the first command, after the servers are spawned.
             self._watchdog = Watchdog.start(
                 self.run_token,
                 grace=self.orphan_grace(),
-                log_path=self.log_dir / "watchdog.log",
+                log_path=self._supervisor_log("watchdog.log"),
                 wait=False,
             )
         return self._watchdog
@@ -235,9 +254,8 @@ class ClusterLauncher:
         engine: str,
     ) -> ServerHandle:
         """One server's process (not started) and handle; its log starts with the env delta it runs with."""
-        log_path = self.log_dir / f"{label}-{cmd.name}.log"
+        log_path = self.log_path(f"{label}-{cmd.name}.log")
         # The env delta heads each log (ServerProcess.start adds the argv line), so a CI artifact says what ran.
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         try:  # never blocks on a FIFO planted where the log goes (logfile.open_append)
             with os.fdopen(open_append(log_path), "a", encoding="utf-8") as fh:
                 fh.write(f"# pdserve: {cmd.name}: env: {json.dumps(redact_env(cmd.env), sort_keys=True)}\n")
@@ -346,7 +364,7 @@ class ClusterLauncher:
             [(httpx.URL(h.url).host, h.port, h.url) for h in decode], self.defaults.api_key,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        log_path = self.log_dir / f"{label}-proxy.log"
+        log_path = self.log_path(f"{label}-proxy.log")
         proc = ServerProcess(
             "proxy", cmd.argv, child_env(cmd.env), log_path, health_url=f"{url}{cmd.health_path}",
             api_key=self.defaults.api_key, run_token=self.run_token,

@@ -45,6 +45,7 @@ from pytest_pdserve.lockfiles import (
     Lease,
     describe_holder,
     ensure_lease_dir,
+    foreign,
     try_lock,
     unlock,
     want,
@@ -270,6 +271,7 @@ def acquire_gpus(
                 if keys[p] not in wants and (fd := want(want_file(_gpu_path(lease_dir, keys[p])))) is not None:
                     wants[keys[p]] = fd
             msg = _gpu_wait_message(lease_dir, keys, count, busy, contiguous)
+            _refuse_if_never(lease_dir, keys, count, busy, contiguous, msg)
             now = time.monotonic()
             if now >= deadline:
                 raise LeaseTimeout(
@@ -283,6 +285,34 @@ def acquire_gpus(
     finally:
         for fd in wants.values():
             os.close(fd)
+
+
+def _refuse_if_never(
+    lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool, msg: str
+) -> None:
+    """Fail at once when entries that are no pdserve lock files (a directory, a link planted there) leave too few
+    GPUs for ``count`` even once every pdserve holder is gone: nothing frees them, so waiting
+    (``--pd-gpu-wait-timeout``, 1800 s by default) would only end in the same error.
+
+    :raises LeaseTimeout: naming each such entry.
+    """
+    planted = {p for p in busy if foreign(_gpu_path(lease_dir, keys[p])) is not None}
+    if not planted:
+        return
+    if contiguous:
+        possible = any(not planted.intersection(w) for w in _windows(len(keys), count))
+    else:
+        possible = len(keys) - len(planted) >= count
+    if possible:
+        return
+    names = "; ".join(
+        f"{_gpu_path(lease_dir, keys[p])} is {foreign(_gpu_path(lease_dir, keys[p]))}" for p in sorted(planted)
+    )
+    raise LeaseTimeout(
+        f"{msg.replace('waiting for', 'gave up waiting for', 1)} at once: {names}, no pdserve lock file, which "
+        "never frees by itself. Remove it, or choose another lease directory with --pd-lease-dir / "
+        "$PDSERVE_LEASE_DIR / pdserve_lease_dir"
+    )
 
 
 def _gpu_wait_message(lease_dir: Path, keys: Sequence[str], count: int, busy: list[int], contiguous: bool) -> str:

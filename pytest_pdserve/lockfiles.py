@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (
 
 __all__ = [
     "KEPT_FOR_REUSE", "KEPT_RELEASE_WAIT", "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir",
-    "lock_from_keeper", "try_lock", "unlock", "want", "want_file", "write_holder",
+    "foreign", "lock_from_keeper", "try_lock", "unlock", "want", "want_file", "write_holder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ def try_lock(path: Path) -> int | None:
             fd = _open_shared(path)
         except NotALockFile:
             return None
+        _FOREIGN.pop(path, None)  # a lock file of ours now (held or not): no longer "not a pdserve lock file"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -175,6 +176,11 @@ def write_holder(lock_path: Path, purpose: str) -> None:
             os.close(fd)
     except (OSError, NotALockFile) as exc:  # diagnostics only
         log.debug("could not write lease holder info for %s: %s", lock_path, exc)
+
+
+def foreign(lock_path: Path) -> str | None:
+    """What the entry at ``lock_path`` is when it is no lock file of ours (as the last :func:`try_lock` saw it)."""
+    return _FOREIGN.get(lock_path)
 
 
 def describe_holder(lock_path: Path) -> str:

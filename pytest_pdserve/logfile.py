@@ -1,5 +1,9 @@
-"""Log files: reading a server's (its size, its last lines, what it gained since an offset), and opening a
-supervision log to append to (:func:`open_append`). [pytest-free, stdlib]
+"""Files the plugin writes, and reading a server's log (its size, its last lines, what it gained since an offset).
+
+Every file the plugin writes goes through one of two functions here: :func:`open_append` (logs) and
+:func:`write_replace` (whole files). Neither follows a symbolic link, writes into a hard-linked file or blocks on
+a FIFO; such an entry is refused with an ``OSError`` whose text says what it is. Lock files are the lease
+directory's own rule (:mod:`pytest_pdserve.lockfiles`: a foreign entry there counts as busy). [pytest-free, stdlib]
 
 Logs of minute-long GPU startups reach many MB, so every reader here seeks from the end and reads a bounded
 amount. A log that cannot be read (not created yet, removed) reads as empty: these feed error messages and
@@ -8,37 +12,94 @@ report sections, which must not fail themselves.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["log_size", "open_append", "read_since", "tail_lines"]
+__all__ = ["log_size", "open_append", "read_since", "tail_lines", "write_replace"]
+
+
+def _what(st: os.stat_result) -> str:
+    """What a directory entry is, said plainly (lstat result), for the refusal of a file we would write."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link; pdserve never writes through a link"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISREG(st.st_mode):
+        return f"a file with {st.st_nlink} hard links; writing it would write another file too"
+    return "a device or a socket"
+
+
+def _refuse(path: Path, st: os.stat_result) -> OSError:
+    # ELOOP for a link, as O_NOFOLLOW says it; the text (exc.strerror) is what callers show after the path.
+    code = errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL
+    return OSError(code, f"not a regular file ({_what(st)})", str(path))
+
+
+def _check_writable_entry(path: Path) -> None:
+    """Refuse (by name) an existing ``path`` that is no plain regular file of one name: a link, a FIFO, a device..."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        raise _refuse(path, st)
 
 
 def open_append(path: Path, mode: int = 0o600) -> int:
     """A file descriptor appending to the regular file ``path`` (created with ``mode`` if missing).
 
-    Never blocks: opening a FIFO for writing waits until someone reads it, forever if nobody does (a FIFO named
-    ``keeper.log`` hung pytest at its end, one named ``guard.log`` left a keeper blocked holding leases).
+    The one way the plugin opens a file to append (server and proxy logs, pdserve.log, watchdog, guard and keeper
+    logs): never through a symbolic link (a link planted in a shared directory would make us write its target),
+    never into a file with other hard links, and never blocking: opening a FIFO for writing waits until someone
+    reads it, forever if nobody does (a FIFO named ``keeper.log`` hung pytest at its end).
 
-    :raises OSError: ``path`` is a FIFO, a device, a directory or a symbolic link.
+    :raises OSError: ``path`` is a FIFO, a device, a directory, a symbolic link or a hard-linked file; the
+        ``strerror`` says which (``not a regular file (...)``), the caller names the path.
     """
-    not_a_file = OSError(errno.EINVAL, "not a regular file (a FIFO, a device, a directory or a link)", str(path))
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise not_a_file  # said plainly: opening a FIFO nobody reads fails with ENXIO, "No such device"
-    except FileNotFoundError:
-        pass
+    _check_writable_entry(path)  # said plainly: opening a FIFO nobody reads fails with ENXIO, "No such device"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise not_a_file
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            raise _refuse(path, st)  # swapped in between our lstat and our open
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def write_replace(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path``'s content with ``data`` atomically: a new file (``O_EXCL``, a fresh name next to it), then
+    ``rename`` over ``path``. The one way the plugin writes a whole file (the ``--pd-export-env`` file, kept-cluster
+    state files, the reuse directory's marker).
+
+    A rename replaces the name, never what a link points to, and a reader never sees half a file; an existing
+    ``path`` that is a link (or a FIFO, a directory, a hard-linked file) is refused by name, not replaced: in a
+    shared directory someone else planted it.
+
+    :raises OSError: as :func:`open_append`, or the directory refused the new file or the rename (another user's
+        file in a sticky directory).
+    """
+    _check_writable_entry(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if mode != 0o600:
+                os.fchmod(fh.fileno(), mode)
+            fh.write(data)
+        _check_writable_entry(path)  # planted while we wrote: still refused, never replaced
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def log_size(path: Path | None) -> int:

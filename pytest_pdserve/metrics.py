@@ -28,6 +28,7 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pytest_pdserve.deadline import get_within
 from pytest_pdserve.digits import is_int
 
 __all__ = [
@@ -373,13 +374,13 @@ def scrape(target: str | httpx.Client, *, timeout: float = 10.0, strict: bool = 
     if isinstance(target, httpx.Client):
         source = str(target.base_url.join("/metrics"))
         try:
-            response = target.get("/metrics", timeout=timeout)
+            response = get_within(target, "/metrics", timeout)
         except httpx.HTTPError as exc:
             raise MetricsScrapeError(f"GET {source} failed: {type(exc).__name__}: {exc}") from exc
     else:
         source = _metrics_url(target)
         try:
-            response = httpx.get(source, timeout=timeout, trust_env=False)
+            response = get_within(None, source, timeout)
         except httpx.HTTPError as exc:
             raise MetricsScrapeError(f"GET {source} failed: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:

@@ -29,6 +29,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     pytest_timeout_set_timer,
     reuse_header,
     reuse_options,
+    run_log_name,
     stop_manager,
 )
 from pytest_pdserve.markers import apply_skips, register_markers
@@ -126,6 +127,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         ]
     log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
     lines.append(f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}")
+    if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
+        lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
     lines += reuse_header(config)
     given = settings_origin(cfg)
     if given:

@@ -28,6 +28,7 @@ __all__ = [
     "ProcInfo",
     "TerminateResult",
     "descendants",
+    "listens_on",
     "pids_with_env",
     "proc_table",
     "read_stat",
@@ -73,6 +74,44 @@ def read_stat(pid: int) -> ProcInfo | None:
         return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0].decode(), int(rest[19]))
     except (IndexError, ValueError):
         return None
+
+
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself holds a listening TCP socket on ``port`` (IPv4 or IPv6): the socket's inode,
+    from /proc/net/tcp and /proc/net/tcp6, is among the ``socket:[inode]`` links of /proc/PID/fd. False when
+    anything cannot be read (another user's process, a vanished one): unproven is not ours."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    wanted = f"{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii", errors="replace") as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 in this kernel
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+            if (
+                len(fields) > 9
+                and fields[3] == _TCP_LISTEN
+                and fields[1].endswith(f":{wanted}")
+                and fields[9] in inodes
+            ):
+                return True
+    return False
 
 
 def alive_as(pid: int, starttime: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 
 from pytest_pdserve.clients import http_transport
+from pytest_pdserve.deadline import get_within
 
 __all__ = ["REQUEST_TIMEOUT", "AuthRefused", "ReadinessCheck", "readiness_client"]
 
@@ -63,7 +64,7 @@ class ReadinessCheck:
     def _get_ok(self, client: httpx.Client, url: str) -> httpx.Response | None:
         """``GET url``; the response if it is 200, else None (and what we wait for is remembered)."""
         try:
-            r = client.get(url, headers=self._headers)
+            r = get_within(client, url, REQUEST_TIMEOUT, headers=self._headers)
         except httpx.HTTPError as exc:
             self.waiting_for = f"GET {url}: {_short(exc)}"
             return None

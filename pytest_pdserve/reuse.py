@@ -40,14 +40,23 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
 from pytest_pdserve.lockfiles import want
-from pytest_pdserve.logfile import open_append
+from pytest_pdserve.logfile import open_append, write_replace
 from pytest_pdserve.paths import ensure_dir
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, isolated_argv, read_stat, terminate
+from pytest_pdserve.proctree import (
+    RUN_TOKEN_ENV,
+    SERVER_TOKEN_ENV,
+    alive_as,
+    isolated_argv,
+    listens_on,
+    read_stat,
+    terminate,
+)
 from pytest_pdserve.redaction import redact_argv, redact_env
 from pytest_pdserve.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.tiny_model import cache_base
@@ -210,13 +219,9 @@ def ensure_reuse_dir(path: Path) -> Path:
     check_reuse_dir(path)
     if not _marked(path):
         try:
-            fd = os.open(path / REUSE_DIR_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            write_replace(path / REUSE_DIR_MARKER, _MARKER_TEXT)
         except OSError as exc:
             raise ReuseError(f"reuse directory {path}: cannot create {REUSE_DIR_MARKER}: {exc.strerror}") from None
-        try:
-            os.write(fd, _MARKER_TEXT)
-        finally:
-            os.close(fd)
     return path
 
 
@@ -388,6 +393,29 @@ class KeptCluster:
     def dead_server(self) -> str | None:
         """The first server that is not the process that was kept, else None (the keeper's own rule)."""
         return gone_server(self.servers)
+
+    def foreign_listener(self) -> str | None:
+        """The first server whose URL is not served by the kept process itself, in words, else None.
+
+        The state file can be edited (by the user, or whoever can write the reuse dir): a URL pointed at another
+        listener would receive this run's API key with the first request. So before any request, each URL must be
+        ``http://127.0.0.1:PORT`` and PORT a listening socket of the kept pid (`proctree.listens_on`).
+        """
+        for server in self.servers:
+            url = urlsplit(str(server.get("url", "")))
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            if url.scheme != "http" or url.hostname != "127.0.0.1" or port is None:
+                return f"{server.get('name')}: its URL {server.get('url')!r} is not http://127.0.0.1:PORT"
+            if not listens_on(int(server["pid"]), port):
+                return (
+                    f"{server.get('name')}: port {port} is not a listening socket of the kept process "
+                    f"(pid {server['pid']}): the state file {self.path} was changed or the port was taken over; "
+                    "nothing was sent to it"
+                )
+        return None
 
     def keeper_stopped(self) -> str | None:
         """Why its keeper cannot answer now, when it is stopped (SIGSTOP, a debugger, a frozen cgroup), else None.
@@ -780,9 +808,11 @@ def _not_scheduling(h: Any) -> str | None:
     """Why a server schedules no request, in words, or None. vLLM 0.32's ``/is_sleeping`` is true while the
     scheduler is paused (``/pause``, ``/sleep`` at any level: ``EngineCore.is_sleeping``); ``/is_paused`` says so
     on its own where ``/is_sleeping`` counts only the executor. A server without either route: nothing says so."""
+    from pytest_pdserve.deadline import get_within
+
     for route, key in (("/is_sleeping", "is_sleeping"), ("/is_paused", "is_paused")):
         try:
-            r = h.client.get(route)
+            r = get_within(h.client, route, 5.0)
             if r.status_code == 200 and bool(r.json().get(key)):
                 return f"{h.name} is asleep or paused (POST /sleep or /pause without /wake_up or /resume)"
         except Exception:  # an older server, a body that is not JSON: nothing says it stopped
@@ -902,6 +932,7 @@ def adopt(
     from pytest_pdserve.clients import http_transport
     from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
     from pytest_pdserve.commands import ServerCommand, ServerPorts
+    from pytest_pdserve.deadline import get_within
     from pytest_pdserve.launch import LaunchedCluster
 
     t0 = time.monotonic()
@@ -910,6 +941,9 @@ def adopt(
     dead = kept.dead_server()
     if dead is not None:
         raise ReuseError(dead)
+    foreign = kept.foreign_listener()  # before the first request: each carries the API key
+    if foreign is not None:
+        raise ReuseError(foreign)
 
     def handle(s: Mapping[str, Any]) -> ServerHandle:
         command = None
@@ -931,7 +965,7 @@ def adopt(
     with httpx.Client(headers=headers, timeout=2.0, trust_env=False, transport=http_transport()) as client:
         for h in (*servers, proxy):
             try:
-                status = client.get(f"{h.url}/health").status_code
+                status = get_within(client, f"{h.url}/health", 2.0).status_code
             except httpx.HTTPError as exc:
                 raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
             if status != 200:

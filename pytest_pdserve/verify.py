@@ -39,8 +39,10 @@ from typing import Any
 
 import httpx
 
+from pytest_pdserve import clients
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
+from pytest_pdserve.deadline import get_within
 from pytest_pdserve.errors import ServerStartupError
 from pytest_pdserve.hints import hint_for
 from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
@@ -117,9 +119,13 @@ class EffectiveConfigError(ServerStartupError):
         self.mismatches = tuple(mismatches)
 
 
+#: The whole of one read-back GET (/v1/models, /version): a server that trickles its answer gives none.
+READ_BACK_TIMEOUT = 10.0
+
+
 def _get_json(client: httpx.Client, path: str) -> Any:
     try:
-        response = client.get(path)
+        response = get_within(client, path, READ_BACK_TIMEOUT)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -298,7 +304,9 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
         prompt = _ready_prompt(cluster, 1000 + i)
         before = {d.name: d.metrics() for d in cluster.decode}
         try:
-            cluster.proxy.complete(prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
+            # The whole answer within the request timeout (a total here, not per read: a trickle is no answer).
+            total = clients.OPTIONS.request_timeout
+            cluster.proxy.complete_within(total, prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
         except (AssertionError, httpx.HTTPError) as exc:
             raise NotPDReady(
                 "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}{_hints(cluster)}"

@@ -46,6 +46,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.logfile import open_append
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, set_parent_death_signal, terminate
 from pytest_pdserve.supervise import lifeline
 
@@ -99,7 +100,13 @@ class Watchdog:
             run_token,
         ]
         env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
-        out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+        out: int = subprocess.DEVNULL
+        if log_path is not None:
+            try:
+                out = open_append(log_path)
+            except OSError as exc:  # a link or a FIFO there: the watchdog must start anyway (it is the safety net)
+                with contextlib.suppress(OSError):
+                    sys.stderr.write(f"pdserve: watchdog log {log_path} unusable ({exc.strerror}); it logs nowhere\n")
         try:
             proc = subprocess.Popen(
                 argv,
@@ -114,8 +121,8 @@ class Watchdog:
             )
         finally:
             child_sock.close()
-            if not isinstance(out, int):
-                out.close()
+            if out != subprocess.DEVNULL:
+                os.close(out)
         wd = cls(proc, parent_sock, log_path)
         if wait:
             wd._await_hello()

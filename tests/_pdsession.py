@@ -164,6 +164,11 @@ class Inner:
             "-p", "no:cacheprovider", *extra,
         ]  # fmt: skip
 
+    def run_logs(self) -> Path:
+        """The one inner run's own log directory (``<log dir>/<time>-<pid>``: each run writes into its own)."""
+        [run] = [p for p in self.log_dir.iterdir() if p.is_dir()]
+        return run
+
     def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
         """Run the inner pytest to its end in a subprocess."""
         return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import _procnet
 import pytest
+from _plant import plant_in_run_logs
 
 from pytest_pdserve import redaction
 from pytest_pdserve.cluster import ServerHandle
@@ -235,7 +236,7 @@ def test_cluster_binds_loopback_keeps_the_key_off_argv_and_out_of_reports(
     assert "non-default args" in out
     assert key not in out  # ...redacted, as are the header and progress lines
     assert key not in (pytester.path / "junit.xml").read_text()
-    for log in (pytester.path / "logs").iterdir():
+    for log in (pytester.path / "logs").glob("*/*"):  # the run's own directory
         if log.name.startswith("pd-"):  # the clusters started without the leaky served name
             assert key not in log.read_text(errors="replace"), log
 
@@ -441,11 +442,12 @@ def test_gpu_markers_on_a_cpu_machine(pytester: pytest.Pytester) -> None:
 
 
 @pytest.mark.parametrize("name", ["pd-1-prefill-0.log", "pdserve.log"])
-def test_a_fifo_planted_in_the_log_dir_is_refused_not_waited_on(pytester: pytest.Pytester, name: str) -> None:
+def test_a_fifo_planted_in_the_log_dir_is_refused_not_waited_on(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     # Opening a FIFO for writing waits for a reader that never comes: the run hung before any server started.
     logs = pytester.path / "logs"
-    logs.mkdir()
-    os.mkfifo(logs / name)
+    plant_in_run_logs(pytester, monkeypatch, "fifo", name)  # in the run's own directory under logs/
     pytester.makepyfile("def test_a(pd_cluster):\n    assert pd_cluster.complete('a b c', max_tokens=1)\n")
     result = pytester.runpytest_subprocess(
         "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}", f"--pd-log-dir={logs}", "-p",
@@ -456,4 +458,5 @@ def test_a_fifo_planted_in_the_log_dir_is_refused_not_waited_on(pytester: pytest
         result.assert_outcomes(passed=1)
     else:
         result.assert_outcomes(errors=1)
-        assert f"prefill-0: cannot write its log {logs / name}: not a regular file (a FIFO" in out
+        [run_logs] = logs.iterdir()
+        assert f"prefill-0: cannot write its log {run_logs / name}: not a regular file (a FIFO" in out

@@ -108,7 +108,7 @@ def test_existing_log_dir_keeps_its_mode(inner: Inner) -> None:
     result = _run(inner, f"--pd-log-dir={logs}", f"--pd-lease-dir={inner.lease_dir}")
     result.assert_outcomes(passed=1)
     assert _mode(logs) == 0o755, oct(_mode(logs))  # was 0700
-    assert list(logs.glob("*-prefill-0.log"))
+    assert list(logs.glob("*/*-prefill-0.log"))  # in the run's own directory
 
 
 def test_missing_log_dir_parents_are_created_private(inner: Inner) -> None:
@@ -555,6 +555,6 @@ def test_a_dead_watchdog_is_started_again(inner: Inner, monkeypatch: pytest.Monk
         assert second != first
         _kill(proc.pid)
         inner.gone_within()
-    wd_log = (inner.log_dir / "watchdog.log").read_text()
+    wd_log = (inner.run_logs() / "watchdog.log").read_text()
     assert f"pdserve-watchdog[{second}]" in wd_log, wd_log  # the new one swept the servers (by run token)
     assert "cleaning up" in wd_log

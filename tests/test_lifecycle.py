@@ -113,7 +113,7 @@ def test_failed_cluster_fails_every_test_fast_without_restarting(inner: Inner) -
     out = result.stdout.str()
     assert out.count("decode-0: server process exited with exit code 1 before it became ready") >= 4
     # One start attempt: one decode log file, one "starting" line in it.
-    decode_logs = list(inner.log_dir.glob("*-decode-0.log"))
+    decode_logs = list(inner.run_logs().glob("*-decode-0.log"))
     assert len(decode_logs) == 1, decode_logs
     assert decode_logs[0].read_text().count("pdserve: starting decode-0") == 1
     # The three later tests fail from the cached error: each setup takes a fraction of the one that tried to start

@@ -188,6 +188,7 @@ def test_scrape_real_http_server(tmp_path: Path) -> None:
     app = Starlette(routes=[Route("/metrics", CounterServer().metrics)])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # connections queue until uvicorn serves: a scrape before it started is no refusal
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -23,6 +23,7 @@ import anyio.to_thread
 import httpx
 import pytest
 import uvicorn
+from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -504,3 +505,24 @@ def test_proxy_and_simulator_raise_their_soft_open_files_limit(program: str, tmp
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("stalled", ["prefill", "decode"])
+def test_an_upstream_that_trickles_its_answer_gets_a_502_within_the_upstream_timeout(
+    tmp_path: Path, stalled: str
+) -> None:
+    # httpx's timeouts are per read (and the proxy had none): a trickled answer held the client forever.
+    other = FakeUpstream("decode" if stalled == "prefill" else "prefill", "other-0")
+    with trickler() as slow, ThreadedServer(other.app()) as fine:
+        prefill, decode = ([slow], [fine.url]) if stalled == "prefill" else ([fine.url], [slow])
+        proxy = start_proxy(tmp_path, prefill, decode, "--upstream-timeout", "1")
+        try:
+            started = time.monotonic()
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=60)
+            elapsed = time.monotonic() - started
+        finally:
+            stop_proxy(proxy)
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["role"] == stalled
+    assert "no complete answer within 1s" in resp.json()["error"]["message"]
+    assert elapsed < TRICKLE_BYTES * TRICKLE_EVERY_S / 10, elapsed  # the trickle itself would take 120 s

@@ -124,7 +124,7 @@ def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -
     assert '"POST /v1/completions HTTP/1.1" 500' in sections
     assert "decode_status=500" in sections
     assert seconds < 60
-    [decode_log] = inner.log_dir.glob("*-decode-0.log")
+    [decode_log] = inner.run_logs().glob("*-decode-0.log")
     assert "EngineDeadError" in decode_log.read_text()  # the log is kept, with the root cause
     inner.assert_clean(inner.infos())
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from pytest_pdserve.proxy.app import ProxyConfig, create_app
+from pytest_pdserve.proxy.app import UPSTREAM_TIMEOUT, ProxyConfig, create_app
 from pytest_pdserve.rlimits import raise_nofile_limit
 
 
@@ -41,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
         help="decode server base URL (repeat for several; round-robin, independent of prefill)",
     )
     parser.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=f"total seconds an upstream has for an answer, and in a stream for each next chunk (default: "
+        f"{UPSTREAM_TIMEOUT:g}); past it the client gets a 502",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -58,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # $VLLM_API_KEY: sent as 'Authorization: Bearer KEY' upstream; unset: the client's header is forwarded.
         api_key = os.environ.get("VLLM_API_KEY") or None
-        config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), api_key=api_key)
+        if not (0 < args.upstream_timeout < float("inf")):
+            raise ValueError(f"--upstream-timeout {args.upstream_timeout:g} is not a number of seconds > 0")
+        config = ProxyConfig(
+            prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), api_key=api_key,
+            upstream_timeout=args.upstream_timeout,
+        )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
     print(

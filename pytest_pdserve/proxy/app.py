@@ -16,14 +16,15 @@ with a JSON error naming the role and URL. One ``httpx.AsyncClient`` is shared b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, TextIO, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,6 +37,7 @@ from starlette.routing import Route
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]
 
 Role = Literal["prefill", "decode"]
+T = TypeVar("T")
 
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, object] = {
     "do_remote_decode": True,
@@ -46,6 +48,9 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, object] = {
     "remote_port": None,
 }
 """What the prefill request carries (vLLM's toy_proxy_server.py, v0.33.0)."""
+
+#: Default of ``--upstream-timeout``: generation on a slow CPU can take minutes; ten without an answer is a hang.
+UPSTREAM_TIMEOUT = 600.0
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
@@ -70,6 +75,9 @@ class ProxyConfig:
         otherwise the client's own ``Authorization`` header is forwarded.
     :param log: where the one-line-per-request log goes (``None``: no log).
     :param max_upstream_connections: the upstream pool's bound (requests above it wait for a connection).
+    :param upstream_timeout: seconds an upstream has for a whole answer (the prefill one, a decode answer's headers
+        or its JSON body, the model list) and, in a stream, for each next chunk: a server that accepts and then
+        stalls or trickles gets a 502, not a proxy waiting forever (httpx's own timeouts are per read).
     """
 
     prefill_urls: tuple[str, ...]
@@ -77,6 +85,7 @@ class ProxyConfig:
     api_key: str | None = None
     log: TextIO | None = sys.stdout
     max_upstream_connections: int = DEFAULT_MAX_UPSTREAM_CONNECTIONS
+    upstream_timeout: float = UPSTREAM_TIMEOUT
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -214,6 +223,14 @@ class _Proxy:
         self.metrics.latency.labels(route).observe(elapsed)
         self._log(f"proxy {route} status={status} {detail} total_ms={elapsed * 1000:.1f}")
 
+    async def _within(self, request: Awaitable[T]) -> T:
+        """``await request`` within ``upstream_timeout`` (a total deadline); past it an ``httpx.ReadTimeout``, which
+        every caller already answers as an upstream failure (502)."""
+        try:
+            return await asyncio.wait_for(request, self.config.upstream_timeout)
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout(f"no complete answer within {self.config.upstream_timeout:g}s") from None
+
     def _upstream_failed(self, role: Role, url: str, exc: httpx.HTTPError) -> JSONResponse:
         self.metrics.upstream_errors.labels(role, "connection").inc()
         return _error(
@@ -248,7 +265,7 @@ class _Proxy:
         self.metrics.upstream_requests.labels("prefill", p_url).inc()
         p_started = time.perf_counter()
         try:
-            p_resp = await client.post(p_url + route, content=_dumps(prefill_body(body)), headers=headers)
+            p_resp = await self._within(client.post(p_url + route, content=_dumps(prefill_body(body)), headers=headers))
         except httpx.HTTPError as exc:
             response = self._upstream_failed("prefill", p_url, exc)
             self._finish(route, 502, started, f"id={request_id} prefill={p_url} error={type(exc).__name__}")
@@ -288,7 +305,7 @@ class _Proxy:
         detail = f"id={request_id} prefill={p_url} prefill_ms={p_ms:.1f} decode={d_url}"
         try:
             d_req = client.build_request("POST", d_url + route, content=d_content, headers=headers)
-            d_resp = await client.send(d_req, stream=True)
+            d_resp = await self._within(client.send(d_req, stream=True))
         except httpx.HTTPError as exc:
             response = self._upstream_failed("decode", d_url, exc)
             self._finish(route, 502, started, f"{detail} error={type(exc).__name__}")
@@ -304,7 +321,7 @@ class _Proxy:
                 headers=out_headers,
             )
         try:
-            content = await d_resp.aread()
+            content = await self._within(d_resp.aread())
         except httpx.HTTPError as exc:
             response = self._upstream_failed("decode", d_url, exc)
             self._finish(route, 502, started, f"{detail} error={type(exc).__name__}")
@@ -320,7 +337,12 @@ class _Proxy:
         status = d_resp.status_code
         note = ""
         try:
-            async for chunk in d_resp.aiter_bytes():
+            chunks = d_resp.aiter_bytes()
+            while True:
+                try:
+                    chunk = await self._within(chunks.__anext__())
+                except StopAsyncIteration:
+                    break
                 yield chunk
         except httpx.HTTPError as exc:
             # Headers are already sent, so the status cannot change: end the stream with an
@@ -348,7 +370,7 @@ class _Proxy:
         url = self.decode.urls[0]
         try:
             headers = self._headers(request, str(uuid.uuid4()))
-            resp = await self.client.get(url + "/v1/models", headers=headers)
+            resp = await self._within(self.client.get(url + "/v1/models", headers=headers))
         except httpx.HTTPError as exc:
             return self._upstream_failed("decode", url, exc)
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))

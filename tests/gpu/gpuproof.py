@@ -153,8 +153,11 @@ class Inner:
 
     @property
     def last_log_dir(self) -> Path:
-        """The ``--pd-log-dir`` of the latest inner session (``pdserve.log`` and server logs)."""
-        return self.proof_dir / "logs" / f"{self.label}-{self.runs}"
+        """The latest inner session's own log directory under its ``--pd-log-dir`` (``<time>-<pid>``, or
+        ``xdist-<run id>`` holding one directory per worker): ``pdserve.log`` and server logs."""
+        base = self.proof_dir / "logs" / f"{self.label}-{self.runs}"
+        [run] = [p for p in base.iterdir() if p.is_dir()]
+        return run
 
     def read(self, name: str) -> dict[str, Any]:
         """What the inner test recorded under ``name``."""

@@ -1,0 +1,143 @@
+"""A request with a total deadline: the one way the plugin's own checks talk HTTP. [pytest-free]
+
+httpx's timeouts are per operation: a read timeout of 2 s is met by a server that sends one byte every second, so an
+attach target that sends its headers and then trickles its body held the attach check forever. :func:`get_within`
+gives a GET a deadline for the whole exchange (connecting, headers, body): at the deadline the request's socket is
+shut down, which ends a read blocked in any phase, and the call raises ``httpx.ReadTimeout`` saying so.
+
+It works through :class:`DeadlineTransport`, which :func:`pytest_pdserve.clients.http_transport` returns, so every
+client the plugin builds (readiness, health probes, each server's ``client``) honours a request that carries the
+:data:`TOTAL` extension; a request without it (a test's own, a long stream) is passed through as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+
+__all__ = ["TOTAL", "DeadlineTransport", "get_within", "within"]
+
+#: The request extension naming the whole exchange's deadline, in seconds.
+TOTAL = "pdserve.total_timeout"
+
+
+def within(seconds: float) -> dict[str, Any]:
+    """The ``extensions=`` of a request that must be answered entirely within ``seconds``."""
+    return {TOTAL: float(seconds)}
+
+
+def get_within(
+    client: httpx.Client | None, url: str, total: float, headers: Mapping[str, str] | None = None
+) -> httpx.Response:
+    """``GET url``, answered in full within ``total`` seconds, or ``httpx.ReadTimeout`` (an ``httpx.HTTPError``).
+
+    :param client: a client built on :func:`pytest_pdserve.clients.http_transport` (each server's ``client``, the
+        readiness client), or None for a one-off client (no proxy from the environment).
+    """
+    if client is None:
+        from pytest_pdserve.clients import http_transport
+
+        with httpx.Client(trust_env=False, transport=http_transport()) as one_off:
+            return get_within(one_off, url, total, headers)
+    return client.get(url, headers=headers, timeout=total, extensions=within(total))
+
+
+class _Cutter:
+    """The sockets of one request, shut down when its deadline passes (from a timer thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.fired = False
+        self._done = False
+
+    def add(self, stream: Any) -> None:
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if not isinstance(sock, socket.socket):
+            return
+        with self._lock:
+            self._socks.append(sock)
+            if self.fired:
+                self._cut(sock)
+
+    def done(self) -> None:
+        """The answer is complete: a timer firing now must not cut a connection the pool may hand out again."""
+        with self._lock:
+            self._done = True
+
+    def fire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.fired = True
+            for sock in self._socks:
+                self._cut(sock)
+
+    @staticmethod
+    def _cut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # a blocked recv returns at once; the pool drops the connection
+
+    def trace(self, outer: Callable[[str, dict[str, Any]], None] | None) -> Callable[[str, dict[str, Any]], None]:
+        def trace(event: str, info: dict[str, Any]) -> None:
+            if event == "connection.connect_tcp.complete":
+                self.add(info.get("return_value"))
+            if outer is not None:
+                outer(event, info)
+
+        return trace
+
+
+class DeadlineTransport(httpx.BaseTransport):
+    """Passes requests to ``inner``; one carrying :data:`TOTAL` is answered in full within it, or raises
+    ``httpx.ReadTimeout`` (the body is read here, so the caller gets a complete response or none)."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self._inner = inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        total = request.extensions.get(TOTAL)
+        if total is None:
+            return self._inner.handle_request(request)
+        deadline = time.monotonic() + float(total)
+        cutter = _Cutter()
+        request.extensions["trace"] = cutter.trace(request.extensions.get("trace"))
+        timer = threading.Timer(float(total), cutter.fire)
+        timer.daemon = True
+        timer.start()
+
+        def late() -> httpx.ReadTimeout:
+            return httpx.ReadTimeout(f"no complete answer within {float(total):g}s", request=request)
+
+        try:
+            response = self._inner.handle_request(request)
+            cutter.add(response.extensions.get("network_stream"))  # a pooled connection made no connect event
+            try:
+                chunks = []
+                for chunk in response.stream:  # type: ignore[union-attr]  # a transport's stream is iterable
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise late()
+            finally:
+                cutter.done()  # before the connection goes back to the pool
+                response.close()
+        except httpx.TransportError:
+            if cutter.fired or time.monotonic() > deadline:
+                raise late() from None
+            raise
+        finally:
+            cutter.done()
+            timer.cancel()
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=b"".join(chunks), request=request,
+            extensions={k: v for k, v in response.extensions.items() if k != "network_stream"},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._inner.close()

@@ -1,0 +1,137 @@
+"""Issue 25, class 4: every network call of the plugin has a total deadline, and a lease path that is no lock
+of pdserve's is refused at once.
+
+httpx's timeouts are per read: a server that sends its headers and then one byte of body every 0.5 s meets a 2 s read
+timeout forever. The trickling servers here are 127.0.0.1 threads; each call must fail within its own deadline
+(bounded generously: the trickle itself would last far longer).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
+
+from pytest_pdserve import metrics
+from pytest_pdserve.clients import make_client
+from pytest_pdserve.deadline import get_within
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+def test_a_trickled_answer_fails_within_the_total_deadline(headers_too: bool) -> None:
+    with trickler(headers_too=headers_too) as url:
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match="no complete answer within 1s"):
+            get_within(None, f"{url}/health", 1.0)
+        elapsed = time.monotonic() - started
+        client = make_client("decode-0", url, {})  # each server's client: the same deadline when asked for
+        with client, pytest.raises(metrics.MetricsScrapeError, match="no complete answer within 1s"):
+            metrics.scrape(client, timeout=1.0)
+    assert elapsed < TRICKLE_BYTES * TRICKLE_EVERY_S / 10, elapsed  # the trickle itself would take 120 s
+
+
+def test_a_request_without_a_deadline_is_passed_through_as_it_is() -> None:
+    # A test's own request (a long stream) keeps httpx's per-read timeouts: only the plugin's checks ask for one.
+    with trickler() as url, make_client("decode-0", url, {}) as client, client.stream("GET", "/x") as response:
+        assert response.status_code == 200
+        assert next(response.iter_bytes()) == b"z"  # read as it comes, not cut at some total
+
+
+def test_an_answer_within_the_deadline_is_whole(tmp_path: object) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def one() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello")
+
+    thread = threading.Thread(target=one, daemon=True)
+    thread.start()
+    response = get_within(None, f"http://127.0.0.1:{listener.getsockname()[1]}/health", 30.0)
+    thread.join(5)
+    listener.close()
+    assert (response.status_code, response.text) == (200, "hello")
+
+
+# ------------------------------------------------------------------------------------- attach mode
+
+INNER_ATTACHED = "def test_a(pd_cluster):\n    pass\n"
+
+
+@pytest.mark.parametrize("via", ["argv", "PYTEST_ADDOPTS", "ini", "env"])
+def test_attach_to_a_server_that_trickles_its_answer_fails_within_the_deadline(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    with trickler() as url:
+        urls = {"prefill": url, "decode": url}
+        args: list[str] = []
+        if via == "argv":
+            args = [f"--pd-prefill-url={urls['prefill']}", f"--pd-decode-url={urls['decode']}"]
+        elif via == "PYTEST_ADDOPTS":
+            monkeypatch.setenv("PYTEST_ADDOPTS", f"--pd-prefill-url={urls['prefill']} --pd-decode-url={urls['decode']}")
+        elif via == "ini":
+            pytester.makeini(
+                f"[pytest]\npdserve_prefill_urls = {urls['prefill']}\npdserve_decode_urls = {urls['decode']}\n"
+            )
+        else:
+            monkeypatch.setenv("PDSERVE_PREFILL_URLS", urls["prefill"])
+            monkeypatch.setenv("PDSERVE_DECODE_URLS", urls["decode"])
+        pytester.makepyfile(INNER_ATTACHED)
+        # Without a total deadline the attach check reads the trickle for 120 s: past this run's own timeout.
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", f"--pd-lease-dir={pytester.path / 'leases'}", *args, timeout=90
+        )
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*attach mode: * did not answer:*", "*no complete answer within 10s*"])
+
+
+# ----------------------------------------------------------------------------- a lease path that is no lock
+
+SIM_GPU_LOCK = "gpu-GPU-sim-0000-0000-0000-{:012d}.lock"
+
+
+@pytest.mark.parametrize("via", ["argv", "PYTEST_ADDOPTS", "ini", "env"])
+def test_a_directory_planted_as_a_gpu_lock_fails_at_once_naming_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, via: str
+) -> None:
+    # Two simulated GPUs, a 1P x 1D cluster needs both, and one lock path is a directory: nothing will ever free
+    # it, so the default --pd-gpu-wait-timeout (1800 s) was spent waiting for it.
+    leases = pytester.path / "leases"
+    leases.mkdir()
+    (leases / SIM_GPU_LOCK.format(0)).mkdir()
+    args: list[str] = []
+    if via == "argv":
+        args = [f"--pd-lease-dir={leases}"]
+    elif via == "PYTEST_ADDOPTS":
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"--pd-lease-dir={leases}")
+    elif via == "ini":
+        pytester.makeini(f"[pytest]\npdserve_lease_dir = {leases}\n")
+    else:
+        monkeypatch.setenv("PDSERVE_LEASE_DIR", str(leases))
+    pytester.makepyfile("def test_a(pd_cluster):\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "--pd-engine=sim", "--pd-simulate-gpus=2", "-p", "no:cacheprovider", *args, timeout=120
+    )
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert f"{leases / SIM_GPU_LOCK.format(0)} is a directory, no pdserve lock file" in out, out[-3000:]
+    assert "gave up waiting for" in out
+    assert "giving up in" not in out  # it never waited
+
+
+def test_a_planted_entry_that_leaves_enough_gpus_is_only_skipped(pytester: pytest.Pytester) -> None:
+    leases = pytester.path / "leases"
+    leases.mkdir()
+    (leases / SIM_GPU_LOCK.format(0)).mkdir()
+    pytester.makepyfile("def test_a(pd_cluster):\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "--pd-engine=sim", "--pd-simulate-gpus=3", f"--pd-lease-dir={leases}", "-p", "no:cacheprovider", timeout=120
+    )
+    result.assert_outcomes(passed=1)
