@@ -28,7 +28,7 @@ import pytest
 from pytest_pdserve import owned_flags
 from pytest_pdserve.connector import parse_kv_connector_config
 from pytest_pdserve.errors import ClusterSpecError
-from pytest_pdserve.logfile import write_replace
+from pytest_pdserve.logfile import check_writable, write_replace
 from pytest_pdserve.metrics import NIXL_BYTES_SUM
 from pytest_pdserve.presets import AUTO, PRESETS, PresetResult, auto_preset, describe_config
 from pytest_pdserve.presets import resolve as resolve_preset
@@ -190,7 +190,12 @@ FILE_HEADER = "# written by pytest-pdserve --pd-export-env\n"
 
 
 def foreign_file(path: Path) -> str | None:
-    """Why *path* must not be written as an export file (it exists and is not one pdserve wrote), or None."""
+    """Why *path* must not be written as an export file (a link or other non-file, or a file pdserve did not
+    write), or None."""
+    try:
+        check_writable(path)  # the writer's own rule (logfile), asked before anything starts
+    except OSError as exc:
+        return f"cannot write the export file {path}: {exc.strerror}"
     try:
         with path.open("rb") as f:
             head = f.read(len(FILE_HEADER))

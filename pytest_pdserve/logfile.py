@@ -19,7 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["log_size", "open_append", "read_since", "tail_lines", "write_replace"]
+__all__ = ["check_writable", "log_size", "open_append", "read_since", "tail_lines", "write_replace"]
 
 
 def _what(st: os.stat_result) -> str:
@@ -41,8 +41,11 @@ def _refuse(path: Path, st: os.stat_result) -> OSError:
     return OSError(code, f"not a regular file ({_what(st)})", str(path))
 
 
-def _check_writable_entry(path: Path) -> None:
-    """Refuse (by name) an existing ``path`` that is no plain regular file of one name: a link, a FIFO, a device..."""
+def check_writable(path: Path) -> None:
+    """Refuse (by name) an existing ``path`` that is no plain regular file of one name: a link, a FIFO, a device...
+
+    What :func:`open_append` and :func:`write_replace` check before they write; callers that validate a path
+    ahead of time (the export file at configure) use it too, so the two checks cannot disagree."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -62,7 +65,7 @@ def open_append(path: Path, mode: int = 0o600) -> int:
     :raises OSError: ``path`` is a FIFO, a device, a directory, a symbolic link or a hard-linked file; the
         ``strerror`` says which (``not a regular file (...)``), the caller names the path.
     """
-    _check_writable_entry(path)  # said plainly: opening a FIFO nobody reads fails with ENXIO, "No such device"
+    check_writable(path)  # said plainly: opening a FIFO nobody reads fails with ENXIO, "No such device"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     try:
         st = os.fstat(fd)
@@ -87,14 +90,14 @@ def write_replace(path: Path, data: bytes, mode: int = 0o600) -> None:
     :raises OSError: as :func:`open_append`, or the directory refused the new file or the rename (another user's
         file in a sticky directory).
     """
-    _check_writable_entry(path)
+    check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL, mode 0600
     try:
         with os.fdopen(fd, "wb") as fh:
             if mode != 0o600:
                 os.fchmod(fh.fileno(), mode)
             fh.write(data)
-        _check_writable_entry(path)  # planted while we wrote: still refused, never replaced
+        check_writable(path)  # planted while we wrote: still refused, never replaced
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -41,14 +41,21 @@ def assert_untouched(path: Path) -> None:
     assert path.read_text() == VICTIM_TEXT, path.read_text()[:500]
 
 
-def export_file_setting(path: Path, via: str) -> tuple[list[str], dict[str, str]]:
+def export_file_setting(
+    path: Path, via: str, pytester: pytest.Pytester | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) asking for the ``--pd-export-env`` file ``path`` through ``via``: the one place here
-    that spells the option (it is about to become ``--pd-export-env --pd-export-env-file=FILE``)."""
+    that spells the option (``--pd-export-env-file=FILE``, which turns ``--pd-export-env`` on); ``ini`` writes
+    the pytester's ini file."""
     if via == "argv":
-        return [f"--pd-export-env={path}"], {}
+        return [f"--pd-export-env-file={path}"], {}
     if via == "PYTEST_ADDOPTS":
-        return [], {"PYTEST_ADDOPTS": f"--pd-export-env={path}"}
-    return [], {"PDSERVE_EXPORT_ENV": str(path)}
+        return [], {"PYTEST_ADDOPTS": f"--pd-export-env-file={path}"}
+    if via == "ini":
+        assert pytester is not None
+        pytester.makeini(f"[pytest]\npdserve_export_env_file = {path}\n")
+        return [], {}
+    return [], {"PDSERVE_EXPORT_ENV_FILE": str(path)}
 
 
 # ------------------------------------------------------------------------------------------ the helpers
@@ -93,7 +100,7 @@ def test_a_kept_clusters_state_file_is_not_written_through_a_link(tmp_path: Path
 # ------------------------------------------------------------------------------------- the export file
 
 
-@pytest.mark.parametrize("via", ["argv", "PYTEST_ADDOPTS", "env"])
+@pytest.mark.parametrize("via", ["argv", "PYTEST_ADDOPTS", "env", "ini"])
 def test_a_link_planted_as_the_export_file_is_refused_and_its_target_kept(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
@@ -101,7 +108,7 @@ def test_a_link_planted_as_the_export_file_is_refused_and_its_target_kept(
     link = pytester.path / "shared" / "pd.env"
     link.parent.mkdir()
     link.symlink_to(target)
-    args, env = export_file_setting(link, via)
+    args, env = export_file_setting(link, via, pytester)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     pytester.makepyfile("def test_a(): pass\n")
