@@ -177,7 +177,8 @@ def test_a_secret_in_a_dying_servers_log_reaches_no_output(
     out = result.stdout.str() + result.stderr.str()
     assert f"MARKER-{tag}" in out, out[-4000:]  # the excerpt is in the report...
     assert "ServerDied" in out
-    texts = {"terminal": out, "junit": junit.read_text(), "pdserve.log": (logs / "pdserve.log").read_text()}
+    [run_logs] = [p for p in logs.iterdir() if p.is_dir()]  # each run writes into a directory of its own
+    texts = {"terminal": out, "junit": junit.read_text(), "pdserve.log": (run_logs / "pdserve.log").read_text()}
     for where, text in texts.items():
         for secret in (key, hf):
             assert secret not in text, (where, secret)  # ...its secrets are not

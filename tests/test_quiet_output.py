@@ -40,8 +40,14 @@ def test_a_waiting_start_repeats_no_progress_line_into_a_log(inner: Inner) -> No
         if server["name"] == "proxy":
             continue
         lines = [line for line in result.stdout.lines if line.startswith(f"pdserve: starting {server['name']} (")]
-        assert 1 <= len(lines) <= 1 + int(server["ready_seconds"] // launch._Progress.QUIET_EVERY), lines
+        assert lines, result.stdout.str()
         assert "Loading model weights" in lines[0]
+        # The 12 s without news give one line (and one more per 30 s); a line after them reports the log's next
+        # line (the simulator's backend line as it becomes ready), which is news.
+        waiting = [line for line in lines if "Loading model weights" in line]
+        assert len(waiting) <= 1 + int(server["ready_seconds"] // launch._Progress.QUIET_EVERY), lines
+        news = [line.split(") ", 1)[1] for line in lines]
+        assert len(news) == len(set(news)), lines  # no line repeats what the last one said
 
 
 class _Clock:
