@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -32,12 +32,6 @@ MODEL = "pdserve-sim/tiny-llama"
 READY_TIMEOUT_S = 20.0
 INNER_TIMEOUT_S = 120.0
 BLOCK_SIZE = 128
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -102,7 +96,7 @@ def _spawn(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path
 
 
 def _sim(name: str, role: str, log_dir: Path) -> _Proc:
-    port, side = _free_port(), _free_port()
+    port, side = free_port(), free_port()
     kvc = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
     argv = [sys.executable, "-m", "pytest_pdserve.sim", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--kv-transfer-config", kvc, "--block-size", str(BLOCK_SIZE), "--seed", "0"]
@@ -126,7 +120,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         procs.append(d0)
         d1 = _sim("decode1", "kv_consumer", log_dir)
         procs.append(d1)
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "pytest_pdserve.proxy", "--host", "127.0.0.1", "--port", str(port)]
         proxy = _spawn("proxy", [*argv, "--prefill", p.url, "--decode", d0.url], {}, log_dir, port)
         procs.append(proxy)
@@ -325,7 +319,7 @@ def test_attach_url_down_fails_fast(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, deployment: Deployment, dead: str
 ) -> None:
     """A URL that does not answer: every test using pd_cluster errors at once with a message naming it."""
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     decode = down if dead == "decode" else deployment.decode[0].url
     args = ["--pd-prefill-url", deployment.prefill.url, "--pd-decode-url", decode]
     if dead == "proxy":

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 
 from pytest_pdserve import presets
 from pytest_pdserve.connector import parse_kv_connector_config
@@ -228,9 +229,7 @@ def test_a_cluster_that_cannot_start_is_one_error_not_one_per_module(pytester: p
 
 
 def test_proxy_port_is_leased_and_taken_is_a_clear_error(pytester: pytest.Pytester) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
+    free = free_port()
     pytester.makepyfile(test_mod=f"import os\ndef test_p(): assert os.environ['PROXY_PORT'] == '{free}'")
     _run(pytester, "--pd-export-env", f"--pd-proxy-port={free}").assert_outcomes(passed=1)
     with socket.socket() as s:

@@ -9,7 +9,6 @@ Issue 13's cases come first; the classes added beyond it are marked "beyond the 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 import _procnet
 import pytest
 from _plant import plant_in_run_logs
+from _ports import free_port
 
 from pytest_pdserve import redaction
 from pytest_pdserve.cluster import ServerHandle
@@ -253,9 +253,7 @@ def test_readiness_401_fails_at_once_with_a_hint(tmp_path: Path) -> None:
     """A server that wants a key pdserve does not send: no waiting for the 1,200 s timeout."""
     key = f"other-{uuid.uuid4().hex[:12]}"
     redaction.register(key)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "pytest_pdserve.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(port),
             "--api-key", key]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -281,9 +279,7 @@ def test_the_auth_hint_names_the_setting_as_the_table_derives_it() -> None:
 
 
 def test_attach_url_password_is_redacted(pytester: pytest.Pytester) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     pytester.makepyfile("def test_uses(pd_cluster): pass\n")
     result = pytester.runpytest_subprocess(
         f"--pd-prefill-url=http://alice:pw-{dead}-secret@127.0.0.1:{dead}",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _ports import free_port
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
 from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
@@ -19,12 +20,6 @@ from pytest_pdserve.proctree import proc_table
 from pytest_pdserve.rpc_dirs import make_rpc_dir, remove_rpc_dir
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gone(pid: int) -> bool:

@@ -23,6 +23,7 @@ import anyio.to_thread
 import httpx
 import pytest
 import uvicorn
+from _ports import free_port
 from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -126,12 +127,6 @@ class ThreadedServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _ports import free_port as free_port  # re-exported: the sim tests import it from here
 from prometheus_client.parser import text_string_to_metric_families
 
 READY_TIMEOUT_S = 15.0
@@ -24,13 +24,6 @@ NIXL_KVC = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_devic
 
 #: A :meth:`SimServer.metrics` snapshot: (sample name, sorted labels) -> value.
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (bind port 0 on 127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sim_argv(model: str, *args: str) -> list[str]:
