@@ -16,9 +16,20 @@ import socket
 TEST_PORTS = range(15000, 20000)
 
 
+_next = random.randrange(len(TEST_PORTS))  # where this process starts: concurrent pytest processes spread out
+
+
 def free_port() -> int:
-    """A port in :data:`TEST_PORTS` that nobody is bound to now, on loopback (tries at most 200 ports)."""
-    for port in random.sample(TEST_PORTS, 200):
+    """The next port of :data:`TEST_PORTS` that nobody is bound to now, on loopback (at most 200 tried).
+
+    Ports are handed out in order from a random start, as the kernel does in its own range, so one process never
+    gets the same port twice (a fixture picking a dozen ports before its servers bind them collided when ports
+    were drawn at random).
+    """
+    global _next
+    for _ in range(200):
+        port = TEST_PORTS[_next % len(TEST_PORTS)]
+        _next += 1
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
