@@ -207,11 +207,12 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
 
 
 def _layout(environ: Mapping[str, str], notes: list[str]) -> str:
-    """The MultiConnector scripts' ``VLLM_KV_CACHE_LAYOUT`` (LBHNC since vLLM 0.32), or the caller's.
+    """The MultiConnector scripts' ``VLLM_KV_CACHE_LAYOUT`` (LBHNC in vLLM 0.32/0.33's), or the caller's.
 
     vLLM 0.26.0 knows only NHD and HND (its engine refuses LBHNC at start: "Invalid value 'LBHNC' for
     VLLM_KV_CACHE_LAYOUT. Valid options: ['NHD', 'HND']", measured on an H200) and its own script sets HND, so
-    an older vLLM's CI sets ``VLLM_KV_CACHE_LAYOUT=HND`` as it would for the script.
+    an older vLLM's CI sets ``VLLM_KV_CACHE_LAYOUT=HND`` as it would for the script. Which release between 0.26
+    and 0.32 first accepts LBHNC was not checked.
     """
     given = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip()
     if given:

@@ -86,7 +86,8 @@ for s in $suites; do
     # twice does not fit one GPU: the CI variables the script honours set both, as a CI job would.
     mamba) ATTENTION_BACKEND=FLASH_ATTN GPU_MEMORY_UTILIZATION=0.4 \
              module_suite mamba test_mamba_prefix_cache.py vllm-mamba-prefix-cache ;;
-    # vLLM before 0.32 has no cross-layer layouts: its own script sets HND (presets._layout says why).
+    # vLLM 0.26 refuses the cross-layer LBHNC and its own script sets HND; 0.32 accepts LBHNC. Releases in between
+    # were not checked, so they get HND too (presets._layout says why).
     multi) layout=$("$py" -c 'import vllm, sys; v = tuple(int(x) for x in vllm.__version__.split(".")[:2]); print("HND" if v < (0, 32) else "")')
            VLLM_KV_CACHE_LAYOUT=$layout module_suite multi test_multi_connector_edge_cases.py vllm-multi-connector-edge-case ;;
     determinism)
