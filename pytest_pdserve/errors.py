@@ -190,6 +190,18 @@ def describe_returncode(returncode: int) -> str:
     return f"signal {-returncode} ({signame})"
 
 
+class ClusterStopped(PDServeError):
+    """pdserve stopped this cluster itself (to free its GPUs for another spec, or ``pd_cluster_factory.stop``),
+    and something still used it: not a crash, so no log excerpt and no hint (health.py, manager.py)."""
+
+    def __init__(self, cluster: str, why: str) -> None:
+        self.cluster, self.why = cluster, why
+        super().__init__(
+            f"pdserve: cluster {cluster!r} was stopped by pdserve ({why}) and is not restarted under a test that "
+            "still holds it; a test that asks for it again (pd_cluster, pd_cluster_factory) gets a fresh one"
+        )
+
+
 class ServerDied(PDServeError):
     """A server of a running cluster died (or stopped answering ``/health``) while tests used it (health.py).
 

@@ -321,13 +321,23 @@ class _Factory:
 
     def __init__(self, request: pytest.FixtureRequest) -> None:
         self._request = request
+        self._listening = False
 
     def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster:
         if spec is not None and fields:
             spec = spec.with_(**fields)
         elif spec is None:
             spec = ClusterSpec(**fields)
+        if not self._listening:
+            # Whatever stops a cluster (this factory's stop, or the manager making room for another spec on the
+            # GPUs it held), pytest must not hand the stopped one out again as the cached session `pd_cluster`.
+            manager = get_manager(self._request.config, self._request.getfixturevalue("tmp_path_factory"))
+            manager.on_stop.append(self._forget)
+            self._listening = True
         return _get_cluster(self._request, spec)
+
+    def _forget(self, stopped: PDCluster) -> None:
+        forget_fixture_value(self._request, "pd_cluster", stopped)
 
     def stop(self, spec: ClusterSpec) -> None:
         """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory).
@@ -335,11 +345,8 @@ class _Factory:
         The next request for it, ``pd_cluster`` included, starts a fresh one: a stopped cluster is never handed out.
         """
         manager = self._request.config.stash.get(MANAGER, None)
-        if manager is None:
-            return
-        stopped = manager.stop(spec)
-        if stopped is not None:
-            forget_fixture_value(self._request, "pd_cluster", stopped)
+        if manager is not None:
+            manager.stop(spec)  # the manager's on_stop listener (above) makes pytest forget it
 
 
 def forget_fixture_value(request: pytest.FixtureRequest, name: str, value: object) -> bool:

@@ -26,7 +26,7 @@ import httpx
 
 from pytest_pdserve import clients
 from pytest_pdserve.deadline import get_within
-from pytest_pdserve.errors import ServerDied, describe_returncode
+from pytest_pdserve.errors import ClusterStopped, ServerDied, describe_returncode
 from pytest_pdserve.hints import hint_for
 
 if TYPE_CHECKING:
@@ -73,13 +73,19 @@ class ClusterHealth:
     #: The cluster's servers now (a callable: attach mode puts its proxy in after the cluster exists).
     servers: Callable[[], Sequence[_Server]]
     died: ServerDied | None = None
+    #: Set when pdserve itself stopped the cluster (to free its GPUs, or asked to): not a death, and no probe.
+    stopped: ClusterStopped | None = None
 
     def raise_if_dead(self) -> None:
+        if self.stopped is not None:
+            raise self.stopped
         if self.died is not None:
             raise self.died
 
     def check(self, seen_as: str) -> None:
         """Probe every server after a suspicious answer; raise :class:`ServerDied` if one is dead."""
+        if self.stopped is not None:
+            raise self.stopped
         if self.died is not None:
             raise self.died
         victim = self._find_dead()

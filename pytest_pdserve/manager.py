@@ -22,7 +22,7 @@ from pytest_pdserve import reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
 from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
-from pytest_pdserve.errors import ClusterUnavailable, ServerDied
+from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
@@ -67,6 +67,8 @@ class ClusterManager:
     ) -> None:
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
+        #: Called with each cluster :meth:`stop` stops (the fixtures make pytest forget a cached ``pd_cluster``).
+        self.on_stop: list[Callable[[PDCluster], None]] = []
         self.default_engine = default_engine
         self.defaults = defaults
         self.inventory = inventory
@@ -168,13 +170,17 @@ class ClusterManager:
         """Clusters that are up now."""
         return [r.cluster for r in self._running.values()]
 
-    def stop(self, spec: ClusterSpec) -> PDCluster | None:
-        """Stop one cluster (no-op if it is not running); returns the stopped cluster, so that whoever handed
-        it out can forget it (a later ``get`` of the same spec starts a fresh one)."""
+    def stop(self, spec: ClusterSpec, why: str = "pd_cluster_factory.stop") -> PDCluster | None:
+        """Stop one cluster (no-op if it is not running); returns the stopped cluster. Every ``on_stop`` listener
+        hears of it, so whoever handed it out forgets it (a later ``get`` of the same spec starts a fresh one):
+        the one rule for both doors, an explicit stop and making room for another spec."""
         with self._lock:
             running = self._running.pop(spec, None)
         if running is None:
             return None
+        running.cluster.health.stopped = ClusterStopped(spec.name, why)
+        for listener in self.on_stop:
+            listener(running.cluster)
         if running.claim is not None:  # a kept cluster: the test wants it gone (GPUs, memory), not handed back
             running.claim.stop()
         else:
@@ -230,7 +236,7 @@ class ClusterManager:
                 return
             victim = min(self._running.values(), key=lambda r: r.last_used)
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
-            self.stop(victim.cluster.spec)
+            self.stop(victim.cluster.spec, why="its GPUs were needed for another spec")
 
     def _reuse_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
         """A kept cluster with this spec's fingerprint, claimed and checked; else a fresh one (saying why)."""

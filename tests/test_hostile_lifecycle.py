@@ -506,6 +506,46 @@ def test_pd_cluster_after_factory_stop_is_a_fresh_cluster(inner: Inner) -> None:
     inner.assert_clean(list(by_step.values()))
 
 
+def test_pd_cluster_after_its_gpus_went_to_another_spec_is_a_fresh_cluster(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The H200 run's failure (examples on one GPU): the mamba example's cluster made room by stopping `pd`, and
+    the next `pd_cluster` test got pytest's cached, stopped cluster ("prefill-0 exited with exit code 0", with
+    an out-of-memory hint). The manager's making room and an explicit stop are one rule: pytest forgets it."""
+    monkeypatch.setenv("PDSERVE_SIMULATE_GPUS", "1")
+    inner.pytester.makepyfile(
+        """
+        import pytest
+        from pytest_pdserve.errors import ClusterStopped
+        from pytest_pdserve.spec import ClusterSpec
+
+        HELD = []
+
+        def test_a(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="a")
+            HELD.append(pd_cluster)
+            pd_cluster.complete("hello " * 10, max_tokens=2)
+
+        def test_b(pd_cluster_factory, pdinfo):
+            other = pd_cluster_factory(ClusterSpec(name="other", max_model_len=1024))  # needs the one GPU
+            pdinfo(other, step="b")
+            with pytest.raises(ClusterStopped, match="its GPUs were needed for another spec"):
+                HELD[0].complete("hello " * 10, max_tokens=2)
+
+        def test_c(pd_cluster, pdinfo):
+            pdinfo(pd_cluster, step="c")
+            pd_cluster.complete("hello " * 10, max_tokens=2)  # was: ServerDied, exit code 0, an OOM hint
+        """
+    )
+    result = inner.run("-p", "no:randomly", "--pd-share-gpus")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*stopping cluster pd to free its GPUs for another spec*"])
+    by_step = {i["step"]: i for i in inner.infos()}
+    pids = {step: {s["pid"] for s in i["servers"]} for step, i in by_step.items()}
+    assert not pids["a"] & pids["c"], "test_c got the stopped cluster"
+    inner.assert_clean(list(by_step.values()))
+
+
 def test_factory_after_stop_starts_a_fresh_cluster_too(inner: Inner) -> None:
     inner.pytester.makepyfile(
         """

@@ -45,7 +45,7 @@ PDSERVE_SIM_SPAWN_WORKERS              0           N: start N detached (setsid) 
                                                    killed on a graceful exit, orphaned when the server
                                                    is SIGKILLed
 PDSERVE_SIM_FAIL_KV_PULL               0           1: this (decode) server's KV pulls fail after the handshake
-PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  FLASH_ATTN  comma list of backends that are not batch-invariant
+PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  (none)      comma list of backends that are not batch-invariant
 PDSERVE_SIM_NONDETERMINISM_RATE        1.0         share of warm-prefix-cache requests (decided per prompt)
                                                    whose output differs from the cold output on those backends
 PDSERVE_SIM_TIE_FLIP                   0           1: that difference is a tie flip (top-1/top-2 gap 0.001
