@@ -42,7 +42,7 @@ from _common import (
     write_result,
 )
 
-from pytest_pdserve.process import ServerProcess, new_run_token
+from pytest_pdserve.running.process import ServerProcess, new_run_token
 
 STARTUP_DELAY = 2.0
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
 from pytest_pdserve.reuse import (
     KeptCluster,
     ReuseError,
@@ -26,7 +27,6 @@ from pytest_pdserve.reuse import (
     list_kept,
     stop_kept,
 )
-from pytest_pdserve.setting_table import SETTINGS_BY_NAME
 
 __all__ = ["main"]
 

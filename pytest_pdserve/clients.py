@@ -132,7 +132,7 @@ def summarize(request: httpx.Request) -> str:
 
 def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request) -> httpx.TimeoutException:
     """The same exception type (callers catching httpx.TimeoutException still do), with a message that says who."""
-    from pytest_pdserve.deadline import TOTAL
+    from pytest_pdserve.common.deadline import TOTAL
 
     if TOTAL in request.extensions:  # the plugin's own check with its total deadline, not the request timeout
         return type(exc)(f"{server}: {summarize(request)}: {exc}", request=request)
@@ -187,7 +187,7 @@ def ssl_context() -> ssl.SSLContext:
 
 def http_transport() -> httpx.BaseTransport:
     """A plain transport that shares :func:`ssl_context`; it honours a total deadline (see deadline.py)."""
-    from pytest_pdserve.deadline import DeadlineTransport
+    from pytest_pdserve.common.deadline import DeadlineTransport
 
     return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context()))
 

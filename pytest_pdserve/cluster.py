@@ -16,13 +16,14 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve import clients, vllm_compat
-from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
-from pytest_pdserve.deadline import within
-from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
-from pytest_pdserve.logfile import log_size, read_since
+from pytest_pdserve import clients
+from pytest_pdserve.common.deadline import within
+from pytest_pdserve.common.logfile import log_size, read_since
+from pytest_pdserve.config.commands import EngineInfo, ServerCommand, ServerPorts
+from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
-from pytest_pdserve.process import ServerProcess
+from pytest_pdserve.running.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
+from pytest_pdserve.running.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
 
 SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}

@@ -3,16 +3,16 @@
 Everything the plugin raises on purpose derives from :class:`PDServeError`, so callers can catch the
 whole family with one ``except``. Startup failures carry the server name, the tail of its log and,
 when a known failure signature was found in that log, a hint that says what to do
-(:mod:`pytest_pdserve.hints`).
+(:mod:`pytest_pdserve.running.hints`).
 
 All exceptions keep their constructor arguments in ``args`` so they pickle (xdist ships reprs
 between processes, and ``concurrent.futures`` re-raises pickled exceptions). Their text goes through
-:func:`pytest_pdserve.redaction.redact` (``__str__``), so no message shows the API key or a URL password.
+:func:`pytest_pdserve.common.redaction.redact` (``__str__``), so no message shows the API key or a URL password.
 """
 
 from __future__ import annotations
 
-from pytest_pdserve.redaction import redact
+from pytest_pdserve.common.redaction import redact
 
 __all__ = [
     "AttachError",
@@ -34,7 +34,7 @@ class PDServeError(Exception):
     """Base class of every error pytest_pdserve raises on purpose; its text is redacted.
 
     ``str()`` and ``repr()`` (tracebacks, ``--showlocals``, pytest's saferepr of locals) both go through
-    :func:`~pytest_pdserve.redaction.redact`; a subclass says what it means in :meth:`describe` and cannot
+    :func:`~pytest_pdserve.common.redaction.redact`; a subclass says what it means in :meth:`describe` and cannot
     override either (``__init_subclass__`` refuses it: ``ServerDied.__str__`` once returned its log excerpt raw).
     """
 
@@ -61,7 +61,7 @@ class ServerStartupError(PDServeError):
     :param name: the server's name (``prefill-0``, ``decode-0``, ``proxy``...).
     :param message: one line saying what happened.
     :param log_tail: the last lines of the server's log (may be empty).
-    :param hint: what to do about it, from :func:`pytest_pdserve.hints.hint_for`, or None.
+    :param hint: what to do about it, from :func:`pytest_pdserve.running.hints.hint_for`, or None.
     :param log_path: where the full log is, or None.
     """
 

@@ -11,12 +11,12 @@ server tokens, and duplicates of the clusters' lease fds (``pass_fds``). The kee
   cluster at a time, and the kernel ends a claim whose run died. ``stop ID`` / ``stop *`` stop clusters now;
 * stops a cluster when it was idle (unclaimed) for the TTL, when one of its servers died or was replaced
   (pid and start time), or when another run waits for its GPUs (that run holds a shared lock on the GPU's
-  ``.want`` file, :func:`pytest_pdserve.lockfiles.want`);
+  ``.want`` file, :func:`pytest_pdserve.machine.lockfiles.want`);
 * on real CUDA, hands a stopped cluster's GPU leases back only once nvidia-smi lists none of its servers on them
-  (the release gate pytest itself runs, :func:`pytest_pdserve.gpu_probe.pids_off_gpus`);
+  (the release gate pytest itself runs, :func:`pytest_pdserve.machine.gpu_probe.pids_off_gpus`);
 * exits when no cluster is left. Exiting closes its lease fds; a lease frees once the servers holding it are gone.
 
-Supervision does not stop at the keeper: it starts its own guard (:mod:`pytest_pdserve.supervise`) on its own
+Supervision does not stop at the keeper: it starts its own guard (:mod:`pytest_pdserve.running.supervise`) on its own
 lifeline, so a SIGKILLed keeper still takes its servers down (the guard sweeps the run token), and the next
 run removes the state files of a keeper that is gone. Like the watchdog, this module runs under
 ``python -I -S`` and imports only the standard library and our stdlib-only modules.
@@ -42,12 +42,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
-from pytest_pdserve.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
-from pytest_pdserve.logfile import write_replace
-from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
-from pytest_pdserve.rpc_dirs import remove_rpc_dir
-from pytest_pdserve.supervise import start_guard
+from pytest_pdserve.common.logfile import write_replace
+from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
+from pytest_pdserve.machine.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
+from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
+from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
+from pytest_pdserve.running.supervise import start_guard
 
 __all__ = ["STATE_SUFFIX", "gone_server", "is_wanted", "main", "peer_uid_pid"]
 

@@ -28,8 +28,8 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pytest_pdserve.deadline import get_within
-from pytest_pdserve.digits import is_int
+from pytest_pdserve.common.deadline import get_within
+from pytest_pdserve.common.digits import is_int
 
 __all__ = [
     "CACHED_SOURCES",

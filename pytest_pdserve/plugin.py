@@ -15,9 +15,14 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve import export_env, logs, start_failure
+from pytest_pdserve.common.redaction import redact
+from pytest_pdserve.config.setting_table import remedy
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-timeout (optional hooks)
+from pytest_pdserve.glue import export_env, logs, start_failure
+
+# the timeout hooks only observe pytest-timeout (optional hooks)
+from pytest_pdserve.glue.fixtures import (
     CURRENT_ITEM,
     MANAGER,
     ensure_watchdog,
@@ -32,11 +37,8 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     run_log_name,
     stop_manager,
 )
-from pytest_pdserve.markers import apply_skips, register_markers
-from pytest_pdserve.redaction import redact
-from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
-from pytest_pdserve.setting_table import remedy
-from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
+from pytest_pdserve.glue.markers import apply_skips, register_markers
+from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
@@ -66,7 +68,7 @@ _CHECKOUT_NOTE = pytest.StashKey[str]()
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """Inside a vLLM checkout without torch/vllm: keep pytest from loading vLLM's tests/conftest.py."""
-    from pytest_pdserve.vllm_checkout import confcutdir_for
+    from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 
     given = early_config.invocation_params.args
     explicit = any(a == "--noconftest" or a.split("=", 1)[0] == "--confcutdir" for a in given)

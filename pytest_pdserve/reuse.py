@@ -42,13 +42,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from pytest_pdserve.common.logfile import open_append, write_replace
+from pytest_pdserve.common.redaction import redact_argv, redact_env
+from pytest_pdserve.engines.tiny_model import cache_base
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
-from pytest_pdserve.lockfiles import want
-from pytest_pdserve.logfile import open_append, write_replace
-from pytest_pdserve.paths import ensure_dir
-from pytest_pdserve.proctree import (
+from pytest_pdserve.machine.gpu_probe import wait_for_gate
+from pytest_pdserve.machine.lockfiles import want
+from pytest_pdserve.machine.paths import ensure_dir
+from pytest_pdserve.running.proctree import (
     RUN_TOKEN_ENV,
     SERVER_TOKEN_ENV,
     alive_as,
@@ -57,16 +59,14 @@ from pytest_pdserve.proctree import (
     read_stat,
     terminate,
 )
-from pytest_pdserve.redaction import redact_argv, redact_env
-from pytest_pdserve.rpc_dirs import remove_rpc_dir
-from pytest_pdserve.tiny_model import cache_base
+from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import EngineSetup
-    from pytest_pdserve.effective import SessionDefaults
-    from pytest_pdserve.launch import LaunchedCluster
+    from pytest_pdserve.config.effective import SessionDefaults
+    from pytest_pdserve.running.launch import LaunchedCluster
+    from pytest_pdserve.running.verify import Effective
     from pytest_pdserve.spec import ClusterSpec
-    from pytest_pdserve.verify import Effective
 
 __all__ = [
     "Claim",
@@ -808,7 +808,7 @@ def _not_scheduling(h: Any) -> str | None:
     """Why a server schedules no request, in words, or None. vLLM 0.32's ``/is_sleeping`` is true while the
     scheduler is paused (``/pause``, ``/sleep`` at any level: ``EngineCore.is_sleeping``); ``/is_paused`` says so
     on its own where ``/is_sleeping`` counts only the executor. A server without either route: nothing says so."""
-    from pytest_pdserve.deadline import get_within
+    from pytest_pdserve.common.deadline import get_within
 
     for route, key in (("/is_sleeping", "is_sleeping"), ("/is_paused", "is_paused")):
         try:
@@ -928,12 +928,12 @@ def adopt(
     """
     import httpx
 
-    from pytest_pdserve import verify
     from pytest_pdserve.clients import http_transport
     from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
-    from pytest_pdserve.commands import ServerCommand, ServerPorts
-    from pytest_pdserve.deadline import get_within
-    from pytest_pdserve.launch import LaunchedCluster
+    from pytest_pdserve.common.deadline import get_within
+    from pytest_pdserve.config.commands import ServerCommand, ServerPorts
+    from pytest_pdserve.running import verify
+    from pytest_pdserve.running.launch import LaunchedCluster
 
     t0 = time.monotonic()
     kept = claim.kept

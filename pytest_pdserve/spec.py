@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_pdserve import owned_flags
+from pytest_pdserve.config import owned_flags
 from pytest_pdserve.errors import ClusterSpecError
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
@@ -255,8 +255,8 @@ class ClusterSpec:
         """The server configuration of one of vLLM's nixl_integration scripts (``"vllm-edge-case"``, ...).
 
         ``engine``/``platform`` say where it runs (vLLM's CPU backend gets a block size it can take); the
-        environment variables the script honours are read from ``os.environ``. See `pytest_pdserve.presets`.
+        environment variables the script honours are read from ``os.environ``. See `pytest_pdserve.config.presets`.
         """
-        from pytest_pdserve.presets import resolve
+        from pytest_pdserve.config.presets import resolve
 
         return resolve(name, engine=engine, platform=platform, **overrides).spec

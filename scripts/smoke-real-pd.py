@@ -34,7 +34,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytest_pdserve import cpu, tiny_model, vllm_compat  # noqa: E402
+from pytest_pdserve.engines import cpu, tiny_model, vllm_compat  # noqa: E402
 
 HOST = "127.0.0.1"
 TOKEN_VAR = "PDSERVE_RUN_TOKEN"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve.commands import VLLM_PORT_WINDOW
+from pytest_pdserve.config.commands import VLLM_PORT_WINDOW
 
 MARK_ENV = "PDSERVE_TEST_MARK"
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from pytest_pdserve.fixtures import log_dir
+from pytest_pdserve.glue.fixtures import log_dir
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.engine import resolve_engine, vllm_python
-from pytest_pdserve.tiny_model import ensure_tiny_model
+from pytest_pdserve.engines.engine import resolve_engine, vllm_python
+from pytest_pdserve.engines.tiny_model import ensure_tiny_model
 
 DATA = Path(__file__).parent / "data"
 GPU_DIR = Path(__file__).parent / "gpu"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_pdserve import commands
 from pytest_pdserve.cluster import served_model_name
-from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.config import commands
+from pytest_pdserve.config.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.config.extra_args import parse_extra_args
+from pytest_pdserve.engines.vllm_compat import Version
 from pytest_pdserve.errors import ClusterSpecError
-from pytest_pdserve.extra_args import parse_extra_args
 from pytest_pdserve.spec import ClusterSpec
-from pytest_pdserve.vllm_compat import Version
 
 VLLM_033 = EngineInfo("vllm", ("vllm",), Version("0.33.0"))
 VLLM_032 = EngineInfo("vllm", ("vllm",), Version("0.32.1"))

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve import commands, vllm_compat
 from pytest_pdserve.assertions import (
     assert_kv_transferred,
     assert_pd_matches_single,
@@ -23,11 +22,13 @@ from pytest_pdserve.assertions import (
     assert_prompt_token_sources,
 )
 from pytest_pdserve.cluster import PDCluster
+from pytest_pdserve.config import commands
+from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.errors import ServerExitedEarly
-from pytest_pdserve.fixtures import MANAGER
+from pytest_pdserve.glue.fixtures import MANAGER
 from pytest_pdserve.metrics import wait_settled
-from pytest_pdserve.proctree import descendants, proc_table
 from pytest_pdserve.prompts import prompt_with_tokens
+from pytest_pdserve.running.proctree import descendants, proc_table
 from pytest_pdserve.spec import ClusterSpec
 
 ENGINES = ["sim", "vllm"]

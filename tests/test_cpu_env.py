@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve import cpu, tiny_model
+from pytest_pdserve.engines import cpu, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
@@ -61,7 +61,8 @@ def test_cpu_server_args_and_block_size() -> None:
 
 def test_cpu_dtype_reaches_the_server_argv_before_user_args() -> None:
     """The platform's --dtype is in every CPU server's argv, and a user's --dtype (later) wins in argparse."""
-    from pytest_pdserve import commands, vllm_compat
+    from pytest_pdserve.config import commands
+    from pytest_pdserve.engines import vllm_compat
     from pytest_pdserve.spec import ClusterSpec
 
     engine = commands.EngineInfo("vllm", ("vllm",), vllm_compat.LATEST_KNOWN)
@@ -143,7 +144,8 @@ def test_plugin_skips_only_the_nixl_workers_core_pin(pin_env: str | None, expect
 def test_cpu_module_is_light() -> None:
     """cpu, vllm_compat and tiny_model must import without pytest, torch or vllm."""
     code = (
-        "import sys; import pytest_pdserve.cpu, pytest_pdserve.vllm_compat, pytest_pdserve.tiny_model; "
+        "import sys; import pytest_pdserve.engines.cpu, pytest_pdserve.engines.vllm_compat, "
+        "pytest_pdserve.engines.tiny_model; "
         "bad = {'torch', 'vllm', 'pytest', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -190,7 +192,7 @@ def test_ensure_with_missing_interpreter(tmp_path: Path) -> None:
 
 @needs_real_venv
 def test_build_is_cached_deterministic_and_concurrency_safe(tmp_path: Path) -> None:
-    script = str(REPO / "pytest_pdserve" / "tiny_model.py")
+    script = str(REPO / "pytest_pdserve" / "engines" / "tiny_model.py")
     argv = [str(REAL_PYTHON), script, "build", "llama", "--cache-dir", str(tmp_path), "--print-path"]
     # Two concurrent builders into one cache: both must print the same complete directory.
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]

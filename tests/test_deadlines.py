@@ -18,7 +18,7 @@ from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 
 from pytest_pdserve import metrics
 from pytest_pdserve.clients import make_client
-from pytest_pdserve.deadline import get_within
+from pytest_pdserve.common.deadline import get_within
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -22,7 +22,7 @@ from pytest_pdserve.metrics import wait_settled
 from pytest_pdserve.spec import ClusterSpec
 
 MAX_MODEL_LEN = 512
-#: Real vLLM on CPU serves float32 (pytest_pdserve/cpu.py, issue 12); the simulator follows vLLM's ``auto`` rule
+#: Real vLLM on CPU serves float32 (pytest_pdserve/engines/cpu.py, issue 12); the simulator follows vLLM's ``auto`` rule
 #: (a float32 checkpoint served as bfloat16), so it is told the dtype real vLLM runs: KV bytes per block then agree.
 SIM_EXTRA_ARGS = ("--dtype", "float32")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from _ports import free_port
 
-from pytest_pdserve import presets
-from pytest_pdserve.connector import parse_kv_connector_config
-from pytest_pdserve.cpu import fit_cpu_block_size
+from pytest_pdserve.config import presets
+from pytest_pdserve.config.connector import parse_kv_connector_config
+from pytest_pdserve.engines.cpu import fit_cpu_block_size
 from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.spec import ClusterSpec
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.process import ServerProcess
+from pytest_pdserve.running.process import ServerProcess
 
 DYING_CONFTEST = """
 import pytest
@@ -147,7 +147,7 @@ def _serve(status: int) -> tuple[str, Callable[[], None]]:
 @pytest.mark.parametrize(("status", "dead"), [(200, False), (404, False), (503, True)])
 def test_only_a_failing_health_route_is_a_death(status: int, dead: bool) -> None:
     """A custom proxy without /health (vLLM's toy proxy serves /healthcheck) answers 404: not a death."""
-    from pytest_pdserve.health import _probe
+    from pytest_pdserve.running.health import _probe
 
     url, stop = _serve(status)
     try:
@@ -158,7 +158,7 @@ def test_only_a_failing_health_route_is_a_death(status: int, dead: bool) -> None
 
 
 def test_a_refused_connection_is_a_death() -> None:
-    from pytest_pdserve.health import _probe
+    from pytest_pdserve.running.health import _probe
 
     url, stop = _serve(200)
     stop()

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve import leases
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
-from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner, explicit_ids_problem
-from pytest_pdserve.inventory import Inventory, simulated_inventory
-from pytest_pdserve.session_inventory import InventoryHolder
+from pytest_pdserve.glue.session_inventory import InventoryHolder
+from pytest_pdserve.machine import leases
+from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner, explicit_ids_problem
+from pytest_pdserve.machine.inventory import Inventory, simulated_inventory
 from pytest_pdserve.spec import ClusterSpec
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -296,7 +296,7 @@ def test_a_crash_in_gpu_detection_is_an_error_naming_it(
     assert "--pd-platform=cpu" in text
 
     # The same inside a real session: a usage error, not a run that skips every GPU test.
-    import pytest_pdserve.session_inventory as session_inventory
+    import pytest_pdserve.glue.session_inventory as session_inventory
 
     monkeypatch.setattr(session_inventory, "detect_inventory", lambda platform: crash())
     pytester.makepyfile("import pytest\n\n@pytest.mark.gpus(1)\ndef test_gpu():\n    pass\n")

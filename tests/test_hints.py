@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_pdserve.hints import HINTS, hint_for
+from pytest_pdserve.running.hints import HINTS, hint_for
 
 _BY_KEY = {h.key: h.text for h in HINTS}
 

@@ -19,15 +19,15 @@ import pytest
 from _plant import plant_in_run_logs
 from _ports import free_port
 
-from pytest_pdserve import redaction
 from pytest_pdserve.cluster import ServerHandle
-from pytest_pdserve.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.common import redaction
+from pytest_pdserve.config.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, remedy
+from pytest_pdserve.engines.vllm_compat import Version
 from pytest_pdserve.errors import ClusterSpecError, OwnedFlagError, ServerStartupError
-from pytest_pdserve.hints import AUTH_HINT
-from pytest_pdserve.process import ServerProcess, new_run_token
-from pytest_pdserve.settings import PDSERVE_CONFIG, remedy
+from pytest_pdserve.running.hints import AUTH_HINT
+from pytest_pdserve.running.process import ServerProcess, new_run_token
 from pytest_pdserve.spec import ClusterSpec
-from pytest_pdserve.vllm_compat import Version
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 
-from pytest_pdserve.commands import VLLM_PORT_WINDOW
-from pytest_pdserve.leases import acquire_ports, try_acquire_gpus
+from pytest_pdserve.config.commands import VLLM_PORT_WINDOW
+from pytest_pdserve.machine.leases import acquire_ports, try_acquire_gpus
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

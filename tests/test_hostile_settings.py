@@ -47,7 +47,7 @@ def test_no_registered_option_takes_an_optional_value(
     """Every option of the pdserve group, as pytest registered it, takes exactly one value or none: an optional
     value (nargs "?" or "*") lets argparse take the next word, a test path, as the value (issue 25: `--pd-export-env`
     from PYTEST_ADDOPTS overwrote test_a.py). Each setting's flag is among them, so none escapes the walk."""
-    from pytest_pdserve.setting_table import SETTINGS
+    from pytest_pdserve.config.setting_table import SETTINGS
 
     out = pytester.path / "walk.json"
     monkeypatch.setenv("WALK_OUT", str(out))
@@ -190,7 +190,7 @@ def test_secrets_a_run_hands_its_servers_are_registered(
 ) -> None:
     """An --hf-token in VLLM_SERVE_EXTRA_ARGS and an HF_TOKEN in the environment reach the servers, which print
     what they were given (vLLM's `non-default args`): configure registers both, as it does the API key."""
-    from pytest_pdserve.redaction import redact
+    from pytest_pdserve.common.redaction import redact
 
     tag = uuid.uuid4().hex[:8]
     monkeypatch.setenv("VLLM_SERVE_EXTRA_ARGS", f"--hf-token hf_flag_{tag}")
@@ -202,8 +202,8 @@ def test_secrets_a_run_hands_its_servers_are_registered(
 def test_secrets_a_cluster_spec_hands_a_server_are_registered(tmp_path: Path) -> None:
     """A ClusterSpec's own extra args and env reach one server only, past the settings: the process registers
     what it is given (every server and the proxy is a ServerProcess)."""
-    from pytest_pdserve.process import ServerProcess
-    from pytest_pdserve.redaction import redact
+    from pytest_pdserve.common.redaction import redact
+    from pytest_pdserve.running.process import ServerProcess
 
     tag = uuid.uuid4().hex[:8]
     ServerProcess(
@@ -215,8 +215,8 @@ def test_secrets_a_cluster_spec_hands_a_server_are_registered(tmp_path: Path) ->
 
 def test_an_error_class_cannot_skip_redaction() -> None:
     """The rule lives in the base class: a subclass that overrides __str__ or __repr__ is refused when defined."""
+    from pytest_pdserve.common.redaction import register
     from pytest_pdserve.errors import PDServeError, ServerDied
-    from pytest_pdserve.redaction import register
 
     with pytest.raises(TypeError, match="overrides __str__: override describe"):
         type("Leaky", (PDServeError,), {"__str__": lambda self: "raw"})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.gpu_probe import (
+from pytest_pdserve.machine.gpu_probe import (
     AMD_SMI_LIST,
     NVIDIA_QUERY_APPS,
     NVIDIA_QUERY_GPU,
@@ -26,7 +26,7 @@ from pytest_pdserve.gpu_probe import (
     pids_off_gpus,
     run_command,
 )
-from pytest_pdserve.inventory import (
+from pytest_pdserve.machine.inventory import (
     Inventory,
     InventoryError,
     detect_inventory,
@@ -320,7 +320,7 @@ def test_rocm_tools_when_sysfs_is_absent(tmp_path: Path) -> None:
     runner = FakeRunner({AMD_SMI_LIST: ok((ROCM / "amd-smi-list.json").read_text())})
     inv = detect_inventory(environ={}, runner=runner, paths=paths)
     assert (inv.platform, inv.count, inv.source) == ("rocm", 2, "amd-smi")
-    from pytest_pdserve.gpu_probe import ROCM_SMI_QUERY
+    from pytest_pdserve.machine.gpu_probe import ROCM_SMI_QUERY
 
     runner = FakeRunner({ROCM_SMI_QUERY: ok((ROCM / "rocm-smi.json").read_text())})
     inv = detect_inventory(environ={}, runner=runner, paths=paths)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve.errors import ClusterSpecError, LeaseTimeout
-from pytest_pdserve.leases import (
+from pytest_pdserve.machine.leases import (
     acquire_gpus,
     acquire_port_span,
     acquire_ports,
@@ -32,7 +32,7 @@ HOLDER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from pytest_pdserve.leases import acquire_gpus, acquire_port_span
+    from pytest_pdserve.machine.leases import acquire_gpus, acquire_port_span
     lease_dir, kind, arg = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     if kind == "gpu":
         keys, count = arg.split(":")
@@ -212,7 +212,7 @@ HAMMER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from pytest_pdserve.leases import try_acquire_gpus
+    from pytest_pdserve.machine.leases import try_acquire_gpus
     lease_dir, marker, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     print("waiting", flush=True)
     for _ in range(100_000):  # start together, so that they really contend

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_pdserve.inventory import Gpu, Inventory
-from pytest_pdserve.markers import Requirement, skip_reason
+from pytest_pdserve.glue.markers import Requirement, skip_reason
+from pytest_pdserve.machine.inventory import Gpu, Inventory
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -270,6 +270,6 @@ def test_tie_flip_is_accepted_with_a_tolerance(session: str) -> None:
     ],
 )  # fmt: skip
 def test_a_hybrid_models_state_space_backend_is_not_its_attention_backend(log: str, backend: str | None) -> None:
-    from pytest_pdserve.verify import _backend_from_log
+    from pytest_pdserve.running.verify import _backend_from_log
 
     assert _backend_from_log(log) == backend

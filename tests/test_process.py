@@ -15,9 +15,9 @@ import pytest
 from _ports import free_port
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupTimeout
-from pytest_pdserve.process import ServerProcess, new_run_token, wait_all_ready
-from pytest_pdserve.proctree import proc_table
-from pytest_pdserve.rpc_dirs import make_rpc_dir, remove_rpc_dir
+from pytest_pdserve.running.process import ServerProcess, new_run_token, wait_all_ready
+from pytest_pdserve.running.proctree import proc_table
+from pytest_pdserve.running.rpc_dirs import make_rpc_dir, remove_rpc_dir
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
 

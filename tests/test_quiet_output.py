@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from _pdsession import Inner
 
-from pytest_pdserve import launch
+from pytest_pdserve.running import launch
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve._options_table import BEGIN, END, render
-from pytest_pdserve.setting_table import SETTINGS
+from pytest_pdserve.config._options_table import BEGIN, END, render
+from pytest_pdserve.config.setting_table import SETTINGS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -18,7 +18,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_options_table_is_generated_from_the_settings() -> None:
     text = README.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    assert text[start:end] == render(), "README options table is stale: run python -m pytest_pdserve._options_table"
+    assert text[start:end] == render(), (
+        "README options table is stale: run python -m pytest_pdserve.config._options_table"
+    )
 
 
 def test_every_setting_is_in_the_table() -> None:
@@ -128,7 +130,7 @@ def test_every_readme_command_is_real(pytester: pytest.Pytester, tmp_path: Path)
     """Each command of the README's shell blocks runs something that exists: scripts and files are there, pytest's
     paths exist and its options are registered, `pdserve` accepts the arguments, `tox -e` envs are defined."""
     from pytest_pdserve import cli
-    from pytest_pdserve.markers import MARKERS
+    from pytest_pdserve.glue.markers import MARKERS
 
     options = _pytest_options(pytester)
     # The markers this repository registers (pyproject's tiers) and the plugin's own (cuda, rocm, gpus, ...).

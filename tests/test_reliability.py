@@ -226,7 +226,7 @@ def test_port_bound_by_a_foreign_process_is_never_handed_out(inner: Inner, monke
 
 GRAB_CONFTEST = r"""
 import socket
-import pytest_pdserve.leases as leases
+import pytest_pdserve.machine.leases as leases
 
 _held = []
 

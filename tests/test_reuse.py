@@ -26,9 +26,9 @@ from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
 from pytest_pdserve import cli, keeper, reuse
-from pytest_pdserve.engine import resolve_engine
-from pytest_pdserve.leases import acquire_ports
-from pytest_pdserve.proctree import SERVER_TOKEN_ENV, alive_as, read_stat
+from pytest_pdserve.engines.engine import resolve_engine
+from pytest_pdserve.machine.leases import acquire_ports
+from pytest_pdserve.running.proctree import SERVER_TOKEN_ENV, alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -751,10 +751,10 @@ def test_pdserve_stop_names_what_it_does_not_know(inner: Inner, reuse_dir: Path)
 
 def _fp(**changes: Any) -> dict[str, str]:
     from pytest_pdserve.cluster import EngineSetup
-    from pytest_pdserve.commands import EngineInfo
-    from pytest_pdserve.effective import SessionDefaults
+    from pytest_pdserve.config.commands import EngineInfo
+    from pytest_pdserve.config.effective import SessionDefaults
+    from pytest_pdserve.engines.vllm_compat import Version
     from pytest_pdserve.spec import ClusterSpec
-    from pytest_pdserve.vllm_compat import Version
 
     base: dict[str, Any] = {
         "spec": ClusterSpec(), "defaults": SessionDefaults(), "model": "m",
@@ -766,7 +766,7 @@ def _fp(**changes: Any) -> dict[str, str]:
 
 
 def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
-    from pytest_pdserve.effective import SessionDefaults
+    from pytest_pdserve.config.effective import SessionDefaults
 
     same = _fp()
     assert reuse.differences(same, _fp()) == []
@@ -803,7 +803,7 @@ def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> No
 
 CPU_TIER = """
 import json, os
-from pytest_pdserve.presets import multi_connector_config
+from pytest_pdserve.config.presets import multi_connector_config
 
 def test_tier(pd_cluster_factory, pdinfo):
     cluster = pd_cluster_factory(name="tier", kv_connector="MultiConnector",

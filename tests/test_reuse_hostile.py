@@ -25,7 +25,7 @@ from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli, reuse
-from pytest_pdserve.proctree import alive_as, read_stat
+from pytest_pdserve.running.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -189,14 +189,17 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
 
 
 def _guards(pids: set[int]) -> set[int]:
-    """The pids among ``pids`` that are a guard (`pytest_pdserve.supervise`: sweeps a dead owner's run token)."""
+    """The pids among ``pids`` that are a guard (`pytest_pdserve.running.supervise`: sweeps a dead owner's run
+    token)."""
     found = set()
     for pid in pids:
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()  # python -I -S -c '... pytest_pdserve.supervise ...'
+            cmdline = Path(
+                f"/proc/{pid}/cmdline"
+            ).read_bytes()  # python -I -S -c '... pytest_pdserve.running.supervise ...'
         except OSError:
             continue
-        if b"pytest_pdserve.supervise" in cmdline or b"pytest_pdserve.watchdog" in cmdline:
+        if b"pytest_pdserve.running.supervise" in cmdline or b"pytest_pdserve.running.watchdog" in cmdline:
             found.add(pid)
     return found
 
@@ -256,7 +259,7 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
     file records the argv (kv role, served model name), never that value (nor an `--api-key=` one)."""
     from types import SimpleNamespace
 
-    from pytest_pdserve.commands import ServerCommand, ServerPorts
+    from pytest_pdserve.config.commands import ServerCommand, ServerPorts
 
     argv = ("vllm", "serve", "m", "--hf-token", "hf_argv_secret_4444", "--api-key=sk-argv-secret-5555", "--seed", "0")
     command = ServerCommand("prefill", 0, argv, {"HF_TOKEN": "hf_env_secret_6666", "VLLM_API_KEY": "sk-env-7777"})
@@ -286,7 +289,7 @@ def _through(
     inner: Inner, monkeypatch: pytest.MonkeyPatch, door: str, words: list[str], setting: str, value: str
 ) -> list[str]:
     """Give *words* (a flag, or its old spelling) through *door*; returns the argv words left for the command line."""
-    from pytest_pdserve.settings import SETTINGS_BY_NAME
+    from pytest_pdserve.config.settings import SETTINGS_BY_NAME
 
     s = SETTINGS_BY_NAME[setting]
     if door == "PYTEST_ADDOPTS":

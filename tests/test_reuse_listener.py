@@ -19,7 +19,7 @@ import pytest
 from _pdsession import Inner
 from _reuse import UP, run_reuse, states
 
-from pytest_pdserve.proctree import listens_on
+from pytest_pdserve.running.proctree import listens_on
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

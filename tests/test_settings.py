@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.engine import resolve_engine
-from pytest_pdserve.settings import PDSERVE_CONFIG, SETTINGS, PDServeConfig
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, SETTINGS, PDServeConfig
+from pytest_pdserve.engines.engine import resolve_engine
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -128,7 +128,7 @@ def test_falsy_values_are_not_skipped(pytester: pytest.Pytester, monkeypatch: py
 def test_inner_test_sees_the_config(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
-        from pytest_pdserve.settings import PDSERVE_CONFIG
+        from pytest_pdserve.config.settings import PDSERVE_CONFIG
 
         def test_cfg(request):
             cfg = request.config.stash[PDSERVE_CONFIG]
@@ -414,7 +414,7 @@ def test_collect_only_imports_neither_torch_nor_vllm(
         """
         import json, sys
         def pytest_collection_finish(session):
-            from pytest_pdserve.settings import PDSERVE_CONFIG
+            from pytest_pdserve.config.settings import PDSERVE_CONFIG
             cfg = session.config.stash[PDSERVE_CONFIG]
             with open("modules.json", "w") as f:
                 json.dump({"torch": "torch" in sys.modules, "vllm": "vllm" in sys.modules,

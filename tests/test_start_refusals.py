@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.engine import resolve_engine, vllm_python
-from pytest_pdserve.tiny_model import ensure_tiny_model
+from pytest_pdserve.engines.engine import resolve_engine, vllm_python
+from pytest_pdserve.engines.tiny_model import ensure_tiny_model
 
 LONG_LEN = (
     "User-specified max_model_len (4096) is greater than the derived max_model_len "

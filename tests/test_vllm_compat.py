@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve import vllm_compat
-from pytest_pdserve.vllm_compat import Version
+from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.engines.vllm_compat import Version
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve import export_env, presets, vllm_compat
+from pytest_pdserve.config import presets
+from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.glue import export_env
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"

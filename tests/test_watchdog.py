@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve.leases import try_acquire_gpus
-from pytest_pdserve.process import ServerProcess, new_run_token
-from pytest_pdserve.proctree import proc_table
-from pytest_pdserve.watchdog import Watchdog
+from pytest_pdserve.machine.leases import try_acquire_gpus
+from pytest_pdserve.running.process import ServerProcess, new_run_token
+from pytest_pdserve.running.proctree import proc_table
+from pytest_pdserve.running.watchdog import Watchdog
 
 STANDIN = str(Path(__file__).with_name("_standin.py"))
 
@@ -28,9 +28,9 @@ PARENT = textwrap.dedent(
     """
     import json, os, socket, sys, time
     from pathlib import Path
-    from pytest_pdserve.leases import acquire_gpus
-    from pytest_pdserve.process import ServerProcess, new_run_token
-    from pytest_pdserve.watchdog import Watchdog
+    from pytest_pdserve.machine.leases import acquire_gpus
+    from pytest_pdserve.running.process import ServerProcess, new_run_token
+    from pytest_pdserve.running.watchdog import Watchdog
 
     standin, tmp, knobs, watch, lease_dir, how = sys.argv[1:7]
     tmp = Path(tmp)

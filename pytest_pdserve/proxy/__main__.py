@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from pytest_pdserve.common.rlimits import raise_nofile_limit
 from pytest_pdserve.proxy.app import UPSTREAM_TIMEOUT, ProxyConfig, create_app
-from pytest_pdserve.rlimits import raise_nofile_limit
 
 
 def _parser() -> argparse.ArgumentParser:

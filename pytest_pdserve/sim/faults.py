@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pytest_pdserve.digits import parse_float, parse_int
+from pytest_pdserve.common.digits import parse_float, parse_int
 from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
 
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
@@ -55,7 +55,7 @@ class SimEnv:
     nondeterminism_rate: float = 1.0
     gpu: bool = False
     #: The simulated platform (``PDSERVE_SIM_PLATFORM``: cpu, cuda, rocm; default cuda with PDSERVE_SIM_GPU=1,
-    #: else cpu). On cpu the attention backend follows vLLM's CPU rule (pytest_pdserve.cpu).
+    #: else cpu). On cpu the attention backend follows vLLM's CPU rule (pytest_pdserve.engines.cpu).
     platform: str = "cpu"
     tie_flip: bool = False
     override_block_size: int | None = None

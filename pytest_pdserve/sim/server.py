@@ -24,8 +24,8 @@ from typing import Any
 
 import uvicorn
 
-from pytest_pdserve import cpu
-from pytest_pdserve.rlimits import raise_nofile_limit
+from pytest_pdserve.common.rlimits import raise_nofile_limit
+from pytest_pdserve.engines import cpu
 from pytest_pdserve.sim import faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend

@@ -11,7 +11,7 @@ models of ``tiny_model.py``:
   400 "KV cache is full" instead.
 * the attention backend: on the CPU platform vLLM runs ``CPU_ATTN`` whatever ``--attention-backend`` asks
   (``platforms/cpu.py`` ``get_attn_backend_cls``: "Cannot use X backend on CPU."); the rule's one home is
-  :func:`pytest_pdserve.cpu.running_attention_backend`, which the plugin also applies before a start.
+  :func:`pytest_pdserve.engines.cpu.running_attention_backend`, which the plugin also applies before a start.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve.session_inventory import get_inventory
+from pytest_pdserve.glue.session_inventory import get_inventory
 
 from .gpuproof import Inner, PhysicalGpus
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve import leases
-from pytest_pdserve.gpu_probe import gpu_processes
+from pytest_pdserve.machine import leases
+from pytest_pdserve.machine.gpu_probe import gpu_processes
 
 from .gpuproof import Inner, PhysicalGpus, gate_seconds
 
@@ -32,10 +32,10 @@ GATE_TEST = f"""
 import os, subprocess, sys, time
 from pathlib import Path
 
-import pytest_pdserve.gpu_probe as gpu_probe
+import pytest_pdserve.machine.gpu_probe as gpu_probe
 from gpuinner import GPU_ENV, compute_apps, describe, record
-from pytest_pdserve import leases
-from pytest_pdserve.fixtures import MANAGER
+from pytest_pdserve.machine import leases
+from pytest_pdserve.glue.fixtures import MANAGER
 from pytest_pdserve.spec import ClusterSpec
 
 # A descendant that outlives its server for a while (like vLLM's EngineCore): it carries the run token,

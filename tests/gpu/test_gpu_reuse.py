@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_pdserve import cli
-from pytest_pdserve.gpu_probe import gpu_processes
+from pytest_pdserve.machine.gpu_probe import gpu_processes
 
 from .gpuproof import Inner, PhysicalGpus
 

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pytest_pdserve.cpu import CPU_BLOCK_SIZE, cpu_server_args, cpu_server_env
-from pytest_pdserve.engine import resolve_engine
+from pytest_pdserve.engines.cpu import CPU_BLOCK_SIZE, cpu_server_args, cpu_server_env
+from pytest_pdserve.engines.engine import resolve_engine
 from pytest_pdserve.sim import tokenizer
 
 from ._simproc import Factory, SimServer, child_env, free_port

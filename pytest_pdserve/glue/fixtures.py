@@ -1,0 +1,435 @@
+"""The fixtures: ``pd_cluster`` and ``pd_cluster_factory`` (both session-scoped).
+
+One `ClusterManager` per pytest process (per xdist worker): each worker leases its own GPUs and ports,
+so workers never share a GPU, and the manager shares a running cluster between every test that asks
+for an equal `ClusterSpec`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+import pytest
+
+from pytest_pdserve.common.logfile import open_append
+from pytest_pdserve.common.redaction import redact
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
+from pytest_pdserve.glue.session_inventory import get_inventory
+from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
+from pytest_pdserve.spec import ClusterSpec
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
+    from pytest_pdserve.cluster import PDCluster
+    from pytest_pdserve.reuse import ReuseOptions
+    from pytest_pdserve.running.manager import ClusterManager
+
+
+class ClusterFactory(Protocol):
+    """``pd_cluster_factory(spec=None, **spec_fields) -> PDCluster``; ``.stop(spec)`` frees one early."""
+
+    def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster: ...
+
+    def stop(self, spec: ClusterSpec) -> None: ...
+
+
+MANAGER = pytest.StashKey["ClusterManager"]()
+SALT_TOKEN = pytest.StashKey[str]()
+CLIENTS_CONFIGURED = pytest.StashKey[bool]()
+CURRENT_ITEM = pytest.StashKey[pytest.Item]()
+
+
+def worker_id(config: pytest.Config) -> str:
+    """xdist worker id (``gw0``) or ``master``."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else "master"
+
+
+RUN_LOGS = pytest.StashKey[Path]()
+
+
+RUN_NAME = pytest.StashKey[str]()
+
+
+def run_log_name(config: pytest.Config) -> str:
+    """This run's own directory under ``--pd-log-dir``: two runs given the same log dir never share a file (their
+    reports would carry each other's log tails). ``<time>-<pid>``; xdist workers share their run's, by its id."""
+    if RUN_NAME not in config.stash:
+        workerinput = getattr(config, "workerinput", None)
+        if workerinput and workerinput.get("testrunuid"):
+            config.stash[RUN_NAME] = f"xdist-{workerinput['testrunuid']}"
+        else:
+            config.stash[RUN_NAME] = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return config.stash[RUN_NAME]
+
+
+def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts; in a directory of this run's own, see
+    :func:`run_log_name`) or pytest's basetemp. The same path every call (created again if it was removed).
+
+    Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
+    """
+    if RUN_LOGS not in config.stash:
+        cfg = config.stash[PDSERVE_CONFIG]
+        if cfg.log_dir is not None:
+            base = cfg.log_dir / run_log_name(config)
+        elif (kept := reuse_options(config)) is not None:
+            # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
+            from pytest_pdserve.reuse import run_log_dir
+
+            base = run_log_dir(kept.directory)
+        else:
+            base = tmp_path_factory.getbasetemp() / "pdserve-logs"
+        config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
+    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE)
+
+
+REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
+
+
+def reuse_options(config: pytest.Config) -> ReuseOptions | None:
+    """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
+    if REUSE not in config.stash:
+        from pytest_pdserve.reuse import (
+            ReuseOptions,
+            default_reuse_dir,
+            ensure_reuse_dir,
+            prune_run_logs,
+            reuse_decision,
+        )
+
+        cfg = config.stash[PDSERVE_CONFIG]
+        enabled, _ = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
+        options = None
+        if enabled and not cfg.attach_mode:
+            options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
+            prune_run_logs(options.directory)  # each reuse run without --pd-log-dir logs under it
+        config.stash[REUSE] = options
+    return config.stash[REUSE]
+
+
+def reuse_header(config: pytest.Config) -> list[str]:
+    """The report header's reuse line: on or why off, and the kept clusters a run may attach to (with their age)."""
+    from pytest_pdserve.reuse import list_kept, reuse_decision
+
+    cfg = config.stash[PDSERVE_CONFIG]
+    enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
+    if not cfg.reuse:
+        return []
+    options = reuse_options(config)
+    if not enabled or options is None:
+        return [f"pdserve: reuse {why if not enabled else 'off: attach mode starts no servers'}"]
+    cleaned: list[str] = []  # what the listing cleaned up (a keeper that is gone, a file that is no state)
+    kept = list_kept(options.directory, report=cleaned.append)
+    now = time.time()
+    shown = ", ".join(f"{k.id} ({k.spec_name}, {_age(now - k.created)} old)" for k in kept[:6]) or "none"
+    return [
+        f"pdserve: reuse {why} (idle ttl {options.ttl:g}s, dir {options.directory}); kept clusters: {shown}",
+        *cleaned,
+    ]
+
+
+def _age(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
+    """Progress lines to the terminal (around pytest's capture) and to ``pdserve.log``."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    refused: list[str] = []  # why pdserve.log is not written (said once, on the terminal)
+
+    def report(message: str) -> None:
+        message = redact(message)  # e.g. an attached URL's password in the ready line
+        log.info("%s", message)
+        lines = [message]
+        try:  # open_append: a FIFO planted as pdserve.log must not hang the run, nor a link make us write elsewhere
+            with os.fdopen(open_append(session_log), "a", encoding="utf-8") as fh:
+                fh.write(message + "\n")
+        except OSError as exc:  # the session's own log: the run goes on without it
+            if not refused:
+                refused.append(exc.strerror or str(exc))
+                lines.insert(0, f"pdserve: not writing the session log {session_log}: {refused[0]}")
+        if terminal is None:
+            return
+        ctx = capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext()
+        with ctx:
+            for line in lines:
+                terminal.write_line(line)
+
+    return report
+
+
+def writes_to_terminal(config: pytest.Config) -> bool:
+    """Whether pytest's output goes to a terminal (a person watching) rather than to a log or a pipe (CI)."""
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    return bool(getattr(terminal, "isatty", False))  # a bool before pytest 9, a callable bool since
+
+
+def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
+    """The session's cluster manager, built from the resolved settings (once per process)."""
+    from pytest_pdserve.config.commands import SessionDefaults
+    from pytest_pdserve.engines.engine import engine_setup
+    from pytest_pdserve.running.manager import ClusterManager
+
+    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
+    inventory = get_inventory(config)
+    logs = log_dir(config, tmp_path_factory)
+    _configure_clients(config)
+    defaults = SessionDefaults(
+        attention_backend=cfg.attention_backend,
+        vllm_serve_extra_args=cfg.vllm_serve_extra_args,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        api_key=cfg.api_key,
+        platform=inventory.platform,
+        extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
+        attention_backend_source=short_source(cfg.sources["attention_backend"]),
+    )
+    kept = reuse_options(config)
+    # The servers' scratch (vLLM's cache root) is part of their environment: a reuse run's must not move.
+    scratch = kept.directory / "scratch" if kept is not None else tmp_path_factory.getbasetemp()
+    manager = ClusterManager(
+        engine_setup=lambda name: engine_setup(
+            name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
+            basetemp=scratch,
+        ),
+        default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
+        lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
+        shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
+        prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
+        share_gpus=cfg.share_gpus, port_range=cfg.port_range,
+        reporter=make_reporter(config, logs / "pdserve.log"), reuse=kept, terminal=writes_to_terminal(config),
+    )  # fmt: skip
+    manager.pd_ready_check = cfg.ready_check
+    return manager
+
+
+def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
+    """The process-wide manager, created on first use and stopped at unconfigure."""
+    if MANAGER not in config.stash:
+        config.stash[MANAGER] = build_manager(config, tmp_path_factory)
+    return config.stash[MANAGER]
+
+
+def ensure_watchdog(config: pytest.Config) -> None:
+    """Before each test: a watchdog that died (killed, OOM) is replaced while our clusters run."""
+    manager = config.stash.get(MANAGER, None)
+    if manager is not None:
+        manager.ensure_watchdog()
+
+
+def stop_manager(config: pytest.Config) -> None:
+    """Stop every cluster of this process (pytest_unconfigure; also the session fixture's teardown)."""
+    manager = config.stash.get(MANAGER, None)
+    if manager is not None:
+        manager.stop_all()
+
+
+#: The settings pytest-timeout armed the current test's timer with (seen through its public hooks, below).
+TIMEOUT_ARMED = pytest.StashKey[Any]()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Observe (not handle: returns None) pytest-timeout arming a test's timer, to re-arm it after a pause."""
+    item.stash[TIMEOUT_ARMED] = settings
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    """Observe pytest-timeout's timer being cancelled."""
+    with contextlib.suppress(KeyError):
+        del item.stash[TIMEOUT_ARMED]
+
+
+@contextlib.contextmanager
+def timeout_paused(config: pytest.Config) -> Iterator[None]:
+    """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
+
+    Otherwise a session-scoped start is billed to whichever test first asks for the cluster
+    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up. Only pytest-timeout's
+    public hooks are used: the settings are those it armed the timer with (none when ``func_only`` defers the
+    timer to the test call, where no cluster starts).
+    """
+    item = config.stash.get(CURRENT_ITEM, None)
+    settings = item.stash.get(TIMEOUT_ARMED, None) if item is not None else None
+    if item is None or settings is None:
+        yield
+        return
+    hook = config.pluginmanager.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    try:
+        yield
+    finally:
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+
+
+def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
+    from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
+
+    config = request.config
+    cfg = config.stash[PDSERVE_CONFIG]
+    manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
+    skip_reason = fail_reason = None
+    try:
+        with timeout_paused(config):
+            cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+        if cluster.health.died is None:
+            return cluster
+        # A server died under an earlier test: fail at once with that reason instead of timing out again.
+        fail_reason = str(cluster.health.died)
+    except ClusterUnavailable as exc:
+        skip_reason = str(exc)
+    except AttachError as exc:
+        # The message names every URL that did not answer; pytest's traceback would only add noise.
+        fail_reason = str(exc)
+    except LeaseTimeout as exc:
+        if cfg.gpu_wait != "skip":
+            raise
+        skip_reason = str(exc)
+    # Outside the except blocks, so the outcome is not chained to the error ("During handling of ...").
+    if skip_reason is not None:
+        pytest.skip(skip_reason)
+    pytest.fail(fail_reason or "unreachable", pytrace=False)
+
+
+def fail_if_cluster_died(item: pytest.Item) -> None:
+    """Fail a test whose fixtures hold a cluster that died under an earlier test (session fixtures are cached,
+    so this is checked per test, not when the fixture was made); the reason is the death's own message."""
+    from pytest_pdserve.cluster import PDCluster
+
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, PDCluster) and value.health.died is not None:
+            pytest.fail(str(value.health.died), pytrace=False)
+
+
+class _Factory:
+    """The object ``pd_cluster_factory`` yields: call it for a cluster, ``stop(spec)`` to free one early."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+        self._listening = False
+
+    def __call__(self, spec: ClusterSpec | None = None, /, **fields: Any) -> PDCluster:
+        if spec is not None and fields:
+            spec = spec.with_(**fields)
+        elif spec is None:
+            spec = ClusterSpec(**fields)
+        if not self._listening:
+            # Whatever stops a cluster (this factory's stop, or the manager making room for another spec on the
+            # GPUs it held), pytest must not hand the stopped one out again as the cached session `pd_cluster`.
+            manager = get_manager(self._request.config, self._request.getfixturevalue("tmp_path_factory"))
+            manager.on_stop.append(self._forget)
+            self._listening = True
+        return _get_cluster(self._request, spec)
+
+    def _forget(self, stopped: PDCluster) -> None:
+        forget_fixture_value(self._request, "pd_cluster", stopped)
+
+    def stop(self, spec: ClusterSpec) -> None:
+        """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory).
+
+        The next request for it, ``pd_cluster`` included, starts a fresh one: a stopped cluster is never handed out.
+        """
+        manager = self._request.config.stash.get(MANAGER, None)
+        if manager is not None:
+            manager.stop(spec)  # the manager's on_stop listener (above) makes pytest forget it
+
+
+def forget_fixture_value(request: pytest.FixtureRequest, name: str, value: object) -> bool:
+    """Make pytest run fixture ``name`` again next time, if it cached ``value``; returns whether it did.
+
+    pytest caches a session fixture's value for the whole session and has no public way to drop it, so this
+    uses ``FixtureDef.finish`` (what pytest itself calls to tear a fixture down) through the fixture manager.
+    Isolated here and tested (tests/test_hostile_lifecycle.py): should pytest's internals change, it warns
+    and the stopped cluster's own errors remain.
+    """
+    try:
+        defs = request._fixturemanager.getfixturedefs(name, request.node) or ()
+        for fixturedef in defs:
+            cached = fixturedef.cached_result
+            if cached is not None and cached[0] is value:
+                fixturedef.finish(request)  # type: ignore[arg-type]  # a SubRequest at run time
+                return True
+    except Exception as exc:  # pytest internals moved: keep the stop, lose only the re-run
+        log.warning("pdserve: could not make pytest forget the stopped %s fixture value: %r", name, exc)
+    return False
+
+
+@pytest.fixture(scope="session")
+def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactory]:
+    """Build or reuse a P/D cluster from a `ClusterSpec` (session-scoped).
+
+    ``pd_cluster_factory(ClusterSpec(num_decode=2, decode_tp=2))`` or ``pd_cluster_factory(num_decode=2)``.
+    Equal specs share one running cluster; a spec that needs GPUs another of our clusters holds stops
+    that cluster first; ``pd_cluster_factory.stop(spec)`` stops one early. Everything stops at session end.
+    """
+    yield _Factory(request)
+    stop_manager(request.config)
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureRequest) -> PDCluster:
+    """A running 1 prefill x 1 decode NixlConnector cluster plus the P/D proxy (session-scoped).
+
+    ``pd_cluster.client`` posts through the proxy; ``pd_cluster.prefill[0]`` / ``pd_cluster.decode[0]``
+    reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``). ``--pd-preset``,
+    ``--pd-kv-connector-config`` and ``--pd-proxy-port`` shape it (the same cluster ``--pd-export-env`` exports).
+    """
+    from pytest_pdserve.glue.export_env import session_proxy_port, session_spec
+
+    spec, preset = session_spec(request.config)
+    port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
+    if port is not None:
+        get_manager(request.config, request.getfixturevalue("tmp_path_factory")).proxy_ports.setdefault(spec, port)
+    return pd_cluster_factory(spec)
+
+
+def _configure_clients(config: pytest.Config) -> None:
+    """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
+    from pytest_pdserve import clients
+    from pytest_pdserve.config.settings import SETTINGS_BY_NAME
+
+    if config.stash.get(CLIENTS_CONFIGURED, False):
+        return
+    config.stash[CLIENTS_CONFIGURED] = True
+    cfg = config.stash[PDSERVE_CONFIG]
+    s = SETTINGS_BY_NAME["request_timeout"]
+    clients.OPTIONS.request_timeout = cfg.request_timeout
+    clients.OPTIONS.timeout_remedy = (
+        f"; the limit ({cfg.request_timeout:g} s) came from {cfg.source_of('request_timeout')}:"
+        f" raise it with {s.flag}, {s.env_var} or ini {s.ini_key}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """This test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default), ``None`` with ``off``.
+
+    Requests sent through the plugin's clients carry it unless their body has a ``cache_salt`` already, so one
+    test's prompts never warm the prefix cache for another. Your own clients: ``extra_body={"cache_salt": ...}``.
+    """
+    from pytest_pdserve import clients
+
+    config = request.config
+    _configure_clients(config)
+    salt = None
+    if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
+        if SALT_TOKEN not in config.stash:
+            config.stash[SALT_TOKEN] = os.urandom(8).hex()  # per session: reruns never reuse a warm cache
+        salt = clients.salt_for(request.node.nodeid, config.stash[SALT_TOKEN])
+    with clients.salted(salt):
+        yield salt

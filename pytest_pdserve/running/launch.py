@@ -1,0 +1,512 @@
+"""Start one P/D cluster, and clean up after it: the launcher the manager uses.
+
+Lifecycle of one cluster (each step undone if a later one fails):
+
+1. plan and lease GPUs (`gpu_plan.py`: positions in the caller's visible list; TP-aware) and every port
+   each server binds;
+2. build argv/env per server (`commands.py`) and spawn P and D together, each in its own session;
+   when P and D would share a GPU they are staggered instead, since two vLLMs profiling one GPU at
+   once mis-size their KV caches;
+3. register every process group, and the lease fds, with the session's watchdog, so a SIGKILLed
+   pytest still takes its servers (and only its servers) down and leases stay held until they are gone;
+4. wait for all servers at once (fail fast on the first exit, with its log tail and a hint);
+5. start the proxy with them and wait for it; check the effective configuration and, unless turned off,
+   one request through the proxy that moves KV (`verify.py`).
+
+Cleanup stops processes in parallel, hands GPUs back behind the release gate, then frees the ports.
+Sharing clusters between tests, remembering failures and making room are the manager's (`manager.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from pytest_pdserve.cluster import EngineSetup, PDCluster, ServerHandle, served_model_name
+from pytest_pdserve.common.logfile import open_append
+from pytest_pdserve.common.redaction import redact_env
+from pytest_pdserve.config import commands
+from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts, SessionDefaults
+from pytest_pdserve.config.effective import effective
+from pytest_pdserve.errors import LeaseTimeout, PDServeError
+from pytest_pdserve.machine import leases
+from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner
+from pytest_pdserve.machine.inventory import Inventory
+from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
+from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
+from pytest_pdserve.reuse import Claim
+from pytest_pdserve.running import verify
+from pytest_pdserve.running.process import ServerProcess, StopReport, new_run_token, wait_all_ready
+from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, pids_with_env
+from pytest_pdserve.running.rpc_dirs import RPC_BASE_ENV, make_rpc_dir
+from pytest_pdserve.running.supervise import start_guard
+from pytest_pdserve.running.watchdog import Watchdog
+from pytest_pdserve.spec import ClusterSpec
+
+log = logging.getLogger(__name__)
+
+Reporter = Callable[[str], None]
+
+
+@dataclass
+class LaunchedCluster:
+    """A running cluster and everything that must be undone to stop it."""
+
+    cluster: PDCluster
+    processes: list[ServerProcess]
+    gpu_plan: GpuPlan | None
+    port_leases: list[leases.PortLease]
+    label: str
+    last_used: float = field(default_factory=time.monotonic)
+    #: ``{component: digest}`` of its configuration (`reuse.fingerprint`), set in a reuse run: what gets it kept.
+    fingerprint: dict[str, str] | None = None
+    #: A kept cluster this run claimed from its keeper (`reuse.Claim`): handed back, not stopped, at the end.
+    claim: Claim | None = None
+
+    @property
+    def held_gpus(self) -> int:
+        """GPUs this cluster holds: its plan's, or (a claimed kept cluster, whose keeper holds the leases) the
+        distinct GPUs its servers see."""
+        if self.gpu_plan is not None:
+            return self.gpu_plan.held
+        return len({gpu for s in self.cluster.servers for gpu in s.gpus}) if self.claim is not None else 0
+
+
+class ClusterLauncher:
+    """Starts clusters and cleans up after them; owns the session's watchdog and guard (the supervisors)."""
+
+    def __init__(
+        self,
+        *,
+        defaults: SessionDefaults,
+        inventory: Inventory,
+        gpus: GpuPlanner,
+        log_dir: Path,
+        lease_dir: Path,
+        startup_timeout: float,
+        shutdown_timeout: float,
+        proxy_command: tuple[str, ...] | None,
+        report: Reporter,
+        port_range: tuple[int, int | None] = DEFAULT_PORT_RANGE,
+        terminal: bool = True,
+    ) -> None:
+        self.defaults = defaults
+        self.inventory = inventory
+        self.gpus = gpus
+        self.log_dir = log_dir
+        self.lease_dir = lease_dir
+        self.startup_timeout = startup_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.proxy_command = proxy_command
+        self.report = report
+        #: Whether the reports reach a terminal (a person watching) or a log (CI): how often progress is shown.
+        self.terminal = terminal
+        self.run_token = new_run_token()
+        self.port_range = port_range
+        self._watchdog: Watchdog | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
+
+    def log_path(self, name: str) -> Path:
+        """``name`` in the log directory, which is made again if it was removed mid-run: private (0700) like the
+        first time (a plain ``mkdir`` made it 0755).
+
+        :raises PathError: it cannot be made (the message names it)."""
+        return ensure_dir(self.log_dir, LOG_DIR_MODE) / name
+
+    def _supervisor_log(self, name: str) -> Path | None:
+        """The watchdog's or the guard's log, or None (it logs nowhere) when what is there is refused (a link, a
+        FIFO: logfile.open_append); said on the terminal, where their own stderr would be captured by pytest."""
+        path = self.log_path(name)
+        try:
+            os.close(open_append(path))
+        except OSError as exc:
+            self.report(f"pdserve: not writing {path}: {exc.strerror or exc}; that supervisor logs nowhere")
+            return None
+        return path
+
+    # ------------------------------------------------------------------ supervisors
+
+    def watch(self) -> Watchdog:
+        """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token)."""
+        if self._guard is None or self._guard.poll() is not None:
+            # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
+            self._guard = start_guard(self.run_token, self.orphan_grace(), self._supervisor_log("guard.log"))
+        if self._watchdog is None or not self._watchdog.alive:
+            # wait=False: the hello is checked at the first command, after the servers are spawned.
+            self._watchdog = Watchdog.start(
+                self.run_token,
+                grace=self.orphan_grace(),
+                log_path=self._supervisor_log("watchdog.log"),
+                wait=False,
+            )
+        return self._watchdog
+
+    def close(self) -> None:
+        """Stop the watchdog and the guard (after every cluster is stopped). Safe to call twice."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        if self._guard is not None:  # nothing left to guard; it would exit with this process anyway
+            self._guard.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._guard.wait(5)
+            self._guard = None
+
+    def orphan_grace(self) -> float:
+        """SIGTERM-to-SIGKILL grace of the watchdog and the guards, who stop servers when pytest is dead.
+
+        At most 3 s, so that no server is alive 5 s after pytest died, even one that ignores SIGTERM.
+        """
+        return min(self.shutdown_timeout, 3.0)
+
+    # ------------------------------------------------------------------ start
+
+    def launch(
+        self,
+        spec: ClusterSpec,
+        label: str,
+        setup: EngineSetup,
+        model: str,
+        *,
+        make_room: Callable[[int], None],
+        proxy_port: int | None = None,
+        pd_ready_check: bool = True,
+    ) -> LaunchedCluster:
+        """Start ``spec``'s servers and proxy and return them running (everything undone on failure)."""
+        t0 = time.monotonic()
+        processes: list[ServerProcess] = []
+        port_leases: list[leases.PortLease] = []
+        gpu_plan: GpuPlan | None = None
+        watchdog = self.watch()
+        try:
+            gpu_plan = self.gpus.plan(spec, label, make_room)
+            # Lease fds go to the watchdog once the servers are spawned: its hello (~50 ms) then overlaps
+            # their start-up instead of delaying it.
+            holds: list[tuple[str, tuple[int, ...]]] = []
+            if gpu_plan.leases:
+                holds.append((f"{label}-gpus", gpu_plan.fds))
+            roles: list[tuple[Role, int]] = [("prefill", i) for i in range(spec.num_prefill)]
+            roles += [("decode", j) for j in range(spec.num_decode)]
+            handles: list[ServerHandle] = []
+            for (role, index), positions, util in zip(roles, gpu_plan.positions, gpu_plan.utilization, strict=True):
+                ports, held = self._lease_ports(f"{label} {role}-{index}", 1)
+                port_leases += held
+                gpu_env = self.inventory.child_env(positions) if positions else {}
+                # Servers sharing a GPU get their share of its memory (gpu_plan.py) unless one was given.
+                defaults = self.defaults if util is None else replace(self.defaults, gpu_memory_utilization=util)
+                cmd = commands.build_server_command(
+                    spec=spec, role=role, index=index, model=model, ports=ports, engine=setup.info,
+                    defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
+                    platform_args=setup.platform_args,
+                )  # fmt: skip
+                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
+                assert handles[-1].process is not None
+                processes.append(handles[-1].process)
+            # The proxy starts together with the servers (it needs only their URLs), so its own start-up
+            # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
+            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases, hold=False, port=proxy_port)
+            holds += [(f"{label}-ports-{lease.base}", lease.fds) for lease in port_leases]
+
+            def hold_leases() -> None:
+                for name, fds in holds:
+                    watchdog.hold(name, fds)
+
+            # Every process of the cluster holds every lease fd of it: a lease frees only when its servers are gone.
+            fds = [*gpu_plan.fds, *(fd for lease in port_leases for fd in lease.fds)]
+            self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases, fds)
+            n_p = spec.num_prefill
+            eff = effective(spec, self.defaults)
+            cluster = PDCluster(
+                spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
+                block_size=eff.block_size, attention_backend=eff.attention_backend,
+                prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
+                proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
+                started_seconds=time.monotonic() - t0,
+            )  # fmt: skip
+            # What the servers really run must be what was asked (verify.py); a mismatch fails the start.
+            verify.verify_cluster(cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len)
+            if pd_ready_check:  # P/D-ready, not HTTP-ready: KV must move through the proxy (verify.py)
+                cluster.pd_ready_seconds = verify.pd_round_trip(cluster)
+                cluster.started_seconds = time.monotonic() - t0
+            self.report(cluster.describe())
+            return LaunchedCluster(cluster, processes, gpu_plan, port_leases, label)
+        except BaseException:
+            self.cleanup(label, processes, gpu_plan, port_leases)
+            raise
+
+    def _server(
+        self,
+        label: str,
+        role: Role,
+        index: int,
+        cmd: ServerCommand,
+        ports: ServerPorts,
+        model: str,
+        positions: Sequence[int],
+        engine: str,
+    ) -> ServerHandle:
+        """One server's process (not started) and handle; its log starts with the env delta it runs with."""
+        log_path = self.log_path(f"{label}-{cmd.name}.log")
+        # The env delta heads each log (ServerProcess.start adds the argv line), so a CI artifact says what ran.
+        try:  # never blocks on a FIFO planted where the log goes (logfile.open_append)
+            with os.fdopen(open_append(log_path), "a", encoding="utf-8") as fh:
+                fh.write(f"# pdserve: {cmd.name}: env: {json.dumps(redact_env(cmd.env), sort_keys=True)}\n")
+        except OSError as exc:
+            raise PDServeError(f"{cmd.name}: cannot write its log {log_path}: {exc.strerror or exc}") from None
+        url = f"http://127.0.0.1:{ports.http}"
+        env = child_env(cmd.env)
+        rpc_dir = None
+        if engine == "vllm" and RPC_BASE_ENV not in env:  # its IPC sockets in a directory of its own (rpc_dirs.py)
+            rpc_dir = make_rpc_dir()
+            env[RPC_BASE_ENV] = str(rpc_dir)
+        proc = ServerProcess(
+            cmd.name, cmd.argv, env, log_path,
+            health_url=f"{url}/health", models_url=f"{url}/v1/models",
+            model_id=served_model_name(cmd.argv, model),
+            api_key=self.defaults.api_key, run_token=self.run_token, rpc_dir=rpc_dir,
+        )  # fmt: skip
+        tokens = tuple(self.inventory.gpus[p].token for p in positions)
+        return ServerHandle(role, index, url, self.defaults.api_key, log_path, proc, cmd, ports, tokens)
+
+    def _lease_ports(self, label: str, width: int) -> tuple[ServerPorts, list[leases.PortLease]]:
+        low, high = self.port_range
+        held: list[leases.PortLease] = []
+        try:
+            held.append(leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} http"))
+            for width_, what in ((width, "nixl side channel"), (commands.VLLM_PORT_WINDOW, "VLLM_PORT")):
+                held.append(
+                    leases.acquire_port_span(self.lease_dir, width_, low=low, high=high, purpose=f"{label} {what}")
+                )
+        except BaseException:
+            # The caller only learns about leases we return: free the ones taken before the failure.
+            for lease in held:
+                lease.release()
+            raise
+        http, side, window = held
+        return ServerPorts(http=http.base, side_channel=side.base, vllm_port=window.base), held
+
+    def _start_servers(
+        self,
+        spec: ClusterSpec,
+        handles: list[ServerHandle],
+        shared: bool,
+        t0: float,
+        watchdog: Watchdog,
+        after_spawn: Callable[[], None] = lambda: None,
+        inherit_fds: Sequence[int] = (),
+    ) -> None:
+        deadline = t0 + self.startup_timeout
+        progress = _Progress(self.report, self.terminal)
+        if shared:
+            # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
+            # (The proxy, last in `handles`, uses no GPU: it starts with the first server.)
+            self.report(f"pdserve: {spec.name}: servers share a GPU; starting them one after another")
+            proxy = handles[-1] if handles[-1].role == "proxy" else None
+            servers = handles[:-1] if proxy is not None else handles
+            for i, h in enumerate(servers):
+                batch = [h, proxy] if (i == 0 and proxy is not None) else [h]
+                for b in batch:
+                    assert b.process is not None
+                    b.process.start(inherit_fds)
+                    watchdog.watch(b.process.pid or 0, b.process.pgid or 0)
+                if i == 0:
+                    after_spawn()
+                ready = wait_all_ready([b.process for b in batch if b.process is not None], deadline, progress)
+                for b in batch:
+                    b.ready_seconds = ready[b.name]
+            return
+        for h in handles:  # spawn all first: every server's start-up begins at once
+            assert h.process is not None
+            h.process.start(inherit_fds)
+        for h in handles:
+            assert h.process is not None
+            watchdog.watch(h.process.pid or 0, h.process.pgid or 0)
+        after_spawn()
+        ready = wait_all_ready([h.process for h in handles if h.process is not None], deadline, progress)
+        for h in handles:
+            h.ready_seconds = ready.get(h.name)
+
+    def _prepare_proxy(
+        self,
+        label: str,
+        handles: list[ServerHandle],
+        watchdog: Watchdog,
+        processes: list[ServerProcess],
+        port_leases: list[leases.PortLease],
+        hold: bool = True,
+        port: int | None = None,
+    ) -> ServerHandle:
+        """Lease the proxy's port (``port`` exactly, when given) and build its process (not started)."""
+        low, high = self.port_range
+        if port is not None:
+            try:
+                lease = leases.acquire_fixed_port(self.lease_dir, port, purpose=f"{label} proxy")
+            except LeaseTimeout as exc:
+                raise PDServeError(f"--pd-proxy-port {port}: {exc}; free it or choose another port") from None
+        else:
+            lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
+        port_leases.append(lease)
+        if hold:
+            watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
+        port = lease.base
+        prefill = [h for h in handles if h.role == "prefill"]
+        decode = [h for h in handles if h.role == "decode"]
+        cmd = commands.build_proxy_command(
+            self.proxy_command, port, [(httpx.URL(h.url).host, h.port, h.url) for h in prefill],
+            [(httpx.URL(h.url).host, h.port, h.url) for h in decode], self.defaults.api_key,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        log_path = self.log_path(f"{label}-proxy.log")
+        proc = ServerProcess(
+            "proxy", cmd.argv, child_env(cmd.env), log_path, health_url=f"{url}{cmd.health_path}",
+            api_key=self.defaults.api_key, run_token=self.run_token,
+        )  # fmt: skip
+        processes.append(proc)
+        return ServerHandle("proxy", 0, url, self.defaults.api_key, log_path, proc, None, ServerPorts(port, 0, 0))
+
+    def start_proxy(
+        self,
+        label: str,
+        handles: list[ServerHandle],
+        processes: list[ServerProcess],
+        port_leases: list[leases.PortLease],
+        t0: float,
+    ) -> ServerHandle:
+        """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
+        watchdog = self.watch()
+        proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
+        assert proxy.process is not None
+        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
+        watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
+        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report, self.terminal))
+        proxy.ready_seconds = ready["proxy"]
+        return proxy
+
+    # ------------------------------------------------------------------ stop
+
+    def disown(self, launched: LaunchedCluster) -> None:
+        """Forget a cluster a reuse keeper now owns: no stop, no lease release, no watchdog sweep of its servers.
+
+        Our lease fds are closed without unlocking (the servers and the keeper hold theirs); the watchdog forgets
+        its groups and drops its copies of the fds.
+        """
+        for s in launched.cluster.servers:
+            s.close()
+        for p in launched.processes:
+            if self._watchdog is not None and p.pgid is not None:
+                self._watchdog.unwatch(p.pgid)
+            p.disown()
+        held = [*(launched.gpu_plan.leases if launched.gpu_plan is not None else ()), *launched.port_leases]
+        names = [f"{launched.label}-gpus", *(f"{launched.label}-ports-{lease.base}" for lease in launched.port_leases)]
+        for lease in held:
+            lease.disown()
+        if self._watchdog is not None:
+            for name in names:
+                self._watchdog.drop(name)
+
+    def teardown(self, launched: LaunchedCluster) -> None:
+        """Stop a cluster this launcher started (its clients first, then everything `cleanup` undoes)."""
+        for s in launched.cluster.servers:
+            s.close()
+        self.cleanup(launched.label, launched.processes, launched.gpu_plan, launched.port_leases)
+
+    def cleanup(
+        self,
+        label: str,
+        processes: list[ServerProcess],
+        gpu_plan: GpuPlan | None,
+        port_leases: list[leases.PortLease],
+    ) -> None:
+        """Stop processes in parallel, then hand GPUs back behind the release gate, then ports. Best effort."""
+        our_pids = _tree_pids(self.run_token, processes)
+        started = [p for p in processes if p.pid is not None]
+        if started:
+            with ThreadPoolExecutor(max_workers=len(started)) as pool:
+                list(pool.map(lambda p: _safe_stop(p, self.shutdown_timeout), started))
+        for p in started:
+            if self._watchdog is not None and p.pgid is not None:
+                try:
+                    self._watchdog.unwatch(p.pgid)
+                except Exception:
+                    log.exception("watchdog unwatch failed")
+        if gpu_plan is not None:
+            waited = self.gpus.release(gpu_plan, our_pids)
+            if waited is not None:
+                self.report(f"pdserve: {label}: GPUs {gpu_plan.keys} released after a {waited:.2f}s gate")
+        for lease in port_leases:
+            lease.release()
+        if self._watchdog is not None:
+            for name in [f"{label}-gpus", *(f"{label}-ports-{lease.base}" for lease in port_leases)]:
+                try:
+                    self._watchdog.drop(name)
+                except Exception:
+                    log.debug("watchdog drop %s failed", name, exc_info=True)
+
+
+def child_env(delta: Mapping[str, str | None]) -> dict[str, str]:
+    """This process's environment with a server's ``delta`` applied (``None`` removes a variable)."""
+    env = dict(os.environ)
+    for key, value in delta.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    # Our plugin env must not leak into the servers: a pytest run inside the server would be wrong.
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:
+    try:
+        return proc.stop(grace)
+    except Exception:
+        log.exception("stopping %s failed", proc.name)
+        return None
+
+
+def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
+    """Every pid we started (servers and their descendants), read before stopping them."""
+    pids = {p.pid for p in processes if p.pid is not None}
+    with contextlib.suppress(OSError):
+        pids.update(pids_with_env(RUN_TOKEN_ENV, run_token))
+    return pids
+
+
+class _Progress:
+    """Start-up progress: role, elapsed time, last log line.
+
+    On a terminal, at most one line per role per 5 s. Into a log (CI, a pipe) a line only when the role's last log
+    line changed since its previous line, or after 30 s without one; at most one per 5 s and none in a start's
+    first 5 s. A start that only waits repeated one line every 5 s per server: most of a CI log.
+    """
+
+    EVERY = 5.0
+    QUIET_EVERY = 30.0
+
+    def __init__(self, report: Reporter, terminal: bool = True) -> None:
+        self.report = report
+        self.terminal = terminal
+        self.last: dict[str, float] = {}
+        self.shown: dict[str, str] = {}
+
+    def __call__(self, name: str, elapsed: float, last_line: str) -> None:
+        now = time.monotonic()
+        # Into a log, the first line too waits 5 s: a start that takes less (the simulator's) shows none.
+        since = now - self.last.get(name, 0.0 if self.terminal else now - elapsed)
+        if since < self.EVERY:
+            return
+        if not self.terminal and last_line == self.shown.get(name) and since < self.QUIET_EVERY:
+            return
+        self.last[name] = now
+        self.shown[name] = last_line
+        self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {last_line[-160:]}")

