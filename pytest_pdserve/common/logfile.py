@@ -17,6 +17,8 @@ import contextlib
 import errno
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -77,6 +79,22 @@ def open_append(path: Path, mode: int = 0o600) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_safety_net_log(path: Path | None, who: str) -> int:
+    """Where a safety-net process (the watchdog, the guard) writes: ``path`` opened by :func:`open_append`, or
+    ``subprocess.DEVNULL`` when there is none or it is unusable (a link or a FIFO planted there). A safety net
+    must start whatever its log path holds, so the refusal is said on stderr and the process logs nowhere.
+    The caller closes a returned fd (not DEVNULL) once the child has it.
+    """
+    if path is None:
+        return subprocess.DEVNULL
+    try:
+        return open_append(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"pdserve: {who} log {path} unusable ({exc.strerror or exc}); it logs nowhere\n")
+        return subprocess.DEVNULL
 
 
 def write_replace(path: Path, data: bytes, mode: int = 0o600) -> None:

@@ -18,7 +18,7 @@ __all__ = ["START_ERRORS", "report_as_message"]
 
 #: What a cluster's start raises on purpose (errors.py); any other exception keeps pytest's traceback.
 START_ERRORS = (ServerStartupError, PortInUse, LeaseTimeout)
-_NOT_THE_USERS = (Path(__file__).resolve().parent, *{Path(p).resolve() for p in (sys.prefix, sys.base_prefix)})
+_NOT_THE_USERS = (Path(__file__).resolve().parents[1], *{Path(p).resolve() for p in (sys.prefix, sys.base_prefix)})
 
 
 def report_as_message(call: pytest.CallInfo[None]) -> None:

@@ -331,7 +331,7 @@ def isolated_argv(module: str) -> list[str]:
     """
     import sys
 
-    pkg = os.path.dirname(os.path.abspath(__file__))
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pytest_pdserve/, above running/
     boot = (
         "import sys, types; p = types.ModuleType('pytest_pdserve'); p.__path__ = [" + repr(pkg) + "]; "
         f"sys.modules['pytest_pdserve'] = p; from {module} import main; sys.exit(main(sys.argv[1:]))"

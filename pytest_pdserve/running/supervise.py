@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_pdserve.common.logfile import open_append
+from pytest_pdserve.common.logfile import open_safety_net_log
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, terminate
 
 __all__ = ["lifeline", "main", "start_guard"]
@@ -67,13 +67,7 @@ def start_guard(run_token: str, grace: float, log_path: Path | None) -> subproce
     """
     read_fd = lifeline()[0]
     env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
-    out = subprocess.DEVNULL
-    if log_path is not None:
-        try:
-            out = open_append(log_path)
-        except OSError as exc:  # a FIFO or a link there: the guard must start anyway (it is the safety net)
-            with contextlib.suppress(OSError):
-                sys.stderr.write(f"pdserve: guard log {log_path} unusable ({exc.strerror or exc}); it logs nowhere\n")
+    out = open_safety_net_log(log_path, "guard")
     try:
         proc = subprocess.Popen(
             [*isolated_argv("pytest_pdserve.running.supervise"), run_token, str(read_fd), repr(float(grace))],

@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_pdserve.common.logfile import open_append
+from pytest_pdserve.common.logfile import open_safety_net_log
 from pytest_pdserve.running.proctree import (
     RUN_TOKEN_ENV,
     SERVER_TOKEN_ENV,
@@ -106,13 +106,7 @@ class Watchdog:
             run_token,
         ]
         env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
-        out: int = subprocess.DEVNULL
-        if log_path is not None:
-            try:
-                out = open_append(log_path)
-            except OSError as exc:  # a link or a FIFO there: the watchdog must start anyway (it is the safety net)
-                with contextlib.suppress(OSError):
-                    sys.stderr.write(f"pdserve: watchdog log {log_path} unusable ({exc.strerror}); it logs nowhere\n")
+        out = open_safety_net_log(log_path, "watchdog")
         try:
             proc = subprocess.Popen(
                 argv,
