@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pytest_pdserve.reuse import (
+from pytest_pdserve.reuse.handover import (
     KeptCluster,
     ReuseError,
     check_reuse_dir,

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.manager import ClusterManager
-    from pytest_pdserve.reuse import ReuseOptions
+    from pytest_pdserve.reuse.handover import ReuseOptions
 
 
 class ClusterFactory(Protocol):
@@ -82,7 +82,7 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
             base = cfg.log_dir / run_log_name(config)
         elif (kept := reuse_options(config)) is not None:
             # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
-            from pytest_pdserve.reuse import run_log_dir
+            from pytest_pdserve.reuse.handover import run_log_dir
 
             base = run_log_dir(kept.directory)
         else:
@@ -97,7 +97,7 @@ REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
 def reuse_options(config: pytest.Config) -> ReuseOptions | None:
     """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
     if REUSE not in config.stash:
-        from pytest_pdserve.reuse import (
+        from pytest_pdserve.reuse.handover import (
             ReuseOptions,
             default_reuse_dir,
             ensure_reuse_dir,
@@ -117,7 +117,7 @@ def reuse_options(config: pytest.Config) -> ReuseOptions | None:
 
 def reuse_header(config: pytest.Config) -> list[str]:
     """The report header's reuse line: on or why off, and the kept clusters a run may attach to (with their age)."""
-    from pytest_pdserve.reuse import list_kept, reuse_decision
+    from pytest_pdserve.reuse.handover import list_kept, reuse_decision
 
     cfg = config.stash[PDSERVE_CONFIG]
     enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)

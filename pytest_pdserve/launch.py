@@ -45,7 +45,7 @@ from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, pids_with_env
 from pytest_pdserve.redaction import redact_env
-from pytest_pdserve.reuse import Claim
+from pytest_pdserve.reuse.handover import Claim
 from pytest_pdserve.rpc_dirs import RPC_BASE_ENV, make_rpc_dir
 from pytest_pdserve.spec import ClusterSpec
 from pytest_pdserve.supervise import start_guard

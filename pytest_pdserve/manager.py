@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve import reuse
+from pytest_pdserve.reuse import handover as reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
 from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
@@ -28,7 +28,7 @@ from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
 from pytest_pdserve.lockfiles import want_file
 from pytest_pdserve.port_leases import DEFAULT_PORT_RANGE
-from pytest_pdserve.reuse import ReuseOptions
+from pytest_pdserve.reuse.handover import ReuseOptions
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["ClusterManager"]

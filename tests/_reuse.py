@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from _pdsession import Inner, unheld_locks
 
-from pytest_pdserve import cli, reuse
+from pytest_pdserve import cli
+from pytest_pdserve.reuse import handover as reuse
 
 __all__ = ["UP", "claimed_run", "inner", "kept_one", "reuse_dir", "run_reuse", "states", "stop_all", "up_until"]
 

@@ -25,7 +25,9 @@ import pytest
 from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
-from pytest_pdserve import cli, keeper, reuse
+from pytest_pdserve import cli
+from pytest_pdserve.reuse import handover as reuse
+from pytest_pdserve.reuse import keeper
 from pytest_pdserve.engine import resolve_engine
 from pytest_pdserve.leases import acquire_ports
 from pytest_pdserve.proctree import SERVER_TOKEN_ENV, alive_as, read_stat

@@ -24,7 +24,8 @@ import pytest
 from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
-from pytest_pdserve import cli, reuse
+from pytest_pdserve import cli
+from pytest_pdserve.reuse import handover as reuse
 from pytest_pdserve.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -139,7 +140,7 @@ def test_stop_all_returns_only_when_nothing_is_left(inner: Inner, reuse_dir: Pat
 #: An inner conftest addition that SIGKILLs pytest at one moment of the hand-over to the keeper.
 KILL_AT = """
 import os, signal
-from pytest_pdserve import reuse
+from pytest_pdserve.reuse import handover as reuse
 
 _keep, _read_line = reuse.keep, reuse._read_line_within
 WHEN = os.environ["KILL_AT"]

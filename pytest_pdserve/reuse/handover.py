@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.gpu_probe import wait_for_gate
-from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
+from pytest_pdserve.reuse.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
 from pytest_pdserve.lockfiles import want
 from pytest_pdserve.logfile import open_append, write_replace
 from pytest_pdserve.paths import ensure_dir
@@ -309,7 +309,7 @@ def _model_identity(model: str) -> str:
 
 def _sim_identity() -> str:
     """The simulator's source files (size, mtime): editing the simulator starts fresh simulated servers."""
-    sim = Path(__file__).parent / "sim"
+    sim = Path(__file__).parent.parent / "sim"
     parts = []
     for entry in sorted(sim.glob("*.py")):
         with contextlib.suppress(OSError):
@@ -763,7 +763,7 @@ def keep(
         raise ReuseError(f"the reuse keeper did not start: its log {log_path}: {exc.strerror or exc}") from None
     try:
         proc = subprocess.Popen(
-            isolated_argv("pytest_pdserve.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            isolated_argv("pytest_pdserve.reuse.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
             env=env, pass_fds=fds, start_new_session=True, close_fds=True,
         )  # fmt: skip
     finally:

@@ -1,0 +1,5 @@
+"""``--pd-reuse``: keep clusters between runs (see docs/reuse.md and docs/architecture.md).
+
+Empty on purpose: the keeper (`keeper.py`) runs under ``python -I -S`` and imports this package first, so nothing
+here may import more than the standard library.
+"""
