@@ -268,7 +268,7 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
         role="prefill", index=0, url="http://127.0.0.1:1", gpus=(), ports=ServerPorts(1, 2, 3), command=command,
         ready_seconds=1.0,
     )  # fmt: skip
-    state = json.dumps(handover._server_state(proc, handle).as_dict())
+    state = json.dumps(handover._server_state(proc, handle).as_dict())  # type: ignore[arg-type]
     for secret in ("hf_argv_secret_4444", "sk-argv-secret-5555", "hf_env_secret_6666", "sk-env-7777"):
         assert secret not in state, state
     assert '"--seed", "0"' in state  # the rest of the argv is kept as it was

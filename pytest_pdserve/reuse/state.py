@@ -273,6 +273,11 @@ class KeptCluster:
     def ttl(self) -> float:
         return self.keeper.ttl
 
+    @property
+    def socket_name(self) -> str:
+        """Its keeper's abstract socket (`protocol.py`)."""
+        return self.keeper.socket
+
     def keeper_alive(self) -> bool:
         """Whether the keeper that wrote this state still runs (same pid *and* start time: no pid reuse)."""
         return alive_as(self.keeper.pid, self.keeper.starttime)
