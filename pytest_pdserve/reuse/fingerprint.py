@@ -82,7 +82,7 @@ def fingerprint(
     defaults: SessionDefaults,
     setup: EngineSetup,
     model: str,
-    placement: Mapping[str, Any],
+    placement: Mapping[str, object],
     proxy_command: Sequence[str] | None,
     environ: Mapping[str, str],
 ) -> dict[str, str]:

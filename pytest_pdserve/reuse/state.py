@@ -10,11 +10,12 @@ caller removes it and says so), never trusted.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -212,8 +213,6 @@ def parse_state(data: Any) -> KeptState:
 def read_state(path: Path) -> KeptCluster:
     """Read one state file (ours, regular, bounded, not through a link); :raises ValueError: what is wrong with
     it (``OSError``: it cannot be read, e.g. its keeper removed it meanwhile)."""
-    import json
-
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -243,7 +242,6 @@ class KeptCluster:
     path: Path
     state: KeptState
     keeper: KeeperInfo
-    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
