@@ -27,7 +27,7 @@ from typing import Any
 
 from _common import InnerProject, clean_env, load_average, print_table, summary, verdict, write_result
 
-from pytest_pdserve.reuse import CI_ENV_VARS
+from pytest_pdserve.reuse.dirs import CI_ENV_VARS
 
 INNER_TEST = """
 import json, os, time

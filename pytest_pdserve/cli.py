@@ -18,15 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
-from pytest_pdserve.reuse import (
-    KeptCluster,
-    ReuseError,
-    check_reuse_dir,
-    default_reuse_dir,
-    keeper_info,
-    list_kept,
-    stop_kept,
-)
+from pytest_pdserve.reuse.client import keeper_info, list_kept, stop_kept
+from pytest_pdserve.reuse.dirs import ReuseError, check_reuse_dir, default_reuse_dir
+from pytest_pdserve.reuse.state import KeptCluster
 
 __all__ = ["main"]
 
@@ -47,14 +41,14 @@ def _row(kept: KeptCluster, now: float) -> dict[str, object]:
     info = keeper_info(kept)
     claimed = bool(info.get("claimed"))
     idle = float(info.get("idle_seconds", 0.0))
-    p, d = kept.state.get("topology", ["?", "?"])
+    p, d = kept.state.topology
     ttl = float(info.get("ttl", kept.ttl))  # the keeper's: the last run that claimed it may have set another
     idle_text, stops_in = ("in use", "-") if claimed else (_age(idle), _age(ttl - idle))
     if not info:  # no answer: nothing to say of its idle time (a stopped keeper stops nothing)
         idle_text, stops_in = "?", "keeper stopped" if kept.keeper_stopped() else "?"
     return {
-        "id": kept.id, "cluster": kept.spec_name, "engine": kept.state.get("engine"), "topology": f"{p}P x {d}D",
-        "age": _age(now - kept.created), "idle": idle_text, "stops_in": stops_in, "proxy": kept.state["proxy"]["url"],
+        "id": kept.id, "cluster": kept.spec_name, "engine": kept.state.engine, "topology": f"{p}P x {d}D",
+        "age": _age(now - kept.created), "idle": idle_text, "stops_in": stops_in, "proxy": kept.state.proxy.url,
         "keeper_pid": kept.keeper_pid,
     }  # fmt: skip
 

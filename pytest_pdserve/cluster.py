@@ -46,7 +46,7 @@ class EngineSetup:
 
 @dataclass(frozen=True)
 class Reused:
-    """Where a reused cluster came from (``--pd-reuse``, `reuse.py`)."""
+    """Where a reused cluster came from (``--pd-reuse``, `reuse/adopt.py`)."""
 
     #: The kept cluster's id (what ``pdserve ls`` lists).
     kept_id: str

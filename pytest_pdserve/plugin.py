@@ -32,8 +32,6 @@ from pytest_pdserve.glue.fixtures import (
     pd_cluster_factory,
     pytest_timeout_cancel_timer,
     pytest_timeout_set_timer,
-    reuse_header,
-    reuse_options,
     run_log_name,
     stop_manager,
 )
@@ -86,18 +84,23 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Register markers, resolve the settings (usage error on bad input), start GPU detection."""
+    """Register markers, resolve the settings (usage error on bad input), register the reuse plugin when
+    --pd-reuse is given, start GPU detection."""
     register_markers(config)
     if config.getoption("help", False):
         return  # `pytest --help` must work even when a setting is bad
-    config.stash[PDSERVE_CONFIG] = resolve(config)
-    try:
-        reuse_options(config)
-    except PDServeError as exc:  # a reuse dir that is not ours: before any test, like every bad setting
-        cfg = config.stash[PDSERVE_CONFIG]
-        raise pytest.UsageError(
-            f"pdserve: --pd-reuse: {exc} (reuse_dir from {cfg.source_of('reuse_dir')}; set {remedy('reuse_dir')})"
-        ) from None
+    cfg = config.stash[PDSERVE_CONFIG] = resolve(config)
+    if cfg.reuse:  # its own plugin, loaded only when asked for (as pytest's cacheprovider registers LFPlugin)
+        from pytest_pdserve.reuse import PLUGIN_NAME
+        from pytest_pdserve.reuse.plugin import ReusePlugin
+
+        try:
+            reuse = ReusePlugin(cfg, os.environ)
+        except PDServeError as exc:  # a reuse dir that is not ours: before any test, like every bad setting
+            raise pytest.UsageError(
+                f"pdserve: --pd-reuse: {exc} (reuse_dir from {cfg.source_of('reuse_dir')}; set {remedy('reuse_dir')})"
+            ) from None
+        config.pluginmanager.register(reuse, PLUGIN_NAME)
     export_env.session_preset_name(config)  # --pd-preset auto that finds nothing: a usage error, now
     start_inventory_detection(config)
 
@@ -131,7 +134,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines.append(f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}")
     if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
         lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
-    lines += reuse_header(config)
     given = settings_origin(cfg)
     if given:
         lines.append(f"pdserve: settings given: {given}")
@@ -211,10 +213,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     manager = config.stash.get(MANAGER, None)
     for death in manager.deaths if manager is not None else ():
         terminalreporter.write_line(redact(f"pdserve: {death.summary()}"), red=True, bold=True)
-    if manager is not None and manager.reused:
-        saved = sum(r.first_start_seconds for r in manager.reused)
-        names = ", ".join(r.describe().removeprefix("kept cluster ") for r in manager.reused)
-        terminalreporter.write_line(f"pdserve: reused {names}: {saved:.1f}s of cluster starts saved (--pd-reuse)")
     for line in export_env.summary_lines(config):
         terminalreporter.write_line(redact(line))
     for line in export_env.module_lines(config):

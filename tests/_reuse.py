@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from _pdsession import Inner, unheld_locks
 
-from pytest_pdserve import cli, reuse
+from pytest_pdserve import cli
+from pytest_pdserve.reuse import dirs
 
 __all__ = ["UP", "claimed_run", "inner", "kept_one", "reuse_dir", "run_reuse", "states", "stop_all", "up_until"]
 
@@ -60,7 +61,7 @@ def claimed_run(inner: Inner, reuse_dir: Path) -> Iterator[tuple[dict[str, Any],
 
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
-    for var in reuse.CI_ENV_VARS:  # CI refuses --pd-reuse (mode local); the CI case sets it itself
+    for var in dirs.CI_ENV_VARS:  # CI refuses --pd-reuse (mode local); the CI case sets it itself
         monkeypatch.delenv(var, raising=False)
     return Inner(pytester, monkeypatch)
 

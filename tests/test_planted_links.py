@@ -17,9 +17,9 @@ from _pdsession import Inner
 from _plant import plant_in_run_logs
 from _reuse import run_reuse
 
-from pytest_pdserve import keeper
 from pytest_pdserve.common.logfile import open_append, write_replace
-from pytest_pdserve.reuse import REUSE_DIR_MARKER
+from pytest_pdserve.reuse import keeper
+from pytest_pdserve.reuse.dirs import REUSE_DIR_MARKER
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -25,9 +25,11 @@ import pytest
 from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
-from pytest_pdserve import cli, keeper, reuse
+from pytest_pdserve import cli
 from pytest_pdserve.engines.engine import resolve_engine
 from pytest_pdserve.machine.leases import acquire_ports
+from pytest_pdserve.reuse import adopt, client, dirs, fingerprint, keeper
+from pytest_pdserve.reuse.state import KeptServer, KeptState
 from pytest_pdserve.running.proctree import SERVER_TOKEN_ENV, alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -401,7 +403,7 @@ def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None
         "keeper": {"pid": 1, "starttime": 0, "socket": "s", "ttl": 1, "since": 0},
     }  # fmt: skip
     (tmp_path / "k.json").write_text(json.dumps(state))
-    removed = reuse.prune_run_logs(tmp_path, keep=5)
+    removed = dirs.prune_run_logs(tmp_path, keep=5)
     assert sorted(removed) == runs[1:3]
     assert runs[0].exists()  # a kept cluster still logs there
 
@@ -435,21 +437,21 @@ def test_stopping_a_claimed_cluster_leaves_the_keepers_other_clusters(inner: Inn
         """
     )
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    kept = {k.spec_name: k for k in reuse.list_kept(reuse_dir)}
+    kept = {k.spec_name: k for k in client.list_kept(reuse_dir)}
     assert sorted(kept) == ["other", "pd"]
-    held = reuse.claim(kept["pd"])
+    held = client.claim(kept["pd"])
     assert held is not None
     held.stop()  # what a run does for pd_cluster_factory.stop(spec) on a reused cluster
-    assert [k.spec_name for k in reuse.list_kept(reuse_dir)] == ["other"]
-    assert reuse.keeper_info(kept["other"]) != {}, "the keeper must still serve its other cluster"
+    assert [k.spec_name for k in client.list_kept(reuse_dir)] == ["other"]
+    assert client.keeper_info(kept["other"]) != {}, "the keeper must still serve its other cluster"
     stop_all(reuse_dir, inner)
 
 
 def test_a_cluster_another_run_holds_is_not_shared(inner: Inner, reuse_dir: Path) -> None:
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    [kept] = reuse.list_kept(reuse_dir)
-    held = reuse.claim(kept)
+    [kept] = client.list_kept(reuse_dir)
+    held = client.claim(kept)
     assert held is not None
     try:
         second = run_reuse(inner, reuse_dir)
@@ -628,7 +630,7 @@ def test_a_reuse_dir_others_can_write_is_refused(inner: Inner) -> None:
 
 def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()  # a reuse dir pdserve made (else no file in it is touched)
+    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()  # a reuse dir pdserve made (else no file in it is touched)
     (reuse_dir / "garbage.json").write_text("{not json")
     # A bystander process, and a state file naming it as server and keeper: nothing may signal it.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
@@ -670,9 +672,11 @@ def test_the_keeper_hands_gpus_back_only_behind_the_release_gate(
                          env={**os.environ, SERVER_TOKEN_ENV: f"tok-{i}"})
         for i in range(2)
     ]  # fmt: skip
-    servers = [{"name": f"s{i}", "pid": p.pid, "pgid": p.pid, "token": f"tok-{i}", "log_path": str(tmp_path / "x")}
+    servers = [KeptServer(name=f"s{i}", pid=p.pid, pgid=p.pid, starttime=0, token=f"tok-{i}", url="",
+                          log_path=str(tmp_path / "x"))
                for i, p in enumerate(sleepers)]  # fmt: skip
-    state = {"id": "c-1", "servers": servers[:1], "proxy": servers[1], "release_gate": ["GPU-x"] if gated else None}
+    state = KeptState(id="c-1", fingerprint={}, created=0.0, servers=tuple(servers[:1]), proxy=servers[1],
+                      release_gate=("GPU-x",) if gated else None)  # fmt: skip
     polls: list[tuple[set[int], bool]] = []
 
     def lock_is_free() -> bool:
@@ -713,7 +717,7 @@ def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> N
         pytest.skip("needs root to act as another user (setuid)")
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    [kept] = reuse.list_kept(reuse_dir)
+    [kept] = client.list_kept(reuse_dir)
     probe = (
         "import os, socket, sys\n"
         "os.setuid(65534)\n"
@@ -723,7 +727,7 @@ def test_the_keeper_serves_only_its_own_user(inner: Inner, reuse_dir: Path) -> N
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
     assert out.stdout in ("b''", ""), out  # the keeper closed the connection without an answer
-    assert reuse.list_kept(reuse_dir), "another user's `stop *` stopped our kept cluster"
+    assert client.list_kept(reuse_dir), "another user's `stop *` stopped our kept cluster"
     assert "refused a connection from uid 65534" in (reuse_dir / "keeper.log").read_text()
     assert live_procs(inner.mark), "the kept cluster must still run"
     stop_all(reuse_dir, inner)
@@ -762,20 +766,22 @@ def _fp(**changes: Any) -> dict[str, str]:
         "placement": {"gpus": []}, "proxy_command": None, "environ": {"HOME": "/root", "VLLM_X": "1"},
     }  # fmt: skip
     base.update(changes)
-    return reuse.fingerprint(**base)
+    return fingerprint.fingerprint(**base)
 
 
 def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
     from pytest_pdserve.config.effective import SessionDefaults
 
     same = _fp()
-    assert reuse.differences(same, _fp()) == []
-    assert reuse.differences(same, _fp(environ={"HOME": "/elsewhere", "VLLM_X": "1"})) == []  # not read by servers
-    assert reuse.differences(same, _fp(environ={"HOME": "/root", "VLLM_X": "2"})) == ["env.VLLM_X"]
+    assert fingerprint.differences(same, _fp()) == []
+    assert (
+        fingerprint.differences(same, _fp(environ={"HOME": "/elsewhere", "VLLM_X": "1"})) == []
+    )  # not read by servers
+    assert fingerprint.differences(same, _fp(environ={"HOME": "/root", "VLLM_X": "2"})) == ["env.VLLM_X"]
     keyed = _fp(defaults=SessionDefaults(api_key="sk-very-secret-key"))
-    assert reuse.differences(same, keyed) == ["setting.api_key"]
+    assert fingerprint.differences(same, keyed) == ["setting.api_key"]
     assert "sk-very-secret-key" not in json.dumps(keyed)
-    assert reuse.differences(same, _fp(model="other")) == ["model"]
+    assert fingerprint.differences(same, _fp(model="other")) == ["model"]
 
 
 @pytest.mark.parametrize(
@@ -794,7 +800,7 @@ def test_the_fingerprint_names_what_differs_and_holds_no_secret() -> None:
 )
 def test_reuse_decision(mode: str, environ: dict[str, str], enabled: bool) -> None:
     # "on" is --pd-reuse (mode local), "force" is --pd-reuse --pd-reuse-mode=force, "off" is neither.
-    decided, why = reuse.reuse_decision(mode != "off", "force" if mode == "force" else "local", environ)
+    decided, why = dirs.reuse_decision(mode != "off", "force" if mode == "force" else "local", environ)
     assert decided is enabled
     if not enabled and mode == "on":
         assert "refused because" in why
@@ -875,17 +881,17 @@ def test_the_attach_waits_for_kv_blocks_a_prefill_left_held_instead_of_starting_
 @pytest.mark.parametrize(
     ("config", "lease"),
     [
-        (None, reuse.DEFAULT_KV_LEASE),
-        ({"kv_connector": "NixlConnector"}, reuse.DEFAULT_KV_LEASE),
+        (None, adopt.DEFAULT_KV_LEASE),
+        ({"kv_connector": "NixlConnector"}, adopt.DEFAULT_KV_LEASE),
         ({"kv_connector_extra_config": {"kv_lease_duration": 90}}, 90.0),
-        ({"kv_connector_extra_config": {"kv_lease_duration": True}}, reuse.DEFAULT_KV_LEASE),
+        ({"kv_connector_extra_config": {"kv_lease_duration": True}}, adopt.DEFAULT_KV_LEASE),
         ({"kv_connector_extra_config": {"connectors": [{"kv_connector_extra_config": {"kv_lease_duration": 45}},
                                                        {"kv_connector": "OffloadingConnector"}]}}, 45.0),
-        ("not json", reuse.DEFAULT_KV_LEASE),
+        ("not json", adopt.DEFAULT_KV_LEASE),
     ],
 )  # fmt: skip
 def test_the_held_blocks_wait_is_bounded_by_the_servers_own_lease(config: Any, lease: float) -> None:
     argv = ["serve", "m"]
     if config is not None:
         argv += ["--kv-transfer-config", config if isinstance(config, str) else json.dumps(config)]
-    assert reuse._kv_lease_seconds(argv) == lease
+    assert adopt._kv_lease_seconds(argv) == lease

@@ -24,7 +24,8 @@ import pytest
 from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
-from pytest_pdserve import cli, reuse
+from pytest_pdserve import cli
+from pytest_pdserve.reuse import client, dirs, handover
 from pytest_pdserve.running.proctree import alive_as, read_stat
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
@@ -78,14 +79,14 @@ def test_a_reuse_dir_with_a_users_files_loses_none_of_them(inner: Inner, monkeyp
         assert out.returncode == 2, (args, out)
         assert f"pdserve: reuse directory {home} holds files pdserve did not put there" in out.stderr, out
     assert [p for p in mine if not p.exists()] == []
-    assert not (home / reuse.REUSE_DIR_MARKER).exists()
+    assert not (home / dirs.REUSE_DIR_MARKER).exists()
 
 
 def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    assert (reuse_dir / reuse.REUSE_DIR_MARKER).is_file()
+    assert (reuse_dir / dirs.REUSE_DIR_MARKER).is_file()
     run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
     inner.gone_within()
@@ -139,7 +140,7 @@ def test_stop_all_returns_only_when_nothing_is_left(inner: Inner, reuse_dir: Pat
 #: An inner conftest addition that SIGKILLs pytest at one moment of the hand-over to the keeper.
 KILL_AT = """
 import os, signal
-from pytest_pdserve import reuse
+from pytest_pdserve.reuse import handover as reuse
 
 _keep, _read_line = reuse.keep, reuse._read_line_within
 WHEN = os.environ["KILL_AT"]
@@ -173,9 +174,9 @@ def test_pytest_killed_during_the_hand_over_leaves_no_orphan(
     assert result.ret == -signal.SIGKILL, result.stdout.str()[-2000:]
 
     def settled() -> bool:  # every process left is a kept cluster's (its keeper runs), or nothing is left
-        kept = reuse.list_kept(reuse_dir)
+        kept = client.list_kept(reuse_dir)
         procs = set(live_procs(inner.mark))
-        owned = {int(s["pid"]) for k in kept for s in k.servers} | {k.keeper_pid for k in kept}
+        owned = {s.pid for k in kept for s in k.servers} | {k.keeper_pid for k in kept}
         return procs <= owned | _guards(procs)
 
     wait_for(settled, GONE_WITHIN_S, f"only owned processes left ({live_procs(inner.mark)})")
@@ -270,7 +271,7 @@ def test_a_secret_on_the_servers_argv_stays_out_of_the_state_file() -> None:
         role="prefill", index=0, url="http://127.0.0.1:1", gpus=(), ports=ServerPorts(1, 2, 3), command=command,
         ready_seconds=1.0,
     )  # fmt: skip
-    state = json.dumps(reuse._server_state(proc, handle))
+    state = json.dumps(handover._server_state(proc, handle).as_dict())  # type: ignore[arg-type]
     for secret in ("hf_argv_secret_4444", "sk-argv-secret-5555", "hf_env_secret_6666", "sk-env-7777"):
         assert secret not in state, state
     assert '"--seed", "0"' in state  # the rest of the argv is kept as it was
@@ -549,7 +550,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     until someone reads it. pytest's hand-over must not hang, and no keeper may be left blocked holding the
     leases: the run ends, the clusters are stopped (or kept with a working keeper), and nothing is left."""
     reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()
+    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()
     os.mkfifo(reuse_dir / name)
     inner.pytester.makepyfile(UP)
     result = run_reuse(inner, reuse_dir, timeout=60)
@@ -557,7 +558,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     if name == "keeper.log":  # nowhere to log what the keeper does: not kept, and said why
         result.stdout.fnmatch_lines([f"*reuse: the reuse keeper did not start: its log {reuse_dir / name}: not a "
                                      "regular file (a FIFO*; stopping the clusters instead*"])  # fmt: skip
-    kept = reuse.list_kept(reuse_dir)
+    kept = client.list_kept(reuse_dir)
     if kept:  # kept after all: its keeper works
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     inner.gone_within()
@@ -571,7 +572,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
     with NaN and Infinity where times go (Python's json reads them): no run, `pdserve ls` or `pdserve stop`
     crashes on it or signals a bystander; the file is refused as no state."""
     reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / reuse.REUSE_DIR_MARKER).touch()
+    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()
     bystanders = [
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
         for _ in range(2)
@@ -727,7 +728,7 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
     pdserve never started) that serves no keeper socket: `pdserve stop --all` must not fail on it forever
     ("its keeper did not stop it"), must not signal the bystander, and must leave no state behind."""
     reuse_dir = tmp_path / "reuse"
-    reuse.ensure_reuse_dir(reuse_dir)
+    dirs.ensure_reuse_dir(reuse_dir)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
         me = read_stat(bystander.pid)

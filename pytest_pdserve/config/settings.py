@@ -91,7 +91,7 @@ class PDServeConfig:
     ready_check: bool
     require_kv_transfer: bool
     reuse: bool
-    """Asked for (``--pd-reuse``, or a ``reuse_mode`` given); :func:`pytest_pdserve.reuse.reuse_decision` says
+    """Asked for (``--pd-reuse``, or a ``reuse_mode`` given); :func:`pytest_pdserve.reuse.dirs.reuse_decision` says
     whether it applies."""
     reuse_mode: str
     """``local`` (refused on CI) or ``force``."""

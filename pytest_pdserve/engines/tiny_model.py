@@ -187,7 +187,7 @@ _BUILDERS = {"llama": _build_llama, "nemotronh": _build_nemotronh}
 
 def cache_base() -> Path:
     """The user's pdserve cache, ``${PDSERVE_CACHE_DIR:-~/.cache/pytest-pdserve}``: tiny models, kept clusters
-    (`reuse.py`). Here, not in paths.py, because this file also runs as a stdlib-only script in vLLM's venv."""
+    (`reuse/dirs.py`). Here, not in paths.py, because this file also runs as a stdlib-only script in vLLM's venv."""
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pytest-pdserve").expanduser()
 
 

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
@@ -22,13 +22,14 @@ from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
+from pytest_pdserve.reuse import PLUGIN_NAME as REUSE_PLUGIN
 from pytest_pdserve.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
     from pytest_pdserve.cluster import PDCluster
-    from pytest_pdserve.reuse import ReuseOptions
+    from pytest_pdserve.reuse.plugin import ReusePlugin
     from pytest_pdserve.running.manager import ClusterManager
 
 
@@ -80,65 +81,19 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
         cfg = config.stash[PDSERVE_CONFIG]
         if cfg.log_dir is not None:
             base = cfg.log_dir / run_log_name(config)
-        elif (kept := reuse_options(config)) is not None:
-            # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
-            from pytest_pdserve.reuse import run_log_dir
-
-            base = run_log_dir(kept.directory)
+        elif (reuse := reuse_plugin(config)) is not None and (kept_logs := reuse.run_log_dir()) is not None:
+            base = kept_logs
         else:
             base = tmp_path_factory.getbasetemp() / "pdserve-logs"
         config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
     return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE)
 
 
-REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
-
-
-def reuse_options(config: pytest.Config) -> ReuseOptions | None:
-    """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
-    if REUSE not in config.stash:
-        from pytest_pdserve.reuse import (
-            ReuseOptions,
-            default_reuse_dir,
-            ensure_reuse_dir,
-            prune_run_logs,
-            reuse_decision,
-        )
-
-        cfg = config.stash[PDSERVE_CONFIG]
-        enabled, _ = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
-        options = None
-        if enabled and not cfg.attach_mode:
-            options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
-            prune_run_logs(options.directory)  # each reuse run without --pd-log-dir logs under it
-        config.stash[REUSE] = options
-    return config.stash[REUSE]
-
-
-def reuse_header(config: pytest.Config) -> list[str]:
-    """The report header's reuse line: on or why off, and the kept clusters a run may attach to (with their age)."""
-    from pytest_pdserve.reuse import list_kept, reuse_decision
-
-    cfg = config.stash[PDSERVE_CONFIG]
-    enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
-    if not cfg.reuse:
-        return []
-    options = reuse_options(config)
-    if not enabled or options is None:
-        return [f"pdserve: reuse {why if not enabled else 'off: attach mode starts no servers'}"]
-    cleaned: list[str] = []  # what the listing cleaned up (a keeper that is gone, a file that is no state)
-    kept = list_kept(options.directory, report=cleaned.append)
-    now = time.time()
-    shown = ", ".join(f"{k.id} ({k.spec_name}, {_age(now - k.created)} old)" for k in kept[:6]) or "none"
-    return [
-        f"pdserve: reuse {why} (idle ttl {options.ttl:g}s, dir {options.directory}); kept clusters: {shown}",
-        *cleaned,
-    ]
-
-
-def _age(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
+    """The reuse plugin (`reuse/plugin.py`), registered by pytest_configure when --pd-reuse is given; None: not
+    given."""
+    plugin: ReusePlugin | None = config.pluginmanager.get_plugin(REUSE_PLUGIN)
+    return plugin
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
@@ -198,9 +153,8 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
         attention_backend_source=short_source(cfg.sources["attention_backend"]),
     )
-    kept = reuse_options(config)
-    # The servers' scratch (vLLM's cache root) is part of their environment: a reuse run's must not move.
-    scratch = kept.directory / "scratch" if kept is not None else tmp_path_factory.getbasetemp()
+    reuse = reuse_plugin(config)
+    scratch = (reuse.scratch_dir() if reuse is not None else None) or tmp_path_factory.getbasetemp()
     manager = ClusterManager(
         engine_setup=lambda name: engine_setup(
             name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
@@ -211,7 +165,8 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
         prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
         share_gpus=cfg.share_gpus, port_range=cfg.port_range,
-        reporter=make_reporter(config, logs / "pdserve.log"), reuse=kept, terminal=writes_to_terminal(config),
+        reporter=make_reporter(config, logs / "pdserve.log"), terminal=writes_to_terminal(config),
+        reuser=reuse.reuser() if reuse is not None else None,
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
     return manager

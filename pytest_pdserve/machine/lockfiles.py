@@ -40,7 +40,7 @@ class NotALockFile(Exception):
     """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
 
 
-#: The holder purpose a reuse keeper writes for the leases it holds (`keeper.py`): such a GPU is only kept, not used.
+#: The holder purpose a reuse keeper (`reuse/keeper.py`) writes for the leases it holds: such a GPU is kept, not used.
 KEPT_FOR_REUSE = "kept for reuse"
 #: How long a run waits for a lease only a kept cluster holds (the keeper's 0.5 s tick, then its servers' shutdown).
 KEPT_RELEASE_WAIT = 15.0
@@ -211,7 +211,7 @@ def want_file(lock_path: Path) -> Path:
 def want(path: Path) -> int | None:
     """Say "a run waits for this" on the want file next to a lock (a shared flock, held until the fd is closed).
 
-    A reuse keeper whose kept cluster holds that GPU sees it (:func:`pytest_pdserve.keeper.is_wanted`) and stops
+    A reuse keeper whose kept cluster holds that GPU sees it (:func:`pytest_pdserve.reuse.keeper.is_wanted`) and stops
     the cluster. Returns the fd to close when done waiting, or None (an entry that is not ours: nobody is told).
     """
     try:

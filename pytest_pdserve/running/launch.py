@@ -44,7 +44,6 @@ from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.machine.inventory import Inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
-from pytest_pdserve.reuse import Claim
 from pytest_pdserve.running import verify
 from pytest_pdserve.running.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, pids_with_env
@@ -68,18 +67,14 @@ class LaunchedCluster:
     port_leases: list[leases.PortLease]
     label: str
     last_used: float = field(default_factory=time.monotonic)
-    #: ``{component: digest}`` of its configuration (`reuse.fingerprint`), set in a reuse run: what gets it kept.
-    fingerprint: dict[str, str] | None = None
-    #: A kept cluster this run claimed from its keeper (`reuse.Claim`): handed back, not stopped, at the end.
-    claim: Claim | None = None
 
     @property
     def held_gpus(self) -> int:
-        """GPUs this cluster holds: its plan's, or (a claimed kept cluster, whose keeper holds the leases) the
-        distinct GPUs its servers see."""
+        """GPUs this cluster holds: its plan's, or (no plan: a kept cluster this run claimed, whose keeper holds
+        the leases) the distinct GPUs its servers see (none for attached servers)."""
         if self.gpu_plan is not None:
             return self.gpu_plan.held
-        return len({gpu for s in self.cluster.servers for gpu in s.gpus}) if self.claim is not None else 0
+        return len({gpu for s in self.cluster.servers for gpu in s.gpus})
 
 
 class ClusterLauncher:

@@ -4,36 +4,56 @@
 directory and a reporter callback. It shares one cluster per equal `ClusterSpec`, remembers a spec that
 failed to start (later tests fail at once with the same error), stops its least recently used clusters
 when a new spec needs their GPUs, and stops everything at the end. Starting one cluster and cleaning up
-after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s. The objects
-handed to tests (`PDCluster`, `ServerHandle`) live in `cluster.py`.
+after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s; ``--pd-reuse`` (kept
+clusters) is a `Reuser`'s, given by the reuse plugin (`reuse/handover.py`). The objects handed to tests
+(`PDCluster`, `ServerHandle`) live in `cluster.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from pytest_pdserve import reuse
-from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
+from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster
 from pytest_pdserve.config.commands import SessionDefaults
 from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
 from pytest_pdserve.machine.gpu_plan import GpuPlanner
 from pytest_pdserve.machine.inventory import Inventory
-from pytest_pdserve.machine.lockfiles import want_file
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
-from pytest_pdserve.reuse import ReuseOptions
 from pytest_pdserve.running.attach import attach_mismatch, start_attached
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster, Reporter
 from pytest_pdserve.spec import ClusterSpec
 
-__all__ = ["ClusterManager"]
+__all__ = ["ClusterManager", "Reuser"]
 
 log = logging.getLogger(__name__)
+
+
+class Reuser(Protocol):
+    """``--pd-reuse`` as the manager sees it (`reuse.handover.KeptClusters`); a run without it has none."""
+
+    def find(
+        self,
+        spec: ClusterSpec,
+        setup: EngineSetup,
+        model: str,
+        placement: Mapping[str, object],
+        launcher: ClusterLauncher,
+    ) -> LaunchedCluster | None:
+        """A kept cluster for ``spec``, claimed and checked; None: the manager starts a fresh one."""
+        ...
+
+    def stop(self, running: LaunchedCluster) -> bool:
+        """Stop a cluster :meth:`find` returned (through its keeper); False: not one of those."""
+        ...
+
+    def hand_over(self, running: Sequence[LaunchedCluster], launcher: ClusterLauncher) -> list[LaunchedCluster]:
+        """The end of the run: keep or hand back what it can; returns the clusters the manager stops as usual."""
+        ...
 
 
 class ClusterManager:
@@ -62,7 +82,7 @@ class ClusterManager:
         proxy_command: tuple[str, ...] | None = None,
         port_range: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
-        reuse: ReuseOptions | None = None,
+        reuser: Reuser | None = None,
         terminal: bool = True,
     ) -> None:
         self._engine_setup = engine_setup
@@ -93,10 +113,8 @@ class ClusterManager:
         self._counter = 0
         #: ``--pd-proxy-port``: the proxy of these specs listens on the given port (leased like any other).
         self.proxy_ports: dict[ClusterSpec, int] = {}
-        #: ``--pd-reuse``: keep clusters for the next run and attach to kept ones (reuse.py); None: off.
-        self.reuse = reuse
-        #: Kept clusters this run attached to, for the end-of-run summary.
-        self.reused: list[Reused] = []
+        #: ``--pd-reuse``: keep clusters for the next run and attach to kept ones (reuse/); None: off.
+        self.reuser = reuser
 
     # ------------------------------------------------------------------ public
 
@@ -115,7 +133,7 @@ class ClusterManager:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
             try:
-                running = self._reuse_or_start(spec) if self.reuse is not None else self._start(spec)
+                running = self._find_or_start(spec)
             except ClusterUnavailable:
                 raise
             except Exception as exc:
@@ -181,33 +199,18 @@ class ClusterManager:
         running.cluster.health.stopped = ClusterStopped(spec.name, why)
         for listener in self.on_stop:
             listener(running.cluster)
-        if running.claim is not None:  # a kept cluster: the test wants it gone (GPUs, memory), not handed back
-            running.claim.stop()
-        else:
+        if self.reuser is None or not self.reuser.stop(running):  # a kept one: its keeper stops it
             self._teardown(running)
         return running.cluster
 
     def stop_all(self) -> None:
-        """Stop every cluster (a reuse run keeps its healthy ones instead), then the watchdog. Safe to call twice."""
+        """Stop every cluster (a reuser keeps or hands back what it can), then the watchdog. Safe to call twice."""
         with self._lock:
             items = list(self._running.values())
             self._running.clear()
-        keep = []
-        for running in items:
-            if running.claim is not None:  # a kept cluster we claimed: hand it back (or have it stopped if it died)
-                if running.cluster.health.died is not None:
-                    self.deaths.append(running.cluster.health.died)
-                    running.claim.stop()
-                else:
-                    running.claim.release()
-                for s in running.cluster.servers:
-                    s.close()
-            elif self._keepable(running):
-                keep.append(running)
-            else:
-                self._teardown(running)
-        if keep:
-            self._keep(keep)
+        self.deaths += [r.cluster.health.died for r in items if r.cluster.health.died is not None]
+        for running in self.reuser.hand_over(items, self.launcher) if self.reuser is not None else items:
+            self.launcher.teardown(running)
         self.launcher.close()
 
     # ------------------------------------------------------------------ start
@@ -238,35 +241,15 @@ class ClusterManager:
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
             self.stop(victim.cluster.spec, why="its GPUs were needed for another spec")
 
-    def _reuse_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
-        """A kept cluster with this spec's fingerprint, claimed and checked; else a fresh one (saying why)."""
-        assert self.reuse is not None
-        setup = self.engine_for(spec)
-        model = self._resolve_model(spec, setup)
-        wanted = reuse.fingerprint(
-            spec=spec, defaults=self.defaults, setup=setup, model=model, placement=self._placement(spec),
-            proxy_command=self.launcher.proxy_command, environ=os.environ,
-        )  # fmt: skip
-        claim, why = reuse.find_reusable(self.reuse.directory, wanted, spec.name, self.report, ttl=self.reuse.ttl)
-        if claim is not None:
-            try:
-                running = reuse.adopt(
-                    claim, spec, api_key=self.defaults.api_key,
-                    max_model_len=spec.max_model_len or self.defaults.max_model_len, report=self.report,
-                )  # fmt: skip
-            except Exception as exc:
-                claim.stop()
-                why = f"kept cluster {claim.kept.id} failed its check ({exc}); stopped it"
-            else:
-                self.report(running.cluster.describe())
-                assert running.cluster.reused is not None
-                self.reused.append(running.cluster.reused)
-                return running
-        if why is not None:
-            self.report(f"pdserve: {spec.name}: starting a fresh cluster: {why}")
-        running = self._start(spec)
-        running.fingerprint = wanted
-        return running
+    def _find_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
+        """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one."""
+        if self.reuser is not None:
+            setup = self.engine_for(spec)
+            model = self._resolve_model(spec, setup)
+            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher)
+            if found is not None:
+                return found
+        return self._start(spec)
 
     def _placement(self, spec: ClusterSpec) -> dict[str, object]:
         """Where a cluster's servers run, as far as settings decide it (part of its reuse fingerprint)."""
@@ -275,48 +258,6 @@ class ClusterManager:
             "prefill_gpu_ids": self.gpus.prefill_gpu_ids, "decode_gpu_ids": self.gpus.decode_gpu_ids,
             "share_gpus": self.gpus.share_gpus, "proxy_port": self.proxy_ports.get(spec),
         }  # fmt: skip
-
-    def _keepable(self, running: LaunchedCluster) -> bool:
-        """A cluster this reuse run started, whose servers all still run."""
-        return (
-            self.reuse is not None
-            and running.fingerprint is not None
-            and running.cluster.health.died is None
-            and bool(running.processes)
-            and all(p.returncode is None and p.pid is not None for p in running.processes)
-        )
-
-    def _keep(self, items: list[LaunchedCluster]) -> None:
-        """Hand ``items`` to a new keeper; if it cannot take them, stop them as usual."""
-        assert self.reuse is not None
-        orders = []
-        for r in items:
-            assert r.fingerprint is not None
-            plan = r.gpu_plan
-            held = [*(plan.leases if plan is not None else ()), *r.port_leases]
-            locks = [(fd, str(path)) for lease in held for fd, path in lease.locks]
-            # Each lease has a want file: a run waiting for one of its GPUs or its fixed proxy port says so there.
-            want = [str(want_file(Path(path))) for _, path in locks]
-            # On real CUDA the keeper unlocks a GPU only once nvidia-smi lists none of the kept servers on it.
-            gated = self.gpus.gated_keys(plan) if plan is not None else None
-            orders.append((reuse.cluster_state(r, r.fingerprint, self.run_token, release_gate=gated), locks, want))
-        try:
-            pid = reuse.keep(
-                orders, reuse_dir=self.reuse.directory, ttl=self.reuse.ttl, grace=self.launcher.orphan_grace(),
-                run_token=self.run_token,
-            )  # fmt: skip
-        except reuse.ReuseError as exc:
-            self.report(f"pdserve: reuse: {exc}; stopping the clusters instead")
-            for r in items:
-                self._teardown(r)
-            return
-        for r in items:
-            self.launcher.disown(r)
-        ids = ", ".join(str(state["id"]) for state, _, _ in orders)
-        self.report(
-            f"pdserve: reuse: kept {ids} for the next --pd-reuse run (keeper pid {pid}; stops after "
-            f"{self.reuse.ttl:g}s idle; `pdserve ls`, `pdserve stop --all`)"
-        )
 
     def _start(self, spec: ClusterSpec) -> LaunchedCluster:
         self._counter += 1

@@ -285,8 +285,8 @@ class ServerProcess:
         return self._ready_at - self._started_at
 
     def disown(self) -> None:
-        """Hand the running process over (to the reuse keeper, `reuse.py`): this object never stops it again, nor
-        does the atexit safety net."""
+        """Hand the running process over (to the reuse keeper, `reuse/handover.py`): this object never stops it again,
+        nor does the atexit safety net."""
         _live.discard(self)
         if self._popen is not None and self._popen.returncode is None:
             # Popen warns (ResourceWarning) when collected while its child runs; the child is not ours to wait for.

@@ -1,14 +1,15 @@
 """The keeper: owns clusters kept for the next run (``--pd-reuse``) after the pytest that started them is gone.
 
 At the end of a reuse run, pytest starts one keeper for the clusters it started and hands it everything that
-must outlive pytest (:func:`pytest_pdserve.reuse.keep`): the servers' process groups, pids, start times and
+must outlive pytest (:func:`pytest_pdserve.reuse.handover.keep`): the servers' process groups, pids, start times and
 server tokens, and duplicates of the clusters' lease fds (``pass_fds``). The keeper then:
 
-* writes one state file per cluster (``<reuse dir>/<id>.json``, mode 0600) that the next run and ``pdserve ls``
-  read, and removes it when it stops that cluster;
+* writes one state file per cluster (``<reuse dir>/<id>.json``, mode 0600, `state.py`'s schema) that the next run
+  and ``pdserve ls`` read, and removes it when it stops that cluster;
 * listens on an abstract Unix socket (no path to plant or to outgrow 108 bytes; only our uid is served, checked
-  with ``SO_PEERCRED``). A run that attaches *claims* a cluster by keeping a connection open: one claim per
-  cluster at a time, and the kernel ends a claim whose run died. ``stop ID`` / ``stop *`` stop clusters now;
+  with ``SO_PEERCRED``) and answers the words of `protocol.py`. A run that attaches *claims* a cluster by keeping
+  a connection open: one claim per cluster at a time, and the kernel ends a claim whose run died. ``stop ID`` /
+  ``stop *`` stop clusters now;
 * stops a cluster when it was idle (unclaimed) for the TTL, when one of its servers died or was replaced
   (pid and start time), or when another run waits for its GPUs (that run holds a shared lock on the GPU's
   ``.want`` file, :func:`pytest_pdserve.machine.lockfiles.want`);
@@ -25,16 +26,15 @@ run removes the state files of a keeper that is gone. Like the watchdog, this mo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
-import math
 import os
 import select
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -45,16 +45,17 @@ from typing import Any
 from pytest_pdserve.common.logfile import write_replace
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.machine.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
-from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, alive_as, read_stat, terminate
+from pytest_pdserve.reuse import protocol
+from pytest_pdserve.reuse.protocol import KeeperOrder, peer_uid_pid
+from pytest_pdserve.reuse.state import STATE_SUFFIX, KeeperInfo, KeptServer, KeptState, parse_state
+from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, read_stat, terminate
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.running.supervise import start_guard
 
-__all__ = ["STATE_SUFFIX", "gone_server", "is_wanted", "main", "peer_uid_pid"]
+__all__ = ["is_wanted", "main"]
 
-STATE_SUFFIX = ".json"
 _MAX_INPUT = 4 << 20  # what pytest writes on our stdin: a few KB per cluster
 _TICK = 0.5  # seconds between checks of TTL, server liveness and wanted GPUs
-_MAX_LINE = 4096
 _GUARD_EXIT = 5.0  # seconds the guard may take to exit on SIGTERM (it only waits on its lifeline)
 
 
@@ -62,24 +63,6 @@ def _say(msg: str) -> None:
     with contextlib.suppress(OSError):
         sys.stderr.write(f"{time.strftime('%H:%M:%S')} pdserve-keeper[{os.getpid()}] {msg}\n")
         sys.stderr.flush()
-
-
-def peer_uid_pid(sock: socket.socket) -> tuple[int, int]:
-    """``(uid, pid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return uid, pid
-
-
-def gone_server(servers: Sequence[dict[str, Any]]) -> str | None:
-    """The first kept server whose process is gone or is not the one that was kept, in words; None if all run.
-
-    The one liveness rule of kept servers: the keeper applies it every tick, a run before it attaches (`reuse.py`).
-    """
-    for server in servers:
-        if not alive_as(int(server["pid"]), int(server["starttime"])):
-            return f"{server['name']} (pid {server['pid']}) is gone"
-    return None
 
 
 def is_wanted(path: str) -> bool:
@@ -105,35 +88,35 @@ class _Kept:
     """One cluster this keeper owns."""
 
     def __init__(
-        self, state: dict[str, Any], locks: Sequence[tuple[int, Path]], want: Sequence[str], state_path: Path
+        self, state: KeptState, locks: Sequence[tuple[int, Path]], want: Sequence[str], state_path: Path
     ) -> None:
         self.state = state
-        self.id = str(state["id"])
+        self.id = state.id
         self.locks = list(locks)
         self.want = list(want)
         self.state_path = state_path
         self.idle_since = time.monotonic()
         self.claim: socket.socket | None = None
         #: Idle seconds before it stops: the keeping run's --pd-reuse-ttl, then that of the last run that claimed it.
-        self.ttl = float(state.get("keeper", {}).get("ttl", 0.0))
+        self.ttl = state.keeper.ttl if state.keeper is not None else 0.0
 
     @property
-    def servers(self) -> list[dict[str, Any]]:
-        return [*self.state["servers"], self.state["proxy"]]
+    def servers(self) -> tuple[KeptServer, ...]:
+        return self.state.processes
 
     def dead_server(self) -> str | None:
-        return gone_server(self.servers)
+        return self.state.dead_server()
 
     def stop(self, why: str, grace: float, *, keep_logs: bool) -> None:
         t0 = time.monotonic()
-        groups = [int(s["pgid"]) for s in self.servers]
-        tokens = [(SERVER_TOKEN_ENV, str(s["token"])) for s in self.servers]
+        groups = [s.pgid for s in self.servers]
+        tokens = [(SERVER_TOKEN_ENV, s.token) for s in self.servers]
         res = terminate(groups, env=tokens, grace=grace, kill_wait=10.0)
         for server in self.servers:  # their IPC sockets (rpc_dirs.py): the servers are gone
-            remove_rpc_dir(server.get("rpc_dir"))
-        gated = self.state.get("release_gate")
+            remove_rpc_dir(server.rpc_dir)
+        gated = self.state.release_gate
         if gated:  # as pytest's own release does (gpu_plan): the next server's memory check must not see these
-            pids = {int(s["pid"]) for s in self.servers}
+            pids = {s.pid for s in self.servers}
             not_met = wait_for_gate(lambda: pids_off_gpus(set(gated), pids), GPU_RELEASE_TIMEOUT)
             if not_met is not None:
                 _say(f"GPU release gate for {self.id} {not_met}; releasing {gated} anyway")
@@ -149,11 +132,12 @@ class _Kept:
             self.state_path.unlink()
         if not keep_logs:
             for server in self.servers:
-                with contextlib.suppress(OSError, KeyError, TypeError):
-                    os.unlink(server["log_path"])
+                if server.log_path is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(server.log_path)
         if self.claim is not None:  # the run holding it learns why (the keeper then drops the connection)
             with contextlib.suppress(OSError):
-                self.claim.sendall(f"stopped {self.id}: {why}\n".encode())
+                self.claim.sendall(f"{protocol.stopped_line(self.id, why)}\n".encode())
         _say(f"stopped {self.id} ({why}) in {time.monotonic() - t0:.2f}s: left={list(res.remaining)}")
 
 
@@ -184,29 +168,27 @@ class _Keeper:
 
     def _answer(self, conn: socket.socket, line: str) -> None:
         cmd, _, arg = line.strip().partition(" ")
-        if cmd == "claim":  # claim ID [TTL]: the claiming run's --pd-reuse-ttl applies once it lets go
-            arg, _, ttl_text = arg.partition(" ")
-            kept = self.clusters.get(arg)
+        if cmd == protocol.CLAIM:  # the claiming run's --pd-reuse-ttl applies once it lets go
+            cid, ttl = protocol.parse_claim(arg)
+            kept = self.clusters.get(cid)
             if kept is None:
-                reply = "unknown"
+                reply = protocol.UNKNOWN
             elif kept.claim is not None or any(k.claim is conn for k in self.clusters.values()):
-                reply = "busy"
+                reply = protocol.BUSY
             else:
                 kept.claim = conn
-                reply = "ok"
-                with contextlib.suppress(ValueError):
-                    ttl = float(ttl_text)
-                    if math.isfinite(ttl) and ttl > 0:
-                        kept.ttl = ttl
+                reply = protocol.OK
+                if ttl is not None:
+                    kept.ttl = ttl
                 _say(f"{kept.id} claimed (ttl {kept.ttl:g}s once released)")
             conn.sendall(f"{reply}\n".encode())
-        elif cmd == "stop":
-            targets = list(self.clusters) if arg == "*" else [arg] if arg in self.clusters else []
+        elif cmd == protocol.STOP:
+            targets = list(self.clusters) if arg == protocol.STOP_ALL else [arg] if arg in self.clusters else []
             for cid in targets:
                 self._stop(cid, "pdserve stop")
             # "left": 0 tells `pdserve stop` this keeper exits now; it waits for that (nothing left once it returns)
-            conn.sendall((json.dumps({"stopped": targets, "left": len(self.clusters)}) + "\n").encode())
-        elif cmd == "info":
+            conn.sendall((protocol.stop_reply(targets, len(self.clusters)) + "\n").encode())
+        elif cmd == protocol.INFO:
             now = time.monotonic()
             info = {
                 cid: {
@@ -216,20 +198,20 @@ class _Keeper:
                 }
                 for cid, k in self.clusters.items()
             }
-            conn.sendall((json.dumps(info) + "\n").encode())
+            conn.sendall((protocol.info_reply(info) + "\n").encode())
         else:
-            conn.sendall(b"error unknown command\n")
+            conn.sendall(f"{protocol.ERROR_UNKNOWN}\n".encode())
 
     def _read(self, conn: socket.socket) -> None:
         try:
-            data = conn.recv(_MAX_LINE)
+            data = conn.recv(protocol.MAX_LINE)
         except OSError:
             data = b""
         if not data:
             self._drop(conn)
             return
         buf = self.conns.get(conn, b"") + data
-        if len(buf) > _MAX_LINE:
+        if len(buf) > protocol.MAX_LINE:
             self._drop(conn)
             return
         while b"\n" in buf:
@@ -297,7 +279,7 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
 
 def _listen(uid: int) -> tuple[socket.socket, str]:
     for _ in range(10):
-        name = f"pytest-pdserve-keeper-{uid}-{os.urandom(8).hex()}"
+        name = protocol.socket_name(uid, os.urandom(8).hex())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind("\0" + name)
@@ -314,13 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     del argv
     raw = sys.stdin.buffer.read(_MAX_INPUT)
     try:
-        order = json.loads(raw)
-        reuse_dir = Path(order["reuse_dir"])
-        ttl, grace, run_token = float(order["ttl"]), float(order["grace"]), str(order["run_token"])
-        items = list(order["clusters"])
+        order = KeeperOrder.decode(raw)
+        states = [parse_state(item.state) for item in order.clusters]
     except (ValueError, KeyError, TypeError) as exc:
         print(f"error: bad keeper order: {exc}", flush=True)
         return 2
+    reuse_dir, ttl, grace, run_token = Path(order.reuse_dir), order.ttl, order.grace, order.run_token
     # Detach from pytest: it waits for this first process, which exits at once; the keeper is the child.
     if os.fork() > 0:
         os._exit(0)
@@ -330,22 +311,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     me = read_stat(os.getpid())
     started = time.time()
     clusters = []
-    for item in items:
-        state = dict(item["state"])
-        state["keeper"] = {
-            "pid": os.getpid(), "starttime": me.starttime if me else 0, "socket": name, "ttl": ttl,
-            "since": started,
-        }  # fmt: skip
-        path = reuse_dir / f"{state['id']}{STATE_SUFFIX}"
+    info = KeeperInfo(os.getpid(), me.starttime if me else 0, name, ttl, started)
+    for item, parsed in zip(order.clusters, states, strict=True):
+        state = dataclasses.replace(parsed, keeper=info)
+        path = reuse_dir / f"{state.id}{STATE_SUFFIX}"
         try:
-            _write_state(path, state)
+            _write_state(path, state.as_dict())
         except OSError as exc:  # e.g. a link planted where the state file goes: said to the run, which stops them
             print(f"error: cannot write the state file {path}: {exc.strerror or exc}", flush=True)
             return 2
-        locks = [(int(fd), Path(lock)) for fd, lock in item.get("locks", ())]
+        locks = [(fd, Path(lock)) for fd, lock in item.locks]
         for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
-            write_holder(lock, f"{KEPT_FOR_REUSE}: {state['id']} (pdserve ls)")
-        clusters.append(_Kept(state, locks, item.get("want", ()), path))
+            write_holder(lock, f"{KEPT_FOR_REUSE}: {state.id} (pdserve ls)")
+        clusters.append(_Kept(state, locks, item.want, path))
     keeper = _Keeper(clusters, listener, grace)
 
     def on_term(signum: int, frame: object) -> None:
@@ -354,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     # Our own guard: if this keeper is SIGKILLed, it stops every process of the run token (the kept servers).
     guard = start_guard(run_token, grace, reuse_dir / "guard.log")
-    print(f"ready {os.getpid()} {name}", flush=True)
+    print(protocol.ready_line(os.getpid(), name), flush=True)
     with contextlib.suppress(OSError):  # pytest reads until EOF: we are ready, and pytest may go
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
