@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.reuse import (
     KeptCluster,
-    ReuseError,
     check_reuse_dir,
     default_reuse_dir,
     keeper_info,

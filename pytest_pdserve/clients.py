@@ -28,6 +28,9 @@ from typing import Any
 
 import httpx
 
+# Re-exported: CHANGELOG names `clients.PrefixCacheHeld`; it lives in errors.py with every other exception.
+from pytest_pdserve.errors import PrefixCacheHeld
+
 __all__ = [
     "OPTIONS",
     "PrefixCacheHeld",
@@ -48,11 +51,6 @@ SALTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respon
 CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT_MESSAGE = "{server} did not answer {request} within {timeout:g} s ({kind}){remedy}"
 RESET_FAILED_MESSAGE = "POST /reset_prefix_cache on {server} did not succeed: HTTP {status} {body}"
-
-
-class PrefixCacheHeld(AssertionError):
-    """The server answered ``{"success": false}``: KV blocks are still in use (a running request, or a prefill
-    whose KV no decode has read yet: NixlConnector holds those for its ``kv_lease_duration``, 30 s by default)."""
 
 
 @dataclass

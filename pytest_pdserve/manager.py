@@ -22,7 +22,7 @@ from pytest_pdserve import reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
 from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
-from pytest_pdserve.errors import ClusterUnavailable, ServerDied
+from pytest_pdserve.errors import ClusterUnavailable, ReuseError, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory
 from pytest_pdserve.launch import ClusterLauncher, LaunchedCluster, Reporter
@@ -299,7 +299,7 @@ class ClusterManager:
                 orders, reuse_dir=self.reuse.directory, ttl=self.reuse.ttl, grace=self.launcher.orphan_grace(),
                 run_token=self.run_token,
             )  # fmt: skip
-        except reuse.ReuseError as exc:
+        except ReuseError as exc:
             self.report(f"pdserve: reuse: {exc}; stopping the clusters instead")
             for r in items:
                 self._teardown(r)

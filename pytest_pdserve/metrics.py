@@ -31,6 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pytest_pdserve.deadline import get_within
 from pytest_pdserve.digits import is_int
 
+# Re-exported: scrape / wait_settled raise them and `pytest_pdserve.metrics` is public (README); they live in
+# errors.py with every other exception.
+from pytest_pdserve.errors import MetricNotFoundError, MetricsScrapeError, MetricsSettleTimeout
+
 __all__ = [
     "CACHED_SOURCES",
     "DEFAULT_SETTLE_NAMES",
@@ -92,18 +96,6 @@ MISSING_METRIC_MESSAGE = "metric {name}{labels} is not exposed by {source}{hint}
 """Template of :class:`MetricNotFoundError` messages."""
 
 NIXL_MISSING_HINT = " (no vllm:nixl_* metrics at all: is this server running with NixlConnector?)"
-
-
-class MetricNotFoundError(LookupError):
-    """A metric (or a labelled series of it) is absent from a scrape: absent is not zero."""
-
-
-class MetricsScrapeError(RuntimeError):
-    """``GET /metrics`` failed or returned something that is not Prometheus text."""
-
-
-class MetricsSettleTimeout(TimeoutError):
-    """:func:`wait_settled` ran out of time; the message says which counters kept moving."""
 
 
 def _format_labels(labels: Mapping[str, str]) -> str:

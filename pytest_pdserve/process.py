@@ -37,11 +37,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
+from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.hints import AUTH_HINT, hint_for
 from pytest_pdserve.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
-from pytest_pdserve.readiness import AuthRefused, ReadinessCheck, readiness_client
+from pytest_pdserve.readiness import ReadinessCheck, readiness_client
 from pytest_pdserve.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.rpc_dirs import remove_rpc_dir
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.errors import PDServeError, ReuseError
 from pytest_pdserve.gpu_probe import wait_for_gate
 from pytest_pdserve.keeper import STATE_SUFFIX, gone_server, is_wanted, peer_uid_pid
 from pytest_pdserve.lockfiles import want
@@ -78,7 +78,6 @@ __all__ = [
     "claim",
     "cluster_state",
     "keeper_info",
-    "ReuseError",
     "default_reuse_dir",
     "differences",
     "ensure_reuse_dir",
@@ -117,10 +116,6 @@ class ReuseOptions:
 
     directory: Path
     ttl: float
-
-
-class ReuseError(PDServeError):
-    """The reuse directory is unusable, or a keeper could not take the clusters over."""
 
 
 # --------------------------------------------------------------------------------------------- settings
@@ -885,7 +880,7 @@ def _reset_prefix_cache(h: Any, argv: Sequence[str] | None, report: Callable[[st
     """Reset one kept server's prefix cache (with the connector's: `clients.reset_prefix_cache`), waiting while
     KV blocks are held: a run's last prefill whose KV no decode read keeps its blocks until NixlConnector's lease
     ends, and a reset fails until then. Bounded by that lease; :raises ReuseError: no reset."""
-    from pytest_pdserve.clients import PrefixCacheHeld
+    from pytest_pdserve.errors import PrefixCacheHeld
 
     wait = _kv_lease_seconds(argv) + _HELD_MARGIN
     deadline = time.monotonic() + wait

@@ -25,10 +25,10 @@ import pytest
 
 from pytest_pdserve import owned_flags, redaction
 from pytest_pdserve.engine import VLLM_MODULE_ENTRYPOINT, resolve_engine
-from pytest_pdserve.errors import OwnedFlagError
-from pytest_pdserve.inventory import InventoryError, Platform, parse_simulate_gpus
-from pytest_pdserve.paths import PathError, check_dir
-from pytest_pdserve.setting_parsers import SettingError, check_raw
+from pytest_pdserve.errors import InventoryError, OwnedFlagError, PathError, SettingError
+from pytest_pdserve.inventory import Platform, parse_simulate_gpus
+from pytest_pdserve.paths import check_dir
+from pytest_pdserve.setting_parsers import check_raw
 
 # The table's names are re-exported: settings.SETTINGS, settings.remedy, ... are where callers look.
 from pytest_pdserve.setting_table import PATH_SETTINGS, SETTINGS, SETTINGS_BY_NAME, Setting, remedy

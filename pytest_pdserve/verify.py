@@ -33,7 +33,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,16 +43,14 @@ from pytest_pdserve import clients
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.deadline import get_within
-from pytest_pdserve.errors import ServerStartupError
+from pytest_pdserve.errors import EffectiveConfigError, MetricsScrapeError, NotPDReady
 from pytest_pdserve.hints import hint_for
-from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
 from pytest_pdserve.prompts import prompt_with_tokens
 
 __all__ = [
     "Effective",
-    "EffectiveConfigError",
     "Mismatch",
-    "NotPDReady",
     "pd_round_trip",
     "read_effective",
     "verify_cluster",
@@ -102,21 +100,6 @@ class Mismatch:
 
     def __str__(self) -> str:
         return f"{self.server}: {self.what}: asked {self.asked}, runs {self.effective} ({self.where})"
-
-
-class EffectiveConfigError(ServerStartupError):
-    """A started server runs something other than what was asked (see :class:`Mismatch`)."""
-
-    def __init__(self, mismatches: Sequence[Mismatch], log_path: str | None = None) -> None:
-        lines = "\n  ".join(str(m) for m in mismatches)
-        super().__init__(
-            mismatches[0].server,
-            f"does not run what was asked:\n  {lines}",
-            hint="a flag in the extra args overrides the plugin's, the engine ignored one, or it fell back silently;"
-            " the server log says what it chose",
-            log_path=log_path,
-        )
-        self.mismatches = tuple(mismatches)
 
 
 #: The whole of one read-back GET (/v1/models, /version): a server that trickles its answer gives none.
@@ -244,10 +227,6 @@ def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> d
 # ---------------------------------------------------------------------------------------------
 # P/D-ready, not HTTP-ready
 # ---------------------------------------------------------------------------------------------
-
-
-class NotPDReady(ServerStartupError):
-    """Every server answers HTTP, but a request through the proxy moved no KV into a decode server."""
 
 
 #: Tokens in the P/D-ready probe. A partial block moves too (vLLM pulls the last, partial block: 40 tokens at block
