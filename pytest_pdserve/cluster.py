@@ -130,7 +130,8 @@ class ServerHandle:
     def complete(self, prompt: str | list[int], **body: Any) -> dict[str, Any]:
         """POST ``/v1/completions`` to this server (temperature 0 unless given) and return the JSON.
 
-        :raises AssertionError: on an HTTP error, naming the server and the request.
+        :raises RequestFailed: (an ``AssertionError``) on any answer but HTTP 200 (``clients.request_failed``, the rule
+            ``assertions.complete`` follows too), naming the server and the request.
         """
         __tracebackhide__ = True
         payload: dict[str, Any] = {"prompt": prompt, "temperature": 0.0, **body}
@@ -164,17 +165,18 @@ class ServerHandle:
         if self.model is not None:
             payload.setdefault("model", self.model)
         response = self.client.post(path, json=payload, extensions=within(total) if total is not None else None)
-        if response.status_code != 200:
-            raise AssertionError(
+        if clients.request_failed(response):
+            raise clients.RequestFailed(
                 REQUEST_FAILED_MESSAGE.format(
                     name=self.name,
                     method="POST",
                     url=self.url,
                     path=path,
                     status=response.status_code,
-                    body=response.text[:2000],
+                    body=clients.body_excerpt(response.text),
                     request=clients.summarize(response.request),
-                )
+                ),
+                response.status_code,
             )
         result: dict[str, Any] = response.json()
         return result

@@ -28,6 +28,7 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pytest_pdserve.clients import body_excerpt, request_failed
 from pytest_pdserve.deadline import get_within
 from pytest_pdserve.digits import is_int
 
@@ -375,8 +376,8 @@ def scrape(target: str | httpx.Client, *, timeout: float = 10.0, strict: bool = 
             response = get_within(None, source, timeout)
         except httpx.HTTPError as exc:
             raise MetricsScrapeError(f"GET {source} failed: {type(exc).__name__}: {exc}") from exc
-    if response.status_code != 200:
-        raise MetricsScrapeError(f"GET {source} returned HTTP {response.status_code}: {response.text[:300]!r}")
+    if request_failed(response):
+        raise MetricsScrapeError(f"GET {source} returned HTTP {response.status_code}: {body_excerpt(response.text)!r}")
     return parse_metrics(response.text, source=source, strict=strict)
 
 

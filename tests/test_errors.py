@@ -76,7 +76,7 @@ def _allowed(path: str, name: str) -> bool:
 
 def test_every_exception_class_is_defined_in_errors_py() -> None:
     found = exception_classes()
-    assert ("errors.py", "PDServeError") in found and ("errors.py", "SettingError") in found  # the walk sees them
+    assert {("errors.py", "PDServeError"), ("errors.py", "SettingError")} <= found.keys()  # the walk sees them
     elsewhere = sorted(f"{path}:{name}({', '.join(bases)})" for (path, name), bases in found.items()
                        if path != "errors.py" and not _allowed(path, name))  # fmt: skip
     assert not elsewhere, f"exception classes outside pytest_pdserve/errors.py: {elsewhere}"
@@ -123,7 +123,8 @@ def test_one_family_under_pdserve_error() -> None:
 def test_a_moved_class_keeps_its_standard_base(cls: type[BaseException], base: type[BaseException]) -> None:
     """``except ValueError`` / ``pytest.raises(TimeoutError)`` written against the old homes still catch them, and
     the request helpers' failures stay AssertionErrors, so pytest reports a failed test."""
-    assert issubclass(cls, base) and issubclass(cls, errors.PDServeError)
+    assert issubclass(cls, base)
+    assert issubclass(cls, errors.PDServeError)
 
 
 def test_the_old_public_import_paths_still_work() -> None:
@@ -148,7 +149,8 @@ def test_a_moved_class_is_redacted_and_pickles() -> None:
         errors.RequestFailed(f"decode-0 -> 500: {secret}", 500),
         errors.EffectiveConfigError([Mismatch("decode-0", "served model", "m", secret, "/v1/models")], "/tmp/x.log"),
     ):
-        assert secret not in str(exc) and secret not in repr(exc), type(exc).__name__
+        assert secret not in str(exc), type(exc).__name__
+        assert secret not in repr(exc), type(exc).__name__
         again = pickle.loads(pickle.dumps(exc))
         assert (type(again), str(again)) == (type(exc), str(exc))
     assert pickle.loads(pickle.dumps(errors.RequestFailed("x", 503))).status == 503
