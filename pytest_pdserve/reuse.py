@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from pytest_pdserve.effective import SessionDefaults
     from pytest_pdserve.launch import LaunchedCluster
     from pytest_pdserve.spec import ClusterSpec
-    from pytest_pdserve.verify import Effective
+    from pytest_pdserve.verify import ObservedConfig
 
 __all__ = [
     "Claim",
@@ -680,7 +680,7 @@ def find_reusable(
 # ---------------------------------------------------------------------------------------------- keep
 
 
-def _server_state(proc: Any, handle: Any, effective: Effective | None = None) -> dict[str, Any]:
+def _server_state(proc: Any, handle: Any, observed: ObservedConfig | None = None) -> dict[str, Any]:
     info = read_stat(proc.pid)
     command = handle.command
     return {
@@ -696,9 +696,9 @@ def _server_state(proc: Any, handle: Any, effective: Effective | None = None) ->
         "ready_seconds": handle.ready_seconds,
         # What /v1/models listed at the start: an attach that finds more (a LoRA adapter a test loaded) or less
         # refuses the cluster (see adopt, _changed_since_start).
-        "served_models": list(effective.served_models) if effective is not None else None,
+        "served_models": list(observed.served_models) if observed is not None else None,
         # ``/weight_info`` at the start: an RL-style test that set another weight version changed the weights.
-        "weight_version": effective.weight_version if effective is not None else None,
+        "weight_version": observed.weight_version if observed is not None else None,
     }  # fmt: skip
 
 
@@ -715,13 +715,13 @@ def cluster_state(
     """
     cluster = launched.cluster
     by_name = {p.name: p for p in launched.processes}
-    at_start = cluster.effective or {}
+    at_start = cluster.observed or {}
     servers = [_server_state(by_name[h.name], h, at_start.get(h.name)) for h in (*cluster.prefill, *cluster.decode)]
     return {
         "id": f"{launched.label}-{os.urandom(3).hex()}", "spec_name": cluster.spec.name, "label": launched.label,
         "created": time.time() - cluster.started_seconds, "fingerprint": dict(fingerprint_), "run_token": run_token,
         "engine": cluster.engine, "model": cluster.model, "vllm_version": cluster.vllm_version,
-        "block_size": cluster.block_size, "attention_backend": cluster.attention_backend,
+        "block_size": cluster.block_size, "attention_backend": cluster.attention_backend_asked,
         "platform": cluster.platform, "started_seconds": cluster.started_seconds,
         "pd_ready_seconds": cluster.pd_ready_seconds, "topology": [len(cluster.prefill), len(cluster.decode)],
         "servers": servers, "proxy": _server_state(by_name["proxy"], cluster.proxy),
@@ -819,7 +819,7 @@ def _not_scheduling(h: Any) -> str | None:
 LORA_LOAD_ROUTE = "POST /v1/load_lora_adapter"
 
 
-def _changed_since_start(server: Mapping[str, Any], now: Effective | None) -> list[str]:
+def _changed_since_start(server: Mapping[str, Any], now: ObservedConfig | None) -> list[str]:
     """What ``server`` serves now that it did not at its start, in words (empty: nothing changed).
 
     Two things a test can change over HTTP that the prefix-cache reset does not undo: the models served (vLLM
@@ -967,7 +967,7 @@ def adopt(
                 raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
     cluster = PDCluster(
         spec=spec, engine=str(state["engine"]), model=str(state["model"]), block_size=int(state["block_size"]),
-        attention_backend=state.get("attention_backend"),
+        attention_backend_asked=state.get("attention_backend"),
         prefill=tuple(h for h in servers if h.role == "prefill"),
         decode=tuple(h for h in servers if h.role == "decode"), proxy=proxy,
         platform=str(state.get("platform", "cpu")), vllm_version=state.get("vllm_version"),
@@ -976,9 +976,9 @@ def adopt(
     # Everything a test left changed is named at once (a person fixes all of it in one go), then refused; the
     # resets come last, as they may wait for held KV blocks.
     problems = [p for h in (*cluster.prefill, *cluster.decode) if (p := _not_scheduling(h)) is not None]
-    effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
+    observed = verify.verify_cluster(cluster, max_model_len=max_model_len)
     for s in state["servers"]:
-        problems += _changed_since_start(s, effective.get(str(s["name"])))
+        problems += _changed_since_start(s, observed.get(str(s["name"])))
     if problems:
         raise ReuseError("; ".join(problems))
     argv_of = {str(s["name"]): s.get("argv") for s in state["servers"]}

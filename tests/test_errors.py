@@ -6,17 +6,14 @@ whatever it derives from, directly or through another class of the package.
 
 from __future__ import annotations
 
-import ast
-import builtins
 import pickle
 import uuid
 from pathlib import Path
 
 import pytest
+from _package_classes import exception_classes
 
 from pytest_pdserve import errors
-
-PACKAGE = Path(errors.__file__).parent
 
 #: Where an exception class may be defined outside errors.py, and why (errors.py's docstring says the same).
 ALLOWED_ELSEWHERE = {
@@ -26,48 +23,6 @@ ALLOWED_ELSEWHERE = {
     # Runs by path as a script in the vLLM venv, where pytest_pdserve cannot be imported.
     "tiny_model.py:TinyModelError": "tiny_model.py imports nothing from pytest_pdserve",
 }
-
-_BUILTIN_EXCEPTIONS = {
-    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
-}
-
-
-def _base_name(base: ast.expr) -> str:
-    """``ValueError`` -> ValueError, ``httpx.HTTPError`` -> HTTPError, ``Generic[T]`` -> Generic."""
-    if isinstance(base, ast.Subscript):
-        base = base.value
-    if isinstance(base, ast.Attribute):
-        return base.attr
-    return base.id if isinstance(base, ast.Name) else ""
-
-
-def _classes() -> list[tuple[str, str, list[str]]]:
-    """(path relative to the package, class name, base names) of every class in the package, nested ones too."""
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                found.append((path.relative_to(PACKAGE).as_posix(), node.name, [_base_name(b) for b in node.bases]))
-    return found
-
-
-def exception_classes() -> dict[tuple[str, str], list[str]]:
-    """(path, name) -> bases, for every class that derives from an exception (fixpoint over the package)."""
-    classes = _classes()
-    known = set(_BUILTIN_EXCEPTIONS)
-    result: dict[tuple[str, str], list[str]] = {}
-    for _ in range(len(classes) + 1):  # each round adds at least one class, or the walk is done
-        added = False
-        for path, name, bases in classes:
-            third_party = any(b.endswith(("Error", "Exception")) for b in bases)  # httpx.HTTPError, ...
-            if (path, name) not in result and (third_party or known.intersection(bases)):
-                result[path, name] = bases
-                known.add(name)
-                added = True
-        if not added:
-            break
-    return result
 
 
 def _allowed(path: str, name: str) -> bool:
@@ -82,14 +37,13 @@ def test_every_exception_class_is_defined_in_errors_py() -> None:
     assert not elsewhere, f"exception classes outside pytest_pdserve/errors.py: {elsewhere}"
 
 
-def test_the_walk_finds_an_exception_defined_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_walk_finds_an_exception_defined_elsewhere(tmp_path: Path) -> None:
     """The check itself: a module defining ``class X(SettingError)`` (indirect) or ``class Y(OSError)`` is found."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "errors.py").write_text("class PDServeError(Exception): ...\nclass SettingError(PDServeError): ...\n")
     (pkg / "other.py").write_text("class X(SettingError): ...\nclass Y(OSError): ...\nclass Z: ...\n")
-    monkeypatch.setitem(globals(), "PACKAGE", pkg)
-    assert {k for k in exception_classes() if k[0] == "other.py"} == {("other.py", "X"), ("other.py", "Y")}
+    assert {k for k in exception_classes(pkg) if k[0] == "other.py"} == {("other.py", "X"), ("other.py", "Y")}
 
 
 def _family() -> list[type[BaseException]]:
