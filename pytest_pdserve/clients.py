@@ -10,6 +10,10 @@ Their transport does two things per request:
   share passes its own salt (or ``None``: the unsalted cache everyone else without a salt uses).
 * **A request timeout that names the server and the request**, instead of a bare ``httpx.ReadTimeout``.
 
+The request helpers (``ServerHandle.complete`` / ``chat``, ``assertions.complete``, :func:`reset_prefix_cache`) share
+one failure rule, :func:`request_failed` (any status but 200), and quote :data:`BODY_EXCERPT_CHARS` of a failed
+answer's body.
+
 The current salt is set by the plugin around each test (``fixtures.py``); outside a test it is ``None`` and
 nothing is added. Requests you send with your own clients (``openai.OpenAI(base_url=cluster.base_url)``)
 carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
@@ -28,7 +32,8 @@ from typing import Any
 
 import httpx
 
-# Re-exported: CHANGELOG names `clients.PrefixCacheHeld`; it lives in errors.py with every other exception.
+# PrefixCacheHeld is re-exported: CHANGELOG names `clients.PrefixCacheHeld`; it lives in errors.py with every other
+# exception.
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
 __all__ = [
@@ -38,11 +43,10 @@ __all__ = [
     "REQUEST_TIMEOUT_MESSAGE",
     "SALTED_PATHS",
     "ClientOptions",
-    "RequestFailed",
     "body_excerpt",
-    "request_failed",
     "make_async_client",
     "make_client",
+    "request_failed",
     "reset_prefix_cache",
     "salt_for",
     "salted",

@@ -19,6 +19,7 @@ import httpx
 from pytest_pdserve import clients, vllm_compat
 from pytest_pdserve.commands import EngineInfo, ServerCommand, ServerPorts
 from pytest_pdserve.deadline import within
+from pytest_pdserve.errors import RequestFailed
 from pytest_pdserve.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.logfile import log_size, read_since
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
@@ -166,7 +167,7 @@ class ServerHandle:
             payload.setdefault("model", self.model)
         response = self.client.post(path, json=payload, extensions=within(total) if total is not None else None)
         if clients.request_failed(response):
-            raise clients.RequestFailed(
+            raise RequestFailed(
                 REQUEST_FAILED_MESSAGE.format(
                     name=self.name,
                     method="POST",

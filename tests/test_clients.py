@@ -12,6 +12,7 @@ import pytest
 
 from pytest_pdserve import clients
 from pytest_pdserve.cluster import ServerHandle
+from pytest_pdserve.errors import RequestFailed
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_every_complete_fails_on_any_status_but_200(status: int) -> None:
     """One rule (``clients.request_failed``): vLLM answers 200 on success, so a 201, an empty 204 or a redirect is a
     failure too; ``assertions.complete`` used to take anything under 400 as an answer."""
     for which, exc in _both_completes(status, "engine said no"):
-        assert isinstance(exc, clients.RequestFailed), f"{which}: {exc!r}"
+        assert isinstance(exc, RequestFailed), f"{which}: {exc!r}"
         assert isinstance(exc, AssertionError), which  # pytest reports a failed test
         assert exc.status == status, which
         assert "engine said no" in str(exc) or status == 204, which
