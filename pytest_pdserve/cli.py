@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
+from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.reuse.client import keeper_info, list_kept, stop_kept
-from pytest_pdserve.reuse.dirs import ReuseError, check_reuse_dir, default_reuse_dir
+from pytest_pdserve.reuse.dirs import check_reuse_dir, default_reuse_dir
 from pytest_pdserve.reuse.state import KeptCluster
 
 __all__ = ["main"]

@@ -10,6 +10,10 @@ Their transport does two things per request:
   share passes its own salt (or ``None``: the unsalted cache everyone else without a salt uses).
 * **A request timeout that names the server and the request**, instead of a bare ``httpx.ReadTimeout``.
 
+The request helpers (``ServerHandle.complete`` / ``chat``, ``assertions.complete``, :func:`reset_prefix_cache`) share
+one failure rule, :func:`request_failed` (any status but 200), and quote :data:`BODY_EXCERPT_CHARS` of a failed
+answer's body.
+
 The current salt is set by the plugin around each test (``fixtures.py``); outside a test it is ``None`` and
 nothing is added. Requests you send with your own clients (``openai.OpenAI(base_url=cluster.base_url)``)
 carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
@@ -28,14 +32,21 @@ from typing import Any
 
 import httpx
 
+# PrefixCacheHeld is re-exported: CHANGELOG names `clients.PrefixCacheHeld`; it lives in errors.py with every other
+# exception.
+from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
+
 __all__ = [
+    "BODY_EXCERPT_CHARS",
     "OPTIONS",
     "PrefixCacheHeld",
     "REQUEST_TIMEOUT_MESSAGE",
     "SALTED_PATHS",
     "ClientOptions",
+    "body_excerpt",
     "make_async_client",
     "make_client",
+    "request_failed",
     "reset_prefix_cache",
     "salt_for",
     "salted",
@@ -49,10 +60,26 @@ CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT_MESSAGE = "{server} did not answer {request} within {timeout:g} s ({kind}){remedy}"
 RESET_FAILED_MESSAGE = "POST /reset_prefix_cache on {server} did not succeed: HTTP {status} {body}"
 
+#: How much of a failed answer's body every request helper's error quotes (``ServerHandle.complete`` / ``chat``,
+#: ``assertions.complete``, :func:`reset_prefix_cache`, stream error events). vLLM's error JSON
+#: (``{"error": {"message", "type", "param", "code"}}``, a validation message listing its input) fits; an HTML page
+#: from something else on the port, or a traceback, is cut.
+BODY_EXCERPT_CHARS = 2000
 
-class PrefixCacheHeld(AssertionError):
-    """The server answered ``{"success": false}``: KV blocks are still in use (a running request, or a prefill
-    whose KV no decode has read yet: NixlConnector holds those for its ``kv_lease_duration``, 30 s by default)."""
+
+def request_failed(response: httpx.Response) -> bool:
+    """The one failure rule of the plugin's request helpers: any status but 200 is a failure.
+
+    vLLM answers 200 on success and nothing else (its routes return ``JSONResponse(content=...)`` or a
+    ``StreamingResponse``, and an ``ErrorResponse`` with its own code). A helper that took 201-399 as success would
+    hand a test a redirect's or an empty 204's body as if it were an answer, and hide what sent it there.
+    """
+    return response.status_code != 200
+
+
+def body_excerpt(text: str) -> str:
+    """The start of a body for an error message (:data:`BODY_EXCERPT_CHARS`)."""
+    return text[:BODY_EXCERPT_CHARS]
 
 
 @dataclass
@@ -240,9 +267,9 @@ def reset_prefix_cache(client: httpx.Client, server: str, *, reset_external: boo
     resp = client.post("/reset_prefix_cache", params={"reset_external": "true"} if reset_external else None)
     if resp.status_code in (404, 405):
         return False
-    message = RESET_FAILED_MESSAGE.format(server=server, status=resp.status_code, body=resp.text[:300])
-    if resp.status_code != 200:
-        raise AssertionError(message)
+    message = RESET_FAILED_MESSAGE.format(server=server, status=resp.status_code, body=body_excerpt(resp.text))
+    if request_failed(resp):
+        raise RequestFailed(message, resp.status_code)
     try:
         body = resp.json() if resp.content else None
     except ValueError:

@@ -21,6 +21,7 @@ from pytest_pdserve.common.deadline import within
 from pytest_pdserve.common.logfile import log_size, read_since
 from pytest_pdserve.config.commands import EngineInfo, ServerCommand, ServerPorts
 from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.errors import RequestFailed
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
 from pytest_pdserve.running.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.running.process import ServerProcess
@@ -131,7 +132,8 @@ class ServerHandle:
     def complete(self, prompt: str | list[int], **body: Any) -> dict[str, Any]:
         """POST ``/v1/completions`` to this server (temperature 0 unless given) and return the JSON.
 
-        :raises AssertionError: on an HTTP error, naming the server and the request.
+        :raises RequestFailed: (an ``AssertionError``) on any answer but HTTP 200 (``clients.request_failed``, the rule
+            ``assertions.complete`` follows too), naming the server and the request.
         """
         __tracebackhide__ = True
         payload: dict[str, Any] = {"prompt": prompt, "temperature": 0.0, **body}
@@ -165,17 +167,18 @@ class ServerHandle:
         if self.model is not None:
             payload.setdefault("model", self.model)
         response = self.client.post(path, json=payload, extensions=within(total) if total is not None else None)
-        if response.status_code != 200:
-            raise AssertionError(
+        if clients.request_failed(response):
+            raise RequestFailed(
                 REQUEST_FAILED_MESSAGE.format(
                     name=self.name,
                     method="POST",
                     url=self.url,
                     path=path,
                     status=response.status_code,
-                    body=response.text[:2000],
+                    body=clients.body_excerpt(response.text),
                     request=clients.summarize(response.request),
-                )
+                ),
+                response.status_code,
             )
         result: dict[str, Any] = response.json()
         return result
@@ -208,7 +211,9 @@ class PDCluster:
     engine: str
     model: str
     block_size: int
-    attention_backend: str | None
+    #: The attention backend asked for (the spec's, else the session's; None or ``auto``: the engine picks). What
+    #: the servers run is :attr:`attention_backend`.
+    attention_backend_asked: str | None
     prefill: tuple[ServerHandle, ...]
     decode: tuple[ServerHandle, ...]
     proxy: ServerHandle
@@ -218,8 +223,8 @@ class PDCluster:
     vllm_version: str | None = None
     started_seconds: float = 0.0
     _stopped: bool = field(default=False, repr=False)
-    #: ``{server name: verify.Effective}``: what each server really runs, read back at start (verify.py).
-    effective: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: ``{server name: verify.ObservedConfig}``: what each server really runs, read back at start (verify.py).
+    observed: dict[str, Any] = field(default_factory=dict, repr=False)
     #: Seconds the P/D-ready round trip took after HTTP readiness (None: not run).
     pd_ready_seconds: float | None = None
     #: Set when this run reused a kept cluster (``--pd-reuse``): which one and how old it is.
@@ -244,6 +249,21 @@ class PDCluster:
         if server._client is not None:  # made before it joined the cluster (readiness): rebuild it guarded
             server._client.close()
             server._client = None
+
+    @property
+    def attention_backend(self) -> str | None:
+        """The attention backend the servers run: the one read back at the start (``verify.py``) when they agree on
+        one, else :attr:`attention_backend_asked`. The start fails when a server runs another backend than a named
+        one asked, so the two differ only where ``auto`` (or nothing) was asked: this is then what vLLM picked."""
+        seen = {getattr(o, "attention_backend", None) for o in self.observed.values()}
+        if len(seen) == 1 and None not in seen:
+            return seen.pop()
+        return self.attention_backend_asked
+
+    @property
+    def effective(self) -> dict[str, Any]:
+        """The older name of :attr:`observed` (kept working; ``effective.AskedConfig`` is what was asked)."""
+        return self.observed
 
     @property
     def url(self) -> str:
@@ -298,7 +318,7 @@ class PDCluster:
             how = f"reused {self.reused.describe()}, ready in {self.started_seconds:.2f}s"
         if self.pd_ready_seconds is not None:
             how += f" (P/D round trip {self.pd_ready_seconds:.2f}s)"
-        seen = sorted({e.describe() for e in self.effective.values()})
+        seen = sorted({e.describe() for e in self.observed.values()})
         effective = f" effective: {' | '.join(seen)}" if seen else ""
         return (
             f"pdserve: cluster {self.spec.name} ({self.engine}, {len(self.prefill)}P x {len(self.decode)}D) {how}: "

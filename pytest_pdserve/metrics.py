@@ -28,8 +28,13 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pytest_pdserve.clients import body_excerpt, request_failed
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.common.digits import is_int
+
+# Re-exported: scrape / wait_settled raise them and `pytest_pdserve.metrics` is public (README); they live in
+# errors.py with every other exception.
+from pytest_pdserve.errors import MetricNotFoundError, MetricsScrapeError, MetricsSettleTimeout
 
 __all__ = [
     "CACHED_SOURCES",
@@ -92,18 +97,6 @@ MISSING_METRIC_MESSAGE = "metric {name}{labels} is not exposed by {source}{hint}
 """Template of :class:`MetricNotFoundError` messages."""
 
 NIXL_MISSING_HINT = " (no vllm:nixl_* metrics at all: is this server running with NixlConnector?)"
-
-
-class MetricNotFoundError(LookupError):
-    """A metric (or a labelled series of it) is absent from a scrape: absent is not zero."""
-
-
-class MetricsScrapeError(RuntimeError):
-    """``GET /metrics`` failed or returned something that is not Prometheus text."""
-
-
-class MetricsSettleTimeout(TimeoutError):
-    """:func:`wait_settled` ran out of time; the message says which counters kept moving."""
 
 
 def _format_labels(labels: Mapping[str, str]) -> str:
@@ -383,8 +376,8 @@ def scrape(target: str | httpx.Client, *, timeout: float = 10.0, strict: bool = 
             response = get_within(None, source, timeout)
         except httpx.HTTPError as exc:
             raise MetricsScrapeError(f"GET {source} failed: {type(exc).__name__}: {exc}") from exc
-    if response.status_code != 200:
-        raise MetricsScrapeError(f"GET {source} returned HTTP {response.status_code}: {response.text[:300]!r}")
+    if request_failed(response):
+        raise MetricsScrapeError(f"GET {source} returned HTTP {response.status_code}: {body_excerpt(response.text)!r}")
     return parse_metrics(response.text, source=source, strict=strict)
 
 

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from pytest_pdserve import clients
+
 __all__ = ["count_tokens", "prompt_with_tokens", "words"]
 
 #: A fixed vocabulary; `seed` rotates through it so different seeds give prompts with no common prefix.
@@ -80,8 +82,10 @@ def count_tokens(target: Any, prompt: str, *, model: str | None = None) -> tuple
     """``(tokens, max_model_len)`` of ``prompt`` on a cluster's first prefill server, or on a server."""
     server = _server_of(target)
     response = server.client.post("/tokenize", json={"model": model or _model_of(target, server), "prompt": prompt})
-    if response.status_code != 200:
-        raise RuntimeError(f"POST {server.url}/tokenize -> {response.status_code}: {response.text[:500]}")
+    if clients.request_failed(response):
+        raise RuntimeError(
+            f"POST {server.url}/tokenize -> {response.status_code}: {clients.body_excerpt(response.text)}"
+        )
     data = response.json()
     return int(data["count"]), data.get("max_model_len")
 

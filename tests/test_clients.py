@@ -12,6 +12,7 @@ import pytest
 
 from pytest_pdserve import clients
 from pytest_pdserve.cluster import ServerHandle
+from pytest_pdserve.errors import RequestFailed
 
 
 @pytest.fixture
@@ -77,3 +78,60 @@ def test_a_timeout_names_the_server_and_the_request(monkeypatch: pytest.MonkeyPa
     assert message.startswith(f"decode-0 ({server.url}) did not answer POST /v1/completions {{")
     assert '"prompt": "hello there"' in message
     assert "within 0.3 s (ReadTimeout); raise it with --pd-request-timeout" in message
+
+
+# --------------------------------------------------------------------------- one failure rule for every complete()
+
+
+def _both_completes(status: int, body: str) -> list[tuple[str, Exception | None]]:
+    """Send one completion through ``ServerHandle.complete`` and ``assertions.complete`` against a server that
+    answers ``status`` with ``body``: (which, the exception or None) for each."""
+    from pytest_pdserve import assertions
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if status == 200:
+            return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+        return httpx.Response(status, text=body, headers={"location": "http://127.0.0.1:9/elsewhere"})
+
+    results: list[tuple[str, Exception | None]] = []
+    inner = httpx.MockTransport(answer)
+    server = ServerHandle(
+        "decode",
+        0,
+        "http://127.0.0.1:9",
+        _client=clients.make_client("decode-0", "http://127.0.0.1:9", {}, inner=inner),
+    )
+    with server._client or httpx.Client():
+        for which, call in (
+            ("ServerHandle.complete", lambda: server.complete("x", max_tokens=1)),
+            ("assertions.complete", lambda: assertions.complete(server, {"prompt": "x", "max_tokens": 1})),
+            ("assertions.complete stream", lambda: assertions.complete(server, {"prompt": "x", "stream": True})),
+        ):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - the test compares what each raised
+                results.append((which, exc))
+            else:
+                results.append((which, None))
+    return results
+
+
+@pytest.mark.parametrize("status", [201, 204, 302, 400, 503])
+def test_every_complete_fails_on_any_status_but_200(status: int) -> None:
+    """One rule (``clients.request_failed``): vLLM answers 200 on success, so a 201, an empty 204 or a redirect is a
+    failure too; ``assertions.complete`` used to take anything under 400 as an answer."""
+    for which, exc in _both_completes(status, "engine said no"):
+        assert isinstance(exc, RequestFailed), f"{which}: {exc!r}"
+        assert isinstance(exc, AssertionError), which  # pytest reports a failed test
+        assert exc.status == status, which
+        assert "engine said no" in str(exc) or status == 204, which
+
+
+def test_every_complete_quotes_the_same_length_of_body() -> None:
+    body = "x" * (clients.BODY_EXCERPT_CHARS * 3)
+    quoted = {which: str(exc).count("x" * 10) * 10 for which, exc in _both_completes(500, body)}
+    assert quoted == dict.fromkeys(quoted, clients.BODY_EXCERPT_CHARS), quoted
+
+
+def test_200_is_an_answer_for_every_complete() -> None:
+    assert [exc for _, exc in _both_completes(200, "")] == [None, None, None]

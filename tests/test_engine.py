@@ -9,7 +9,8 @@ import pytest
 
 from pytest_pdserve.cluster import EngineSetup
 from pytest_pdserve.engines import vllm_compat
-from pytest_pdserve.engines.engine import SIM_ARGV, EngineVersionUnknown, engine_setup, vllm_python
+from pytest_pdserve.engines.engine import SIM_ARGV, engine_setup, vllm_python
+from pytest_pdserve.errors import EngineVersionUnknown
 
 
 def _venv(tmp_path: Path, dists: dict[str, str], shebang: str | None = None) -> Path:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_pdserve.config.extra_args import ExtraArgsError, is_comma_form, parse_extra_args
+from pytest_pdserve.config.extra_args import is_comma_form, parse_extra_args
+from pytest_pdserve.errors import ExtraArgsError
 
 
 @pytest.mark.parametrize(

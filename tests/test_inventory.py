@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_pdserve.errors import InventoryError
 from pytest_pdserve.machine.gpu_probe import (
     AMD_SMI_LIST,
     NVIDIA_QUERY_APPS,
@@ -28,7 +29,6 @@ from pytest_pdserve.machine.gpu_probe import (
 )
 from pytest_pdserve.machine.inventory import (
     Inventory,
-    InventoryError,
     detect_inventory,
     parse_simulate_gpus,
     select_visible,

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 
 from pytest_pdserve.assertions._measure import ServerLike as ServerHandle
+from pytest_pdserve.clients import body_excerpt, request_failed
+from pytest_pdserve.errors import RequestFailed
 
 REQUEST_FAILED_MESSAGE = "request to {target} ({path}) failed with HTTP {status}: {body}"
 
@@ -101,27 +103,30 @@ def complete(
 
     Streaming requests (``"stream": true``) are collected from their SSE events.
 
-    :raises AssertionError: on an HTTP error or an error event (naming the target and status).
+    :raises RequestFailed: (an ``AssertionError``) on any answer but HTTP 200 (``clients.request_failed``, the rule
+        ``ServerHandle.complete`` follows too), naming the target and status.
+    :raises AssertionError: on an error event mid-stream, or an answer without choices.
     """
     __tracebackhide__ = True
     client, label = _client_of(target)
     path = _endpoint(request, endpoint)
     if request.get("stream"):
         with client.stream("POST", path, json=dict(request)) as resp:
-            if resp.status_code >= 400:
+            if request_failed(resp):
                 resp.read()
                 _request_failed(label, path, resp)
             return _from_sse(resp.iter_lines(), label)
     resp = client.post(path, json=dict(request))
-    if resp.status_code >= 400:
+    if request_failed(resp):
         _request_failed(label, path, resp)
     return _from_json(resp.json(), label)
 
 
 def _request_failed(label: str, path: str, resp: httpx.Response) -> None:
     __tracebackhide__ = True
-    raise AssertionError(
-        REQUEST_FAILED_MESSAGE.format(target=label, path=path, status=resp.status_code, body=resp.text[:500])
+    raise RequestFailed(
+        REQUEST_FAILED_MESSAGE.format(target=label, path=path, status=resp.status_code, body=body_excerpt(resp.text)),
+        resp.status_code,
     )
 
 
@@ -155,7 +160,7 @@ def _from_json(data: Any, label: str) -> Completion:
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError, TypeError) as exc:
-        raise AssertionError(f"{label} returned no choices: {json.dumps(data)[:500]}") from exc
+        raise AssertionError(f"{label} returned no choices: {body_excerpt(json.dumps(data))}") from exc
     message = choice.get("message")
     text = message.get("content") if isinstance(message, Mapping) else choice.get("text")
     tokens, chosen, top = _logprob_fields(choice.get("logprobs"))
@@ -195,7 +200,7 @@ def _from_sse(lines: Iterable[str], label: str) -> Completion:
         event = json.loads(payload)
         events.append(event)
         if "error" in event:
-            raise AssertionError(f"{label} sent an error event mid-stream: {payload[:500]}")
+            raise AssertionError(f"{label} sent an error event mid-stream: {body_excerpt(payload)}")
         usage = event.get("usage") or usage
         for choice in event.get("choices") or []:
             if choice.get("index", 0) != 0:
@@ -235,7 +240,7 @@ def complete_with_extras(
         return complete(target, request, endpoint=endpoint)
     try:
         return complete(target, {**request, **extras}, endpoint=endpoint)
-    except AssertionError as exc:
-        if "HTTP 400" not in str(exc) and "HTTP 422" not in str(exc):
+    except RequestFailed as exc:
+        if exc.status not in (400, 422):
             raise
     return complete(target, request, endpoint=endpoint)

@@ -1,9 +1,10 @@
-"""One merge of a `ClusterSpec` with the session settings: what each server of the cluster really gets.
+"""One merge of a `ClusterSpec` with the session settings: what each server of the cluster is asked to run.
 
 A spec field left at ``None`` means "the session's value" (CLI > env > ini > default); this module is
 the only place that rule is written. The command builder, the manager (the `PDCluster` it hands out)
-and attach mode all read `Effective`, so the header, the cluster object and the servers cannot
-disagree. It also applies the ``once`` rule of the owned-flags table across every source of one
+and attach mode all read `AskedConfig`, so the header, the cluster object and the servers' flags cannot
+disagree. What a started server really runs is read back and compared with it in ``verify.py``
+(`verify.ObservedConfig`). It also applies the ``once`` rule of the owned-flags table across every source of one
 server: a setting or spec field, the session's extra args, the spec's and the role's.
 """
 
@@ -17,7 +18,7 @@ from pytest_pdserve.engines import cpu
 from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
 
-__all__ = ["Effective", "SessionDefaults", "effective"]
+__all__ = ["AskedConfig", "SessionDefaults", "effective"]
 
 Role = Literal["prefill", "decode"]
 _SPEC_DEFAULTS = {f.name: f.default for f in fields(ClusterSpec)}
@@ -43,8 +44,11 @@ class SessionDefaults:
 
 
 @dataclass(frozen=True)
-class Effective:
-    """A spec merged with the session; every field is what the servers run with."""
+class AskedConfig:
+    """A spec merged with the session: what the servers are asked to run (their flags are built from it).
+
+    What they really run is :class:`pytest_pdserve.running.verify.ObservedConfig`, read back after the start.
+    """
 
     attention_backend: str | None
     block_size: int
@@ -84,7 +88,7 @@ def _check_backend_runs(backend: str | None, spec: ClusterSpec, session: Session
     )
 
 
-def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
+def effective(spec: ClusterSpec, session: SessionDefaults) -> AskedConfig:
     """Merge *spec* with *session*.
 
     :raises OwnedFlagError: a ``once`` owned flag reaches one server from two places.
@@ -116,7 +120,7 @@ def effective(spec: ClusterSpec, session: SessionDefaults) -> Effective:
         ]
         owned_flags.check_once(given, sources)
         per_role[role] = (*session.vllm_serve_extra_args, *spec.extra_args, *own)  # type: ignore[index]
-    return Effective(
+    return AskedConfig(
         attention_backend=backend,
         block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,
         gpu_memory_utilization=util,

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import shlex
 
-__all__ = ["ExtraArgsError", "is_comma_form", "parse_extra_args"]
+from pytest_pdserve.errors import ExtraArgsError
+
+__all__ = ["is_comma_form", "parse_extra_args"]
 
 _QUOTES = ("'", '"')
-
-
-class ExtraArgsError(ValueError):
-    """The extra-args value cannot be split into arguments."""
 
 
 def is_comma_form(value: str) -> bool:

@@ -16,8 +16,9 @@ from typing import Any
 
 from pytest_pdserve.common.digits import is_int, parse_float, parse_int
 from pytest_pdserve.config.commands import proxy_placeholder_problems
-from pytest_pdserve.config.extra_args import ExtraArgsError, parse_extra_args
-from pytest_pdserve.machine.inventory import InventoryError, parse_simulate_gpus
+from pytest_pdserve.config.extra_args import parse_extra_args
+from pytest_pdserve.errors import ExtraArgsError, InventoryError, SettingError
+from pytest_pdserve.machine.inventory import parse_simulate_gpus
 from pytest_pdserve.machine.port_leases import parse_port_range
 from pytest_pdserve.spec import ATTENTION_BACKEND_RE
 
@@ -25,7 +26,6 @@ __all__ = [
     "MAX_GPU_INDEX",
     "MAX_SIMULATED_GPUS",
     "MAX_VALUE_BYTES",
-    "SettingError",
     "api_key",
     "attention_backend",
     "boolean",
@@ -51,10 +51,6 @@ MAX_SIMULATED_GPUS = 1024
 MAX_GPU_INDEX = 1023
 #: Raw setting values longer than this (bytes) are refused before parsing (argv elements must stay < 128 KiB).
 MAX_VALUE_BYTES = 64 * 1024
-
-
-class SettingError(ValueError):
-    """A raw setting value is invalid; the message says what would be accepted."""
 
 
 def choice(*choices: str) -> Callable[[str], str]:

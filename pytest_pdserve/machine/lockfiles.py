@@ -22,22 +22,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from pytest_pdserve.machine.paths import LEASE_DIR_MODE, PathError, ensure_dir
+from pytest_pdserve.errors import NotALockFile, PathError
+from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir
 from pytest_pdserve.running.proctree import read_stat
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
     from typing import Self
 
 __all__ = [
-    "KEPT_FOR_REUSE", "KEPT_RELEASE_WAIT", "Lease", "NotALockFile", "describe_holder", "ensure_lease_dir",
+    "KEPT_FOR_REUSE", "KEPT_RELEASE_WAIT", "Lease", "describe_holder", "ensure_lease_dir",
     "foreign", "lock_from_keeper", "try_lock", "unlock", "want", "want_file", "write_holder",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-
-class NotALockFile(Exception):
-    """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file)."""
 
 
 #: The holder purpose a reuse keeper (`reuse/keeper.py`) writes for the leases it holds: such a GPU is kept, not used.

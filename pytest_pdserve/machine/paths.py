@@ -19,19 +19,15 @@ import stat
 import tempfile
 from pathlib import Path
 
-from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.errors import PathError
 
-__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "PathError", "check_dir", "ensure_dir"]
+__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "check_dir", "ensure_dir"]
 
 LOG_DIR_MODE = 0o700
 """Logs carry prompts and the servers' own start-up lines: private to the user."""
 
 LEASE_DIR_MODE = 0o1777
 """Like /tmp: every user can create lock files, nobody can remove another user's."""
-
-
-class PathError(PDServeError):
-    """A directory the plugin needs is unusable; the message names the path and why."""
 
 
 def _missing_components(path: Path) -> tuple[Path, list[Path]]:

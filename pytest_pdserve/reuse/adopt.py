@@ -15,17 +15,17 @@ from pathlib import Path
 
 import httpx
 
-from pytest_pdserve.clients import PrefixCacheHeld, http_transport
+from pytest_pdserve.clients import http_transport
 from pytest_pdserve.cluster import PDCluster, Reused, ServerHandle
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.config.commands import ServerCommand, ServerPorts
 from pytest_pdserve.config.effective import Role
+from pytest_pdserve.errors import PrefixCacheHeld, ReuseError
 from pytest_pdserve.reuse.client import Claim
-from pytest_pdserve.reuse.dirs import ReuseError
 from pytest_pdserve.reuse.state import KeptServer
 from pytest_pdserve.running import verify
 from pytest_pdserve.running.launch import LaunchedCluster
-from pytest_pdserve.running.verify import Effective
+from pytest_pdserve.running.verify import ObservedConfig
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["DEFAULT_KV_LEASE", "LORA_LOAD_ROUTE", "adopt"]
@@ -51,7 +51,7 @@ def _not_scheduling(h: ServerHandle) -> str | None:
 LORA_LOAD_ROUTE = "POST /v1/load_lora_adapter"
 
 
-def _changed_since_start(server: KeptServer, now: Effective | None) -> list[str]:
+def _changed_since_start(server: KeptServer, now: ObservedConfig | None) -> list[str]:
     """What ``server`` serves now that it did not at its start, in words (empty: nothing changed).
 
     Two things a test can change over HTTP that the prefix-cache reset does not undo: the models served (vLLM
@@ -188,7 +188,7 @@ def adopt(
                 raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
     cluster = PDCluster(
         spec=spec, engine=state.engine, model=state.model, block_size=state.block_size,
-        attention_backend=state.attention_backend,
+        attention_backend_asked=state.attention_backend,
         prefill=tuple(h for h in servers if h.role == "prefill"),
         decode=tuple(h for h in servers if h.role == "decode"), proxy=proxy,
         platform=state.platform, vllm_version=state.vllm_version,
@@ -197,9 +197,9 @@ def adopt(
     # Everything a test left changed is named at once (a person fixes all of it in one go), then refused; the
     # resets come last, as they may wait for held KV blocks.
     problems = [p for h in (*cluster.prefill, *cluster.decode) if (p := _not_scheduling(h)) is not None]
-    effective = verify.verify_cluster(cluster, max_model_len=max_model_len)
+    observed = verify.verify_cluster(cluster, max_model_len=max_model_len)
     for s in state.servers:
-        problems += _changed_since_start(s, effective.get(s.name))
+        problems += _changed_since_start(s, observed.get(s.name))
     if problems:
         raise ReuseError("; ".join(problems))
     argv_of = {s.name: s.argv for s in state.servers}

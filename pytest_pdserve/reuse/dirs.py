@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pytest_pdserve.common.logfile import write_replace
 from pytest_pdserve.engines.tiny_model import cache_base
-from pytest_pdserve.errors import PDServeError
+from pytest_pdserve.errors import PDServeError, ReuseError
 from pytest_pdserve.machine.lockfiles import want
 from pytest_pdserve.machine.paths import ensure_dir
 from pytest_pdserve.reuse.keeper import is_wanted
@@ -29,7 +29,6 @@ __all__ = [
     "CI_ENV_VARS",
     "KEEP_RUN_LOGS",
     "REUSE_DIR_MARKER",
-    "ReuseError",
     "ReuseOptions",
     "check_reuse_dir",
     "default_reuse_dir",
@@ -49,10 +48,6 @@ class ReuseOptions:
 
     directory: Path
     ttl: float
-
-
-class ReuseError(PDServeError):
-    """The reuse directory is unusable, or a keeper could not take the clusters over."""
 
 
 #: pytest's own rule for "running on CI" (``_pytest.compat.running_on_ci``): ``CI`` (GitHub Actions, GitLab,

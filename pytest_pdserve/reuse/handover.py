@@ -22,18 +22,19 @@ from typing import IO
 from pytest_pdserve.cluster import EngineSetup, Reused, ServerHandle
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_argv, redact_env
+from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.machine.lockfiles import want_file
 from pytest_pdserve.reuse import protocol
 from pytest_pdserve.reuse.adopt import adopt
 from pytest_pdserve.reuse.client import Claim, find_reusable
-from pytest_pdserve.reuse.dirs import ReuseError, ReuseOptions
+from pytest_pdserve.reuse.dirs import ReuseOptions
 from pytest_pdserve.reuse.fingerprint import fingerprint
 from pytest_pdserve.reuse.protocol import KeeperOrder, OrderedCluster
 from pytest_pdserve.reuse.state import KeptServer, KeptState
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster
 from pytest_pdserve.running.process import ServerProcess
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, read_stat
-from pytest_pdserve.running.verify import Effective
+from pytest_pdserve.running.verify import ObservedConfig
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["KeptClusters", "cluster_state", "keep"]
@@ -158,7 +159,7 @@ class KeptClusters:
         return True
 
 
-def _server_state(proc: ServerProcess, handle: ServerHandle, effective: Effective | None = None) -> KeptServer:
+def _server_state(proc: ServerProcess, handle: ServerHandle, observed: ObservedConfig | None = None) -> KeptServer:
     info = read_stat(proc.pid) if proc.pid is not None else None
     command = handle.command
     return KeptServer(
@@ -174,9 +175,9 @@ def _server_state(proc: ServerProcess, handle: ServerHandle, effective: Effectiv
         ready_seconds=handle.ready_seconds,
         # What /v1/models listed at the start: an attach that finds more (a LoRA adapter a test loaded) or less
         # refuses the cluster (see adopt, _changed_since_start).
-        served_models=tuple(effective.served_models) if effective is not None else None,
+        served_models=tuple(observed.served_models) if observed is not None else None,
         # ``/weight_info`` at the start: an RL-style test that set another weight version changed the weights.
-        weight_version=effective.weight_version if effective is not None else None,
+        weight_version=observed.weight_version if observed is not None else None,
     )  # fmt: skip
 
 
@@ -193,13 +194,13 @@ def cluster_state(
     """
     cluster = launched.cluster
     by_name = {p.name: p for p in launched.processes}
-    at_start = cluster.effective or {}
+    at_start = cluster.observed or {}
     servers = [_server_state(by_name[h.name], h, at_start.get(h.name)) for h in (*cluster.prefill, *cluster.decode)]
     return KeptState(
         id=f"{launched.label}-{os.urandom(3).hex()}", spec_name=cluster.spec.name, label=launched.label,
         created=time.time() - cluster.started_seconds, fingerprint=dict(fingerprint_), run_token=run_token,
         engine=cluster.engine, model=cluster.model, vllm_version=cluster.vllm_version,
-        block_size=cluster.block_size, attention_backend=cluster.attention_backend,
+        block_size=cluster.block_size, attention_backend=cluster.attention_backend_asked,
         platform=cluster.platform, started_seconds=cluster.started_seconds,
         pd_ready_seconds=cluster.pd_ready_seconds, servers=tuple(servers),
         proxy=_server_state(by_name["proxy"], cluster.proxy),

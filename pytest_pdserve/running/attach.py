@@ -136,7 +136,7 @@ def attach(
     discovered = _attached_block_size(handles, timeout)
     return PDCluster(
         spec=ClusterSpec(name="attached"), engine="attached", model=wanted,
-        block_size=discovered or block_size, attention_backend=attention_backend,
+        block_size=discovered or block_size, attention_backend_asked=attention_backend,
         prefill=tuple(h for h in handles if h.role == "prefill"),
         decode=tuple(h for h in handles if h.role == "decode"), proxy=proxy, attached=True,
     )  # fmt: skip

@@ -223,7 +223,7 @@ class ClusterLauncher:
             eff = effective(spec, self.defaults)
             cluster = PDCluster(
                 spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
-                block_size=eff.block_size, attention_backend=eff.attention_backend,
+                block_size=eff.block_size, attention_backend_asked=eff.attention_backend,
                 prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
                 started_seconds=time.monotonic() - t0,

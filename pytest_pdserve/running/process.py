@@ -39,10 +39,10 @@ import httpx
 
 from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
-from pytest_pdserve.errors import PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
+from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.running.hints import AUTH_HINT, hint_for
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
-from pytest_pdserve.running.readiness import AuthRefused, ReadinessCheck, readiness_client
+from pytest_pdserve.running.readiness import ReadinessCheck, readiness_client
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 
 __all__ = [

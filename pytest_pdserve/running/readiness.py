@@ -10,15 +10,12 @@ import httpx
 
 from pytest_pdserve.clients import http_transport
 from pytest_pdserve.common.deadline import get_within
+from pytest_pdserve.errors import AuthRefused
 
-__all__ = ["REQUEST_TIMEOUT", "AuthRefused", "ReadinessCheck", "readiness_client"]
+__all__ = ["REQUEST_TIMEOUT", "ReadinessCheck", "readiness_client"]
 
 REQUEST_TIMEOUT = 0.5
 """Per readiness request; a wedged server costs at most this per round."""
-
-
-class AuthRefused(Exception):
-    """A readiness request got 401/403: that will not go away by waiting (the API key does not match)."""
 
 
 class ReadinessCheck:

@@ -12,7 +12,7 @@ value              where it is read                                compared with
 block size         ``vllm:cache_config_info{block_size=...}``      ``cluster.block_size``
 KV connector       any ``vllm:nixl_*`` metric (NixlConnector)      ``spec.kv_connector`` (NixlConnector)
 KV role            ``/version`` (simulator only)                   ``kv_role`` of ``--kv-transfer-config``
-attention backend  ``/version`` (simulator), the start-up log      ``cluster.attention_backend``
+attention backend  ``/version`` (simulator), the start-up log      ``cluster.attention_backend_asked``
                    ("Detected attention backend(s) [...]")         (``auto``: adopted, not compared)
 max model len      ``/v1/models`` ``max_model_len``                the ``max_model_len`` setting, if set
 served model       ``/v1/models`` ids                              ``cluster.model``
@@ -22,8 +22,8 @@ vLLM version       ``/version``                                    the version t
 ``/weight_info`` (dev mode) is read too but compared with nothing at a start: a kept cluster's attach
 (`reuse.adopt`) compares it with what it was at the start. A value the engine does not expose is not compared.
 A mismatch fails the cluster's start with :class:`EffectiveConfigError` naming the server and both values;
-otherwise the effective values are kept on the cluster (``cluster.effective``) and an ``auto`` attention backend
-becomes the one really running.
+otherwise the observed values are kept on the cluster (``cluster.observed``, a :class:`ObservedConfig` per server),
+and ``cluster.attention_backend`` is the backend really running (the one vLLM picked where ``auto`` was asked).
 Pytest-free.
 """
 
@@ -33,7 +33,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,18 +43,16 @@ from pytest_pdserve import clients
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.common.deadline import get_within
-from pytest_pdserve.errors import ServerStartupError
-from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.errors import EffectiveConfigError, MetricsScrapeError, NotPDReady
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.running.hints import hint_for
 
 __all__ = [
-    "Effective",
-    "EffectiveConfigError",
+    "ObservedConfig",
     "Mismatch",
-    "NotPDReady",
     "pd_round_trip",
-    "read_effective",
+    "read_observed",
     "verify_cluster",
 ]
 
@@ -65,8 +63,12 @@ _BACKEND_LOG = (
 
 
 @dataclass(frozen=True)
-class Effective:
-    """What one server really runs (``None``: not exposed by this engine)."""
+class ObservedConfig:
+    """What one server really runs, read back after its start (``None``: not exposed by this engine).
+
+    What it was asked to run is :class:`pytest_pdserve.config.effective.AskedConfig`; :class:`Mismatch` names a
+    difference.
+    """
 
     server: str
     block_size: int | None = None
@@ -92,31 +94,17 @@ class Effective:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """One value a server runs other than asked."""
+    """One value a server runs other than asked: ``asked`` (from the spec and settings) and ``observed`` (read back
+    from ``where``)."""
 
     server: str
     what: str
     asked: object
-    effective: object
+    observed: object
     where: str
 
     def __str__(self) -> str:
-        return f"{self.server}: {self.what}: asked {self.asked}, runs {self.effective} ({self.where})"
-
-
-class EffectiveConfigError(ServerStartupError):
-    """A started server runs something other than what was asked (see :class:`Mismatch`)."""
-
-    def __init__(self, mismatches: Sequence[Mismatch], log_path: str | None = None) -> None:
-        lines = "\n  ".join(str(m) for m in mismatches)
-        super().__init__(
-            mismatches[0].server,
-            f"does not run what was asked:\n  {lines}",
-            hint="a flag in the extra args overrides the plugin's, the engine ignored one, or it fell back silently;"
-            " the server log says what it chose",
-            log_path=log_path,
-        )
-        self.mismatches = tuple(mismatches)
+        return f"{self.server}: {self.what}: asked {self.asked}, runs {self.observed} ({self.where})"
 
 
 #: The whole of one read-back GET (/v1/models, /version): a server that trickles its answer gives none.
@@ -150,7 +138,7 @@ def _backend_from_log(text: str) -> str | None:
     return None
 
 
-def read_effective(server: ServerHandle) -> Effective:
+def read_observed(server: ServerHandle) -> ObservedConfig:
     """Read what *server* runs from its metrics, ``/v1/models``, ``/version`` and start-up log."""
     try:
         snapshot: MetricsSnapshot | None = server.metrics()
@@ -166,7 +154,7 @@ def read_effective(server: ServerHandle) -> Effective:
     sim = sim if isinstance(sim, Mapping) else {}
     nixl = None if snapshot is None else any(name.startswith("vllm:nixl_") for name in snapshot.names)
     backend = sim.get("attention_backend") or _backend_from_log(server.read_log(0))
-    return Effective(
+    return ObservedConfig(
         server=server.name,
         block_size=snapshot.block_size() if snapshot is not None else None,
         kv_connector_active=nixl,
@@ -198,18 +186,20 @@ def _base_version(text: str) -> str:
     return text.split("+", 1)[0].strip()
 
 
-def _mismatches(cluster: PDCluster, server: ServerHandle, eff: Effective, max_model_len: int | None) -> list[Mismatch]:
+def _mismatches(
+    cluster: PDCluster, server: ServerHandle, eff: ObservedConfig, max_model_len: int | None
+) -> list[Mismatch]:
     found: list[Mismatch] = []
 
-    def check(what: str, asked: object, effective: object, where: str) -> None:
-        if asked is not None and effective is not None and asked != effective:
-            found.append(Mismatch(server.name, what, asked, effective, where))
+    def check(what: str, asked: object, observed: object, where: str) -> None:
+        if asked is not None and observed is not None and asked != observed:
+            found.append(Mismatch(server.name, what, asked, observed, where))
 
     check("block_size", cluster.block_size, eff.block_size, "vllm:cache_config_info")
     if cluster.spec.kv_connector == "NixlConnector" and eff.kv_connector_active is False:
         found.append(Mismatch(server.name, "kv_connector", "NixlConnector", "none active", "no vllm:nixl_* metrics"))
     check("kv_role", _asked_kv_role(server), eff.kv_role, "/version")
-    asked_backend = cluster.attention_backend
+    asked_backend = cluster.attention_backend_asked
     if asked_backend is not None and asked_backend.strip().lower() != "auto":
         check("attention_backend", asked_backend.strip().upper(), eff.attention_backend, "start-up log or /version")
     check("max_model_len", max_model_len, eff.max_model_len, "/v1/models")
@@ -220,34 +210,26 @@ def _mismatches(cluster: PDCluster, server: ServerHandle, eff: Effective, max_mo
     return found
 
 
-def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> dict[str, Effective]:
-    """Read every prefill and decode server's effective values and compare them with what was asked.
+def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> dict[str, ObservedConfig]:
+    """Read what every prefill and decode server really runs and compare it with what was asked.
 
-    On success ``cluster.effective`` holds them and an ``auto`` attention backend is replaced by the one the
-    servers really run (when they agree). :raises EffectiveConfigError: naming each server and both values.
+    On success ``cluster.observed`` holds it, so ``cluster.attention_backend`` is the backend the servers run (where
+    ``auto`` was asked: the one vLLM picked). :raises EffectiveConfigError: naming each server and both values.
     """
     __tracebackhide__ = True
     servers = (*cluster.prefill, *cluster.decode)
-    effective = {s.name: read_effective(s) for s in servers}
-    problems = [m for s in servers for m in _mismatches(cluster, s, effective[s.name], max_model_len)]
+    observed = {s.name: read_observed(s) for s in servers}
+    problems = [m for s in servers for m in _mismatches(cluster, s, observed[s.name], max_model_len)]
     if problems:
         first = next(s for s in servers if s.name == problems[0].server)
         raise EffectiveConfigError(problems, str(first.log_path) if first.log_path else None)
-    cluster.effective = effective
-    backends = {e.attention_backend for e in effective.values()}
-    asked = cluster.attention_backend
-    if (asked is None or asked.strip().lower() == "auto") and len(backends) == 1 and None not in backends:
-        cluster.attention_backend = backends.pop()
-    return effective
+    cluster.observed = observed
+    return observed
 
 
 # ---------------------------------------------------------------------------------------------
 # P/D-ready, not HTTP-ready
 # ---------------------------------------------------------------------------------------------
-
-
-class NotPDReady(ServerStartupError):
-    """Every server answers HTTP, but a request through the proxy moved no KV into a decode server."""
 
 
 #: Tokens in the P/D-ready probe. A partial block moves too (vLLM pulls the last, partial block: 40 tokens at block

@@ -206,7 +206,7 @@ class _Lease:
 
 
 @dataclass
-class EngineInfo:
+class EngineFacts:
     """Static facts about the engine, shown in ``/version``."""
 
     engine_id: str
@@ -313,10 +313,10 @@ class Engine:
         return self.tok.token_text(token_id)
 
     # ------------------------------------------------------------------ info
-    def info(self) -> EngineInfo:
+    def info(self) -> EngineFacts:
         """Static facts for ``/version``."""
         side = (self.env.side_channel_host, self.side_channel_port) if self.nixl else None
-        return EngineInfo(
+        return EngineFacts(
             self.engine_id,
             self.attention_backend,
             self.block_size,
