@@ -18,15 +18,15 @@ carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
-import ssl
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from pytest_pdserve.deadline import TOTAL, http_transport, ssl_context
 
 __all__ = [
     "OPTIONS",
@@ -34,6 +34,7 @@ __all__ = [
     "REQUEST_TIMEOUT_MESSAGE",
     "SALTED_PATHS",
     "ClientOptions",
+    "http_transport",  # defined in deadline.py; named here too, where callers looked for it before
     "make_async_client",
     "make_client",
     "reset_prefix_cache",
@@ -132,8 +133,6 @@ def summarize(request: httpx.Request) -> str:
 
 def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request) -> httpx.TimeoutException:
     """The same exception type (callers catching httpx.TimeoutException still do), with a message that says who."""
-    from pytest_pdserve.deadline import TOTAL
-
     if TOTAL in request.extensions:  # the plugin's own check with its total deadline, not the request timeout
         return type(exc)(f"{server}: {summarize(request)}: {exc}", request=request)
     message = REQUEST_TIMEOUT_MESSAGE.format(
@@ -176,20 +175,6 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
-
-
-@functools.lru_cache(maxsize=1)
-def ssl_context() -> ssl.SSLContext:
-    """One verifying SSL context for every client of this process: building one loads the CA bundle (~25 ms),
-    which each new ``httpx`` transport would otherwise pay again (attaching a kept cluster makes a dozen)."""
-    return httpx.create_ssl_context()
-
-
-def http_transport() -> httpx.BaseTransport:
-    """A plain transport that shares :func:`ssl_context`; it honours a total deadline (see deadline.py)."""
-    from pytest_pdserve.deadline import DeadlineTransport
-
-    return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context()))
 
 
 def async_http_transport() -> httpx.AsyncHTTPTransport:

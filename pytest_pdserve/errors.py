@@ -12,6 +12,8 @@ between processes, and ``concurrent.futures`` re-raises pickled exceptions). The
 
 from __future__ import annotations
 
+import signal
+
 from pytest_pdserve.redaction import redact
 
 __all__ = [
@@ -181,8 +183,6 @@ def describe_returncode(returncode: int) -> str:
     """Return ``exit code 3`` or ``signal 9 (SIGKILL)`` for a Popen returncode."""
     if returncode >= 0:
         return f"exit code {returncode}"
-    import signal
-
     try:
         signame = signal.Signals(-returncode).name
     except ValueError:

@@ -17,16 +17,22 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import pytest
 
+from pytest_pdserve.commands import SessionDefaults
+from pytest_pdserve.engine import engine_setup
+from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
+from pytest_pdserve.export_env import session_proxy_port, session_spec
 from pytest_pdserve.logfile import open_append
 from pytest_pdserve.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory
-from pytest_pdserve.settings import PDSERVE_CONFIG, PDServeConfig, short_source
+from pytest_pdserve.settings import PDSERVE_CONFIG, SETTINGS_BY_NAME, PDServeConfig, short_source
 from pytest_pdserve.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # importing cluster pulls httpx, which collection must not pay for
+# Loading the plugin imports none of httpx, prometheus_client, starlette (tests/test_imports.py holds it): the
+# modules below import them, so this one imports them only for typing, and at run time where a cluster is needed.
+if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.manager import ClusterManager
     from pytest_pdserve.reuse import ReuseOptions
@@ -82,7 +88,7 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
             base = cfg.log_dir / run_log_name(config)
         elif (kept := reuse_options(config)) is not None:
             # Kept servers outlive this run's basetemp (pytest removes old ones, and a fixed --basetemp at every start).
-            from pytest_pdserve.reuse import run_log_dir
+            from pytest_pdserve.reuse import run_log_dir  # lazy: see reuse_options
 
             base = run_log_dir(kept.directory)
         else:
@@ -97,6 +103,12 @@ REUSE = pytest.StashKey[Optional["ReuseOptions"]]()
 def reuse_options(config: pytest.Config) -> ReuseOptions | None:
     """``--pd-reuse``'s options when this run keeps and reuses clusters (not in attach mode, not refused under CI)."""
     if REUSE not in config.stash:
+        cfg = config.stash[PDSERVE_CONFIG]
+        if not cfg.reuse:
+            config.stash[REUSE] = None
+            return None
+        # Lazy: reuse.py and keeper.py cost about 2 ms of CPU at import (measured 2026-12-02 after pytest and the
+        # plugin), which a run without --pd-reuse (the default) does not pay.
         from pytest_pdserve.reuse import (
             ReuseOptions,
             default_reuse_dir,
@@ -105,7 +117,6 @@ def reuse_options(config: pytest.Config) -> ReuseOptions | None:
             reuse_decision,
         )
 
-        cfg = config.stash[PDSERVE_CONFIG]
         enabled, _ = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
         options = None
         if enabled and not cfg.attach_mode:
@@ -117,12 +128,12 @@ def reuse_options(config: pytest.Config) -> ReuseOptions | None:
 
 def reuse_header(config: pytest.Config) -> list[str]:
     """The report header's reuse line: on or why off, and the kept clusters a run may attach to (with their age)."""
-    from pytest_pdserve.reuse import list_kept, reuse_decision
-
     cfg = config.stash[PDSERVE_CONFIG]
-    enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
     if not cfg.reuse:
         return []
+    from pytest_pdserve.reuse import list_kept, reuse_decision  # lazy: see reuse_options
+
+    enabled, why = reuse_decision(cfg.reuse, cfg.reuse_mode, os.environ)
     options = reuse_options(config)
     if not enabled or options is None:
         return [f"pdserve: reuse {why if not enabled else 'off: attach mode starts no servers'}"]
@@ -177,8 +188,8 @@ def writes_to_terminal(config: pytest.Config) -> bool:
 
 def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The session's cluster manager, built from the resolved settings (once per process)."""
-    from pytest_pdserve.commands import SessionDefaults
-    from pytest_pdserve.engine import engine_setup
+    # Lazy: manager.py imports the launcher, the cluster objects, httpx and prometheus_client, about 145 ms of CPU
+    # (measured 2026-12-02 after pytest and the plugin), which only a run that needs a cluster pays.
     from pytest_pdserve.manager import ClusterManager
 
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
@@ -278,8 +289,6 @@ def timeout_paused(config: pytest.Config) -> Iterator[None]:
 
 
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
-    from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
-
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
     manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
@@ -309,7 +318,9 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
 def fail_if_cluster_died(item: pytest.Item) -> None:
     """Fail a test whose fixtures hold a cluster that died under an earlier test (session fixtures are cached,
     so this is checked per test, not when the fixture was made); the reason is the death's own message."""
-    from pytest_pdserve.cluster import PDCluster
+    if MANAGER not in item.config.stash:
+        return  # no cluster was ever made in this process
+    from pytest_pdserve.cluster import PDCluster  # lazy (httpx): loaded already, the manager imported it
 
     for value in getattr(item, "funcargs", {}).values():
         if isinstance(value, PDCluster) and value.health.died is not None:
@@ -382,8 +393,6 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
     reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``). ``--pd-preset``,
     ``--pd-kv-connector-config`` and ``--pd-proxy-port`` shape it (the same cluster ``--pd-export-env`` exports).
     """
-    from pytest_pdserve.export_env import session_proxy_port, session_spec
-
     spec, preset = session_spec(request.config)
     port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
     if port is not None:
@@ -393,8 +402,9 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
 
 def _configure_clients(config: pytest.Config) -> None:
     """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
+    # Lazy: clients.py imports httpx, about 60 ms of CPU (measured 2026-12-02 after pytest and the plugin), which
+    # collection must not pay; the first test (pd_cache_salt) or the first cluster does.
     from pytest_pdserve import clients
-    from pytest_pdserve.settings import SETTINGS_BY_NAME
 
     if config.stash.get(CLIENTS_CONFIGURED, False):
         return
@@ -415,7 +425,7 @@ def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
     Requests sent through the plugin's clients carry it unless their body has a ``cache_salt`` already, so one
     test's prompts never warm the prefix cache for another. Your own clients: ``extra_body={"cache_salt": ...}``.
     """
-    from pytest_pdserve import clients
+    from pytest_pdserve import clients  # lazy (httpx): see _configure_clients
 
     config = request.config
     _configure_clients(config)

@@ -33,9 +33,10 @@ from pathlib import Path
 import httpx
 
 from pytest_pdserve import commands, leases, verify
-from pytest_pdserve.cluster import EngineSetup, PDCluster, ServerHandle, served_model_name
+from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
 from pytest_pdserve.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.effective import effective
+from pytest_pdserve.engine import EngineSetup
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.inventory import Inventory

@@ -20,8 +20,9 @@ from typing import Any
 
 from pytest_pdserve import reuse
 from pytest_pdserve.attach import attach_mismatch, start_attached
-from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster, Reused
+from pytest_pdserve.cluster import PDCluster, Reused
 from pytest_pdserve.commands import SessionDefaults
+from pytest_pdserve.engine import SIM_DEFAULT_MODELS, EngineSetup
 from pytest_pdserve.errors import ClusterUnavailable, ServerDied
 from pytest_pdserve.gpu_plan import GpuPlanner
 from pytest_pdserve.inventory import Inventory

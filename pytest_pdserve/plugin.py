@@ -22,6 +22,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     MANAGER,
     ensure_watchdog,
     fail_if_cluster_died,
+    get_manager,
     pd_cache_salt,
     pd_cluster,
     pd_cluster_factory,
@@ -37,6 +38,7 @@ from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
 from pytest_pdserve.setting_table import remedy
 from pytest_pdserve.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
+from pytest_pdserve.vllm_checkout import confcutdir_for
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
@@ -66,8 +68,6 @@ _CHECKOUT_NOTE = pytest.StashKey[str]()
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """Inside a vLLM checkout without torch/vllm: keep pytest from loading vLLM's tests/conftest.py."""
-    from pytest_pdserve.vllm_checkout import confcutdir_for
-
     given = early_config.invocation_params.args
     explicit = any(a == "--noconftest" or a.split("=", 1)[0] == "--confcutdir" for a in given)
     found = confcutdir_for(args, early_config.invocation_params.dir, explicit)
@@ -103,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """``--pd-export-env``: start the session cluster before collection and export its addresses."""
     if PDSERVE_CONFIG in session.config.stash:
-        export_env.start(session.config)
+        export_env.start(session.config, get_manager)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -15,10 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_pdserve.commands import proxy_placeholder_problems
+from pytest_pdserve.connector import parse_kv_connector_config
 from pytest_pdserve.digits import is_int, parse_float, parse_int
+from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.extra_args import ExtraArgsError, parse_extra_args
 from pytest_pdserve.inventory import InventoryError, parse_simulate_gpus
 from pytest_pdserve.port_leases import parse_port_range
+from pytest_pdserve.presets import PRESETS
 from pytest_pdserve.spec import ATTENTION_BACKEND_RE
 
 __all__ = [
@@ -213,8 +216,6 @@ def simulate_gpus(text: str) -> str:
 
 
 def preset(text: str) -> str:
-    from pytest_pdserve.presets import PRESETS
-
     value = text.strip()
     if value not in PRESETS and value != "auto":
         raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
@@ -222,9 +223,6 @@ def preset(text: str) -> str:
 
 
 def kv_connector_config(text: str) -> str:
-    from pytest_pdserve.connector import parse_kv_connector_config
-    from pytest_pdserve.errors import ClusterSpecError
-
     try:
         parse_kv_connector_config(text)
     except ClusterSpecError as exc:
