@@ -403,7 +403,7 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
 def _configure_clients(config: pytest.Config) -> None:
     """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
     # Lazy: clients.py imports httpx, about 60 ms of CPU (measured 2026-12-02 after pytest and the plugin), which
-    # collection must not pay; the first test (pd_cache_salt) or the first cluster does.
+    # collection must not pay; the first test (salted_test) or the first cluster does.
     from pytest_pdserve import clients
 
     if config.stash.get(CLIENTS_CONFIGURED, False):
@@ -418,21 +418,41 @@ def _configure_clients(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(autouse=True)
-def pd_cache_salt(request: pytest.FixtureRequest) -> Iterator[str | None]:
-    """This test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default), ``None`` with ``off``.
+#: This test's salt (``item.stash``), set around the test by :func:`salted_test`.
+TEST_SALT = pytest.StashKey[str | None]()
 
-    Requests sent through the plugin's clients carry it unless their body has a ``cache_salt`` already, so one
-    test's prompts never warm the prefix cache for another. Your own clients: ``extra_body={"cache_salt": ...}``.
+
+@contextlib.contextmanager
+def salted_test(item: pytest.Item) -> Iterator[None]:
+    """Around each test (the plugin's ``pytest_runtest_protocol``): requests sent through the plugin's clients carry
+    this test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default) unless their body has one, so one
+    test's prompts never warm the prefix cache for another; ``off``: none.
+
+    A hook, not an autouse fixture: an autouse fixture joins the fixture closure of every collected test, which
+    collection pays for each of them whether or not it ever uses a cluster.
     """
+    config = item.config
+    if PDSERVE_CONFIG not in config.stash:  # pytest --help & co.: no settings, no tests
+        yield
+        return
     from pytest_pdserve import clients  # lazy (httpx): see _configure_clients
 
-    config = request.config
     _configure_clients(config)
     salt = None
     if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
         if SALT_TOKEN not in config.stash:
             config.stash[SALT_TOKEN] = os.urandom(8).hex()  # per session: reruns never reuse a warm cache
-        salt = clients.salt_for(request.node.nodeid, config.stash[SALT_TOKEN])
+        salt = clients.salt_for(item.nodeid, config.stash[SALT_TOKEN])
+    item.stash[TEST_SALT] = salt
     with clients.salted(salt):
-        yield salt
+        yield
+
+
+@pytest.fixture
+def pd_cache_salt(request: pytest.FixtureRequest) -> str | None:
+    """This test's vLLM ``cache_salt`` (``--pd-cache-salt=per-test``, the default), ``None`` with ``off``.
+
+    The plugin's clients already send it (:func:`salted_test`); your own clients: ``extra_body={"cache_salt": ...}``.
+    """
+    salt: str | None = request.node.stash.get(TEST_SALT, None)
+    return salt

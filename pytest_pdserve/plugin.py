@@ -31,6 +31,7 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     reuse_header,
     reuse_options,
     run_log_name,
+    salted_test,
     stop_manager,
 )
 from pytest_pdserve.markers import apply_skips, register_markers
@@ -184,10 +185,12 @@ def pytest_runtest_makereport(
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    """With ``--pd-export-env``: the KV each test module moved from prefill to decode (export_env.module_boundary)."""
+    """The test's cache salt on the plugin's clients (fixtures.salted_test); with ``--pd-export-env``: the KV each test
+    module moved from prefill to decode (export_env.module_boundary)."""
     export_env.module_boundary(item.config, item, nextitem, starting=True)
     try:
-        return (yield)
+        with salted_test(item):
+            return (yield)
     finally:
         export_env.module_boundary(item.config, item, nextitem, starting=False)
 
