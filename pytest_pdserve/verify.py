@@ -307,7 +307,9 @@ def _hints(cluster: PDCluster) -> str:
     return "".join(lines)
 
 
-def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0, cancel: threading.Event | None = None) -> float:
+def pd_round_trip(
+    cluster: PDCluster, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+) -> float:
     """Prove P/D works before a test gets the cluster: one request per decode server through the proxy, each
     of which must move KV (NIXL bytes > 0 and ``external_kv_transfer`` tokens > 0 on a decode server).
 
@@ -317,6 +319,9 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0, cancel: threadin
     until the transfer shows (no settling for stability, which is what the assertions pay for).
 
     :param cancel: set by the caller when the start failed anyway (:func:`check_started`): stop waiting.
+    :param fresh: the servers have served no request yet (a start): their KV counters are 0, so no scrape is taken
+        before the first request, and each later one counts from the scrape after the one before (nothing else
+        sends requests meanwhile). A scrape of /metrics is the dearest part of the check after the request itself.
     :raises NotPDReady: naming the decode servers that loaded no KV, with the metrics table.
     """
     __tracebackhide__ = True
@@ -324,9 +329,12 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0, cancel: threadin
     salt = f"pdserve-ready-{uuid.uuid4().hex}"
     ready: set[str] = set()
     rows: list[Check] = []
+    after: dict[str, MetricsSnapshot] | None = None
+    if fresh:
+        after = {d.name: MetricsSnapshot({}, source=f"{d.url}/metrics (before any request)") for d in cluster.decode}
     for i in range(len(cluster.decode)):  # the proxy round-robins over the decode servers
         prompt = _ready_prompt(cluster, 1000 + i)
-        before = {d.name: d.metrics() for d in cluster.decode}
+        before = after if fresh and after is not None else {d.name: d.metrics() for d in cluster.decode}
         try:
             # The whole answer within the request timeout (a total here, not per read: a trickle is no answer).
             total = clients.OPTIONS.request_timeout
@@ -337,7 +345,8 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0, cancel: threadin
             ) from None
         deadline = time.monotonic() + timeout
         while True:
-            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], d.metrics())]
+            after = {d.name: d.metrics() for d in cluster.decode}
+            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], after[d.name])]
             moved = {r.server for r in rows if r.ok} - {r.server for r in rows if not r.ok}
             if moved - ready or time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
                 break
@@ -367,7 +376,7 @@ def check_started(cluster: PDCluster, *, max_model_len: int | None, pd_ready: bo
         return None
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-pd-ready")
-    trip = pool.submit(pd_round_trip, cluster, cancel=cancel)
+    trip = pool.submit(pd_round_trip, cluster, cancel=cancel, fresh=True)
     try:
         verify_cluster(cluster, max_model_len=max_model_len)
     except BaseException:

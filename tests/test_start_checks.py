@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pytest_pdserve import verify
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
 from pytest_pdserve.verify import Effective, EffectiveConfigError, Mismatch
 
 WAIT_S = 30.0  # only a serial implementation waits this long (and then fails)
@@ -27,7 +28,9 @@ def test_verification_and_the_round_trip_run_at_once(monkeypatch: pytest.MonkeyP
         assert tripping.wait(WAIT_S), "the round trip had not begun while the configuration was read back"
         return {}
 
-    def fake_trip(cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None) -> float:
+    def fake_trip(
+        cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+    ) -> float:
         tripping.set()
         assert verifying.wait(WAIT_S), "the read-back had not begun while the round trip ran"
         return 0.25
@@ -44,7 +47,9 @@ def test_a_mismatch_is_raised_and_stops_the_round_trip(monkeypatch: pytest.Monke
     def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, Effective]:
         raise EffectiveConfigError([mismatch])
 
-    def fake_trip(cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None) -> float:
+    def fake_trip(
+        cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+    ) -> float:
         assert cancel is not None
         if cancel.wait(WAIT_S):
             cancelled.set()
@@ -113,3 +118,36 @@ def test_a_guess_outside_the_range_falls_back_to_the_search(monkeypatch: pytest.
     monkeypatch.setattr(verify, "count_tokens", lambda target, prompt, *, model=None: (200, 4096))
     monkeypatch.setattr(verify, "prompt_with_tokens", lambda target, n, *, seed=0: f"searched {n}")
     assert verify._ready_prompt(CLUSTER, 1000) == f"searched {verify.READY_PROMPT_TOKENS}"
+
+
+def test_a_fresh_start_scrapes_decode_only_after_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a start the servers have served nothing (counters 0): the round trip proves KV moved from one scrape after
+    its request, and still fails a decode server that shows none (tests/test_measurements.py, sim's no-pull switch)."""
+    events: list[str] = []
+    moved = MetricsSnapshot(
+        {
+            (NIXL_BYTES_SUM, frozenset()): 1024.0,
+            (PROMPT_TOKENS_BY_SOURCE, frozenset({("source", "external_kv_transfer")})): 32.0,
+        }
+    )
+
+    class Decode:
+        name, url = "decode-0", "http://127.0.0.1:9"
+
+        def metrics(self) -> MetricsSnapshot:
+            events.append("scrape")
+            return moved
+
+    class Proxy:
+        def complete_within(self, total: float, prompt: str, **body: Any) -> dict[str, Any]:
+            events.append("request")
+            return {}
+
+    cluster: Any = SimpleNamespace(decode=(Decode(),), proxy=Proxy(), model="m", prefill=())
+    monkeypatch.setattr(verify, "_ready_prompt", lambda cluster, seed: "a prompt")
+    verify.pd_round_trip(cluster, fresh=True)
+    assert events == ["request", "scrape"]
+    events.clear()
+    with pytest.raises(verify.NotPDReady, match="moved no KV"):  # counters read first: unchanged, so no KV moved
+        verify.pd_round_trip(cluster, timeout=0.0)
+    assert events[:2] == ["scrape", "request"]
