@@ -1,7 +1,8 @@
 """pytest11 entry point for pytest-pdserve: hooks only.
 
-Imports stay light (stdlib + pytest + our pytest-free modules) so that loading the plugin costs
-nothing measurable during collection; vllm and torch are never imported here.
+Imports stay light (stdlib + pytest + our pytest-free modules): loading the plugin imports none of httpx,
+prometheus_client, starlette, uvicorn, torch or vllm (tests/test_imports.py holds it); the cluster machinery loads
+when a test first needs a cluster.
 """
 
 from __future__ import annotations
