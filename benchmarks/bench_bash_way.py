@@ -75,8 +75,9 @@ def server_argv(preset: str, role: str, port: int) -> tuple[list[str], dict[str,
     """The simulator argv/env the plugin would build for this preset and role."""
     from pytest_pdserve.config import commands, presets
     from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, SIM_VERSION
+    from pytest_pdserve.spec import ClusterSpec
 
-    spec = presets.resolve(preset, environ={}, engine="sim").spec
+    spec = presets.resolve(preset, spec_type=ClusterSpec, environ={}, engine="sim").spec
     engine = commands.EngineInfo("sim", (sys.executable, "-m", "pytest_pdserve.sim"), SIM_VERSION)
     cmd = commands.build_server_command(
         spec=spec, role=role, index=0, model=SIM_DEFAULT_MODELS[spec.model_kind],  # type: ignore[arg-type]

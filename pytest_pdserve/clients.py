@@ -22,18 +22,15 @@ carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
-import ssl
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-# PrefixCacheHeld is re-exported: CHANGELOG names `clients.PrefixCacheHeld`; it lives in errors.py with every other
-# exception.
+from pytest_pdserve.common.deadline import TOTAL, http_transport, ssl_context
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
 __all__ = [
@@ -44,6 +41,7 @@ __all__ = [
     "SALTED_PATHS",
     "ClientOptions",
     "body_excerpt",
+    "http_transport",  # defined in deadline.py; named here too, where callers looked for it before
     "make_async_client",
     "make_client",
     "request_failed",
@@ -159,8 +157,6 @@ def summarize(request: httpx.Request) -> str:
 
 def _timed_out(exc: httpx.TimeoutException, server: str, request: httpx.Request) -> httpx.TimeoutException:
     """The same exception type (callers catching httpx.TimeoutException still do), with a message that says who."""
-    from pytest_pdserve.common.deadline import TOTAL
-
     if TOTAL in request.extensions:  # the plugin's own check with its total deadline, not the request timeout
         return type(exc)(f"{server}: {summarize(request)}: {exc}", request=request)
     message = REQUEST_TIMEOUT_MESSAGE.format(
@@ -203,20 +199,6 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
-
-
-@functools.lru_cache(maxsize=1)
-def ssl_context() -> ssl.SSLContext:
-    """One verifying SSL context for every client of this process: building one loads the CA bundle (~25 ms),
-    which each new ``httpx`` transport would otherwise pay again (attaching a kept cluster makes a dozen)."""
-    return httpx.create_ssl_context()
-
-
-def http_transport() -> httpx.BaseTransport:
-    """A plain transport that shares :func:`ssl_context`; it honours a total deadline (see deadline.py)."""
-    from pytest_pdserve.common.deadline import DeadlineTransport
-
-    return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context()))
 
 
 def async_http_transport() -> httpx.AsyncHTTPTransport:

@@ -1,15 +1,14 @@
 """The objects tests get: a running (or attached) P/D cluster and its servers.
 
 `PDCluster` is what ``pd_cluster`` gives a test; `ServerHandle` is one of its servers (prefill, decode
-or proxy) with URL, httpx clients, log and metrics. `EngineSetup` is shared
-by the fixtures and the manager. Who starts, shares and stops clusters lives in `manager.py`; attach
+or proxy) with URL, httpx clients, log and metrics. Who starts, shares and stops clusters lives in `manager.py`; attach
 mode (servers someone else started) in `attach.py`. Both build on this module, which imports neither
 (no import cycle).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,30 +18,17 @@ import httpx
 from pytest_pdserve import clients
 from pytest_pdserve.common.deadline import within
 from pytest_pdserve.common.logfile import log_size, read_since
-from pytest_pdserve.config.commands import EngineInfo, ServerCommand, ServerPorts
-from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.config.commands import ServerCommand, ServerPorts
+from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS as SIM_DEFAULT_MODELS  # named here too (older imports)
+from pytest_pdserve.engines.engine import SIM_VERSION as SIM_VERSION
+from pytest_pdserve.engines.engine import EngineSetup as EngineSetup
 from pytest_pdserve.errors import RequestFailed
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
 from pytest_pdserve.running.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.running.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
 
-SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
-#: The simulator speaks vLLM 0.33's flags.
-SIM_VERSION = vllm_compat.LATEST_KNOWN
 REQUEST_FAILED_MESSAGE = "{name}: {method} {url}{path} -> {status}: {body}\n  request: {request}"
-
-
-@dataclass(frozen=True)
-class EngineSetup:
-    """Everything engine-specific the manager needs: how to run it, its platform env, its default model."""
-
-    info: EngineInfo
-    platform_env: Mapping[str, str] = field(default_factory=dict)
-    #: ``vllm serve`` flags this platform needs (before the user's extra args, so theirs win).
-    platform_args: tuple[str, ...] = ()
-    #: Default model for a spec without one (the tiny model for real vLLM); None = simulator names.
-    model_resolver: Callable[[ClusterSpec], str] | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ outside this module):
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -325,8 +326,6 @@ def describe_returncode(returncode: int) -> str:
     """Return ``exit code 3`` or ``signal 9 (SIGKILL)`` for a Popen returncode."""
     if returncode >= 0:
         return f"exit code {returncode}"
-    import signal
-
     try:
         signame = signal.Signals(-returncode).name
     except ValueError:

@@ -1,7 +1,8 @@
 """pytest11 entry point for pytest-pdserve: hooks only.
 
-Imports stay light (stdlib + pytest + our pytest-free modules) so that loading the plugin costs
-nothing measurable during collection; vllm and torch are never imported here.
+Imports stay light (stdlib + pytest + our pytest-free modules): loading the plugin imports none of httpx,
+prometheus_client, starlette, uvicorn, torch or vllm (tests/test_imports.py holds it); the cluster machinery loads
+when a test first needs a cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
+from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.glue import export_env, logs, start_failure
 
@@ -27,12 +29,14 @@ from pytest_pdserve.glue.fixtures import (
     MANAGER,
     ensure_watchdog,
     fail_if_cluster_died,
+    get_manager,
     pd_cache_salt,
     pd_cluster,
     pd_cluster_factory,
     pytest_timeout_cancel_timer,
     pytest_timeout_set_timer,
     run_log_name,
+    salted_test,
     stop_manager,
 )
 from pytest_pdserve.glue.markers import apply_skips, register_markers
@@ -66,8 +70,6 @@ _CHECKOUT_NOTE = pytest.StashKey[str]()
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
     """Inside a vLLM checkout without torch/vllm: keep pytest from loading vLLM's tests/conftest.py."""
-    from pytest_pdserve.engines.vllm_checkout import confcutdir_for
-
     given = early_config.invocation_params.args
     explicit = any(a == "--noconftest" or a.split("=", 1)[0] == "--confcutdir" for a in given)
     found = confcutdir_for(args, early_config.invocation_params.dir, explicit)
@@ -91,6 +93,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # `pytest --help` must work even when a setting is bad
     cfg = config.stash[PDSERVE_CONFIG] = resolve(config)
     if cfg.reuse:  # its own plugin, loaded only when asked for (as pytest's cacheprovider registers LFPlugin)
+        # Here, not at the top: a run without --pd-reuse (the default) never imports reuse/ (tests/test_reuse_layout).
         from pytest_pdserve.reuse import PLUGIN_NAME
         from pytest_pdserve.reuse.plugin import ReusePlugin
 
@@ -108,7 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """``--pd-export-env``: start the session cluster before collection and export its addresses."""
     if PDSERVE_CONFIG in session.config.stash:
-        export_env.start(session.config)
+        export_env.start(session.config, get_manager)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -188,10 +191,12 @@ def pytest_runtest_makereport(
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    """With ``--pd-export-env``: the KV each test module moved from prefill to decode (export_env.module_boundary)."""
+    """The test's cache salt on the plugin's clients (fixtures.salted_test); with ``--pd-export-env``: the KV each test
+    module moved from prefill to decode (export_env.module_boundary)."""
     export_env.module_boundary(item.config, item, nextitem, starting=True)
     try:
-        return (yield)
+        with salted_test(item):
+            return (yield)
     finally:
         export_env.module_boundary(item.config, item, nextitem, starting=False)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_pdserve.config import owned_flags
+from pytest_pdserve.config import owned_flags, presets
 from pytest_pdserve.errors import ClusterSpecError
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
@@ -257,6 +257,4 @@ class ClusterSpec:
         ``engine``/``platform`` say where it runs (vLLM's CPU backend gets a block size it can take); the
         environment variables the script honours are read from ``os.environ``. See `pytest_pdserve.config.presets`.
         """
-        from pytest_pdserve.config.presets import resolve
-
-        return resolve(name, engine=engine, platform=platform, **overrides).spec
+        return presets.resolve(name, spec_type=cls, engine=engine, platform=platform, **overrides).spec

@@ -25,9 +25,9 @@ def test_every_preset_resolves_on_every_engine() -> None:
         for engine, platform in (("sim", "cpu"), ("vllm", "cpu"), ("vllm", "cuda")):
             if "multi-connector" in name and (engine, platform) == ("vllm", "cpu"):
                 with pytest.raises(ClusterSpecError, match="no OffloadingConnector CPU tier"):
-                    presets.resolve(name, environ={}, engine=engine, platform=platform)
+                    presets.resolve(name, spec_type=ClusterSpec, environ={}, engine=engine, platform=platform)
                 continue
-            spec = presets.resolve(name, environ={}, engine=engine, platform=platform).spec
+            spec = presets.resolve(name, spec_type=ClusterSpec, environ={}, engine=engine, platform=platform).spec
             assert spec.name == name
             if engine == "vllm" and platform == "cpu":
                 assert spec.block_size is not None
@@ -35,21 +35,23 @@ def test_every_preset_resolves_on_every_engine() -> None:
 
 
 def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_changes() -> None:
-    sim = presets.resolve("vllm-edge-case", environ={}, engine="sim")
+    sim = presets.resolve("vllm-edge-case", spec_type=ClusterSpec, environ={}, engine="sim")
     # The simulator refuses a --max-model-len above the model's as vLLM does (issue 26): the same override.
     assert (sim.spec.block_size, sim.spec.max_model_len) == (16, 8192)
     assert sim.notes == ("max model len 8192 on the tiny model (declares 2048): VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",)
-    cpu = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu")
+    cpu = presets.resolve("vllm-edge-case", spec_type=ClusterSpec, environ={}, engine="vllm", platform="cpu")
     assert cpu.spec.block_size == 32
     assert cpu.notes == (
         "block size 32 instead of vLLM's default 16: vLLM's CPU backend takes only multiples of 32",
         "max model len 8192 on the tiny model (declares 2048): VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
     )
     assert dict(cpu.spec.env) == {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
-    named = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cpu", model="some/model")
+    named = presets.resolve(
+        "vllm-edge-case", spec_type=ClusterSpec, environ={}, engine="vllm", platform="cpu", model="some/model"
+    )
     assert named.spec.model == "some/model"
     assert dict(named.spec.env) == {}  # a real model's own length limit applies
-    cuda = presets.resolve("vllm-edge-case", environ={}, engine="vllm", platform="cuda")
+    cuda = presets.resolve("vllm-edge-case", spec_type=ClusterSpec, environ={}, engine="vllm", platform="cuda")
     assert cuda.spec.gpu_memory_utilization == 0.2
 
 
@@ -58,7 +60,7 @@ def test_fit_cpu_block_size_rounds_up_to_a_multiple_of_32() -> None:
 
 
 def test_multi_connector_edge_case_preset_is_the_scripts_configuration() -> None:
-    spec = presets.resolve("vllm-multi-connector-edge-case", environ={}, engine="sim").spec
+    spec = presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}, engine="sim").spec
     assert (spec.kv_connector, spec.block_size, spec.max_model_len) == ("MultiConnector", 128, 2048)
     assert spec.extra_args == ("--kv-cache-memory-bytes", "268435456")
     assert dict(spec.env)["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"
@@ -69,11 +71,13 @@ def test_multi_connector_edge_case_preset_is_the_scripts_configuration() -> None
 
 def test_presets_honour_their_scripts_env_vars() -> None:
     env = {"BLOCK_SIZE": "64", "MAX_MODEL_LEN": "4096", "KV_CACHE_MEMORY_BYTES": "1000", "MODEL_NAMES": "m/x"}
-    spec = presets.resolve("vllm-multi-connector-edge-case", environ=env).spec
+    spec = presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ=env).spec
     assert (spec.block_size, spec.max_model_len, spec.model) == (64, 4096, "m/x")
     assert spec.extra_args == ("--kv-cache-memory-bytes", "1000")
     accuracy = presets.resolve(
-        "vllm-accuracy", environ={"NUM_DECODE_INSTANCES": "2", "DECODER_TP_SIZE": "2", "DECODER_KV_LAYOUT": ""}
+        "vllm-accuracy",
+        spec_type=ClusterSpec,
+        environ={"NUM_DECODE_INSTANCES": "2", "DECODER_TP_SIZE": "2", "DECODER_KV_LAYOUT": ""},
     )
     assert (accuracy.spec.num_decode, accuracy.spec.decode_tp, accuracy.proxy_port) == (2, 2, 8192)
     assert "VLLM_KV_CACHE_LAYOUT" not in dict(accuracy.spec.decode_env)  # ${VAR-HND}: set-but-empty = no layout
@@ -91,7 +95,7 @@ def test_presets_honour_their_scripts_env_vars() -> None:
 )
 def test_bad_preset_input_is_named(name: str, env: dict[str, str], match: str) -> None:
     with pytest.raises(ClusterSpecError, match=match):
-        presets.resolve(name, environ=env)
+        presets.resolve(name, spec_type=ClusterSpec, environ=env)
 
 
 def test_cluster_spec_preset_takes_overrides() -> None:
@@ -352,22 +356,28 @@ def test_auto_preset_is_picked_from_the_module_names() -> None:
 def test_multi_connector_edge_case_preset_keeps_the_scripts_token_capacity_on_the_tiny_model() -> None:
     """The script's 256 MiB are ~2,340 tokens of Qwen3-0.6B but ~500,000 of the tiny model: on real vLLM with the
     tiny model the preset sizes the KV cache in tokens, so the module's eviction test can evict (issue 24)."""
-    tiny = presets.resolve("vllm-multi-connector-edge-case", environ={}, engine="vllm", platform="cuda")
+    tiny = presets.resolve(
+        "vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}, engine="vllm", platform="cuda"
+    )
     memory = int(tiny.spec.extra_args[1])
     assert memory == 19 * 128 * presets.TINY_MODEL_KV_BYTES_PER_TOKEN  # 2,340 tokens in whole 128-token blocks
     assert memory // presets.TINY_MODEL_KV_BYTES_PER_TOKEN >= (tiny.spec.max_model_len or 0) > 0  # start check
     assert any("KV cache 2490368 bytes instead of the script's 268435456" in n for n in tiny.notes)
     for env in ({"KV_CACHE_MEMORY_BYTES": "268435456"}, {"MODEL_NAMES": "Qwen/Qwen3-0.6B"}):
-        kept = presets.resolve("vllm-multi-connector-edge-case", environ=env, engine="vllm", platform="cuda")
+        kept = presets.resolve(
+            "vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ=env, engine="vllm", platform="cuda"
+        )
         assert kept.spec.extra_args == ("--kv-cache-memory-bytes", "268435456"), env
         assert not kept.notes
 
 
 def test_multi_connector_edge_case_preset_takes_the_callers_kv_cache_layout() -> None:
     """vLLM 0.26 refuses the 0.32+ scripts' LBHNC at engine start (measured on an H200); its CI sets HND."""
-    assert dict(presets.resolve("vllm-multi-connector-edge-case", environ={}).spec.env)["VLLM_KV_CACHE_LAYOUT"] == (
-        "LBHNC"
+    assert dict(presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}).spec.env)[
+        "VLLM_KV_CACHE_LAYOUT"
+    ] == ("LBHNC")
+    older = presets.resolve(
+        "vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={"VLLM_KV_CACHE_LAYOUT": "HND"}
     )
-    older = presets.resolve("vllm-multi-connector-edge-case", environ={"VLLM_KV_CACHE_LAYOUT": "HND"})
     assert dict(older.spec.env)["VLLM_KV_CACHE_LAYOUT"] == "HND"
     assert "KV cache layout HND from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC" in older.notes

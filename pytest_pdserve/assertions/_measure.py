@@ -161,6 +161,6 @@ def measured(
     """:func:`measure_around` within ``pytest_pdserve.assertions.SETTLE_TIMEOUT``, read at call time so a suite
     (or a test's monkeypatch) can raise it."""
     __tracebackhide__ = True
-    from pytest_pdserve import assertions
+    from pytest_pdserve import assertions  # the package's knob, read at call time (a monkeypatch may raise it)
 
     return measure_around(servers, action, requests=requests, timeout=assertions.SETTLE_TIMEOUT)

@@ -5,7 +5,7 @@ attach target that sends its headers and then trickles its body held the attach 
 gives a GET a deadline for the whole exchange (connecting, headers, body): at the deadline the request's socket is
 shut down, which ends a read blocked in any phase, and the call raises ``httpx.ReadTimeout`` saying so.
 
-It works through :class:`DeadlineTransport`, which :func:`pytest_pdserve.clients.http_transport` returns, so every
+It works through :class:`DeadlineTransport`, which :func:`http_transport` returns, so every
 client the plugin builds (readiness, health probes, each server's ``client``) honours a request that carries the
 :data:`TOTAL` extension; a request without it (a test's own, a long stream) is passed through as it is.
 """
@@ -13,7 +13,9 @@ client the plugin builds (readiness, health probes, each server's ``client``) ho
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +23,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["TOTAL", "DeadlineTransport", "get_within", "within"]
+__all__ = ["TOTAL", "DeadlineTransport", "get_within", "http_transport", "ssl_context", "within"]
 
 #: The request extension naming the whole exchange's deadline, in seconds.
 TOTAL = "pdserve.total_timeout"
@@ -37,12 +39,10 @@ def get_within(
 ) -> httpx.Response:
     """``GET url``, answered in full within ``total`` seconds, or ``httpx.ReadTimeout`` (an ``httpx.HTTPError``).
 
-    :param client: a client built on :func:`pytest_pdserve.clients.http_transport` (each server's ``client``, the
-        readiness client), or None for a one-off client (no proxy from the environment).
+    :param client: a client built on :func:`http_transport` (each server's ``client``, the readiness client), or
+        None for a one-off client (no proxy from the environment).
     """
     if client is None:
-        from pytest_pdserve.clients import http_transport
-
         with httpx.Client(trust_env=False, transport=http_transport()) as one_off:
             return get_within(one_off, url, total, headers)
     return client.get(url, headers=headers, timeout=total, extensions=within(total))
@@ -141,3 +141,15 @@ class DeadlineTransport(httpx.BaseTransport):
 
     def close(self) -> None:
         self._inner.close()
+
+
+@functools.lru_cache(maxsize=1)
+def ssl_context() -> ssl.SSLContext:
+    """One verifying SSL context for every client of this process: building one loads the CA bundle (~25 ms),
+    which each new ``httpx`` transport would otherwise pay again (attaching a kept cluster makes a dozen)."""
+    return httpx.create_ssl_context()
+
+
+def http_transport() -> httpx.BaseTransport:
+    """The plugin's plain transport: shares :func:`ssl_context` and honours a total deadline (:func:`within`)."""
+    return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context()))

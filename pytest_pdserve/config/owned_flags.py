@@ -34,8 +34,10 @@ The attention backend has a second spelling, ``--attention-config`` (``-ac``), w
 sets it: that key (dotted or inside the JSON value) counts as ``--attention-backend``; the rest of
 ``--attention-config`` is the user's.
 
-This module is pytest-free; remedies naming a plugin option come from the settings table on the error
-path only (:func:`_remedy`).
+This module is pytest-free and imports no other module of the plugin but ``errors``: `spec.py` needs it, and the
+settings table (which names each setting's flag / env var / ini key) sits above `spec.py`. The remedies naming a
+plugin option are therefore spelled out in :data:`SETTING_REMEDIES`, which tests/test_imports.py keeps equal to
+``setting_table.remedy`` (the one rule that derives them).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pytest_pdserve.errors import OwnedFlagError
 __all__ = [
     "OWNED_ENV",
     "OWNED_FLAGS",
+    "SETTING_REMEDIES",
     "Hit",
     "OwnedFlag",
     "check_env",
@@ -92,6 +95,20 @@ class OwnedFlag:
     def spellings(self) -> tuple[str, ...]:
         return (self.flag, *self.aliases)
 
+
+#: How to set each setting an owned flag names, exactly as ``setting_table.remedy(name)`` spells it (flag / env var /
+#: ini key). A copy, because the settings table imports this module through `spec.py` (an import cycle otherwise);
+#: tests/test_imports.py fails when the two differ.
+SETTING_REMEDIES: Mapping[str, str] = {
+    "attention_backend": "--attention-backend / ATTENTION_BACKEND / pdserve_attention_backend",
+    "api_key": "--pd-api-key / PDSERVE_API_KEY / pdserve_api_key",
+    "block_size": "--pd-block-size / PDSERVE_BLOCK_SIZE / pdserve_block_size",
+    "seed": "--pd-seed / PDSERVE_SEED / pdserve_seed",
+    "enforce_eager": "--pd-enforce-eager / --no-pd-enforce-eager / PDSERVE_ENFORCE_EAGER / pdserve_enforce_eager",
+    "model": "--pd-model / PDSERVE_MODEL / pdserve_model",
+    "max_model_len": "--pd-max-model-len / PDSERVE_MAX_MODEL_LEN / pdserve_max_model_len",
+    "gpu_memory_utilization": "--pd-gpu-memory-utilization / GPU_MEMORY_UTILIZATION / pdserve_gpu_memory_utilization",
+}
 
 _GPUS_LEASED = "pdserve leases prefill_tp / decode_tp GPUs per server, and more would use GPUs it did not lease"
 
@@ -261,10 +278,7 @@ def _remedy(owned: OwnedFlag) -> str:
         fields = " / ".join(f"ClusterSpec.{f.strip()}" for f in owned.spec_field.split("/"))
         parts.append(fields)
     if owned.setting is not None:
-        # Lazy: the settings table imports spec.py, which imports this module (a cycle at import time).
-        from pytest_pdserve.config.setting_table import remedy
-
-        parts.append(remedy(owned.setting))
+        parts.append(SETTING_REMEDIES[owned.setting])
     return " or ".join(parts)
 
 

@@ -9,7 +9,9 @@ preset (see `export_env.session_spec`). Where the engine cannot take the script'
 takes only block sizes that are multiples of 32) the preset picks the nearest value that keeps the module's
 preconditions and says so in a note, which the report header prints.
 
-pytest-free: `resolve(name, environ=..., engine=..., platform=...)` is a pure function of its inputs.
+pytest-free: `resolve(name, spec_type=..., environ=..., engine=..., platform=...)` is a pure function of its
+inputs. The spec class comes in as ``spec_type`` (`ClusterSpec`, or the class ``ClusterSpec.preset`` is called on),
+so this module does not import spec.py, which calls it (no import cycle: tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_pdserve.common.digits import parse_int
 from pytest_pdserve.engines.cpu import fit_cpu_block_size
 from pytest_pdserve.errors import ClusterSpecError
-from pytest_pdserve.spec import ClusterSpec
+
+if TYPE_CHECKING:  # the spec class is passed in (spec_type): spec.py's ClusterSpec.preset calls resolve()
+    from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["PRESETS", "Preset", "PresetResult", "preset_names", "resolve"]
 
@@ -56,7 +60,7 @@ class Preset:
     name: str
     script: str
     module: str
-    build: Callable[[Mapping[str, str], str, str], PresetResult]
+    build: Callable[[type[ClusterSpec], Mapping[str, str], str, str], PresetResult]
 
 
 def _int_env(environ: Mapping[str, str], var: str, default: int) -> int:
@@ -107,17 +111,17 @@ def _buffer_device(engine: str, platform: str) -> dict[str, str]:
     return {"kv_buffer_device": "cpu"} if engine == "vllm" and platform == "cpu" else {}
 
 
-def _edge_case(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _edge_case(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     notes: list[str] = []
     block = _block_size(VLLM_DEFAULT_BLOCK_SIZE, engine, platform, "vLLM's default", notes)
-    spec = ClusterSpec(
+    spec = spec_type(
         name="vllm-edge-case", block_size=block, max_model_len=8192,
         gpu_memory_utilization=None if platform == "cpu" else 0.2,
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
 
-def _mamba(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _mamba(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     notes: list[str] = []
     block = _block_size(128, engine, platform, "the script's", notes)
     backend = None
@@ -125,7 +129,7 @@ def _mamba(environ: Mapping[str, str], engine: str, platform: str) -> PresetResu
         backend = "FLASHINFER"  # the script's default; elsewhere FLASHINFER does not exist
     elif platform != "cuda":
         notes.append(f"attention backend: the script's default FLASHINFER is CUDA-only, not used on {platform}")
-    spec = ClusterSpec.hybrid_ssm(
+    spec = spec_type.hybrid_ssm(
         name="vllm-mamba-prefix-cache", model=_model(environ, "MODEL"), block_size=block, max_model_len=16384,
         gpu_memory_utilization=None if platform == "cpu" else 0.8, attention_backend=backend,
     )  # fmt: skip
@@ -174,7 +178,7 @@ def _tiny_kv_cache_bytes(block: int) -> int:
     return -(-tokens // block) * block * TINY_MODEL_KV_BYTES_PER_TOKEN
 
 
-def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _multi_edge(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     _check_offload("vllm-multi-connector-edge-case", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
@@ -193,7 +197,7 @@ def _multi_edge(environ: Mapping[str, str], engine: str, platform: str) -> Prese
             f"{SCRIPT_KV_CACHE_BYTES // SCRIPT_MODEL_KV_BYTES_PER_TOKEN} tokens the script's model gets, so its "
             "eviction test evicts"
         )
-    spec = ClusterSpec(
+    spec = spec_type(
         name="vllm-multi-connector-edge-case", block_size=block,
         # On the simulator, the script's own model: its KV bytes per token (114,688 for Qwen3-0.6B) make the
         # script's 256 MiB hold ~2,300 tokens, so the module's eviction tests evict (the tiny model never would).
@@ -220,7 +224,9 @@ def _layout(environ: Mapping[str, str], notes: list[str]) -> str:
     return given or "LBHNC"
 
 
-def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _multi_accuracy(
+    spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str
+) -> PresetResult:
     _check_offload("vllm-multi-connector-accuracy", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
@@ -228,7 +234,7 @@ def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> P
     nixl_extra = _buffer_device(engine, platform) or ({} if device == "cuda" else {"kv_buffer_device": device})
     layout = environ.get("VLLM_KV_CACHE_LAYOUT", "").strip() or "LBHNC"  # the accuracy script reads it too
     model = _model(environ, "MODEL_NAMES")
-    spec = ClusterSpec(
+    spec = spec_type(
         name="vllm-multi-connector-accuracy", model=model, block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 8192),
         gpu_memory_utilization=None if platform == "cpu" else 0.6, kv_connector="MultiConnector",
@@ -240,7 +246,7 @@ def _multi_accuracy(environ: Mapping[str, str], engine: str, platform: str) -> P
     return PresetResult(spec, {}, tuple(notes), proxy_port=TOY_PROXY_PORT)
 
 
-def _accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _accuracy(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     notes: list[str] = []
     p_block = _int_env(environ, "PREFILL_BLOCK_SIZE", 128)
     d_block = _int_env(environ, "DECODE_BLOCK_SIZE", 128)
@@ -268,7 +274,7 @@ def _accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetR
     if environ.get("SLEEP_WAKE", "0").strip() == "1":
         extra = ("--enable-sleep-mode",)
         exports["SLEEP_WAKE"] = "1"
-    spec = ClusterSpec(
+    spec = spec_type(
         name="vllm-accuracy", model=_model(environ, "MODEL_NAMES"), block_size=block,
         num_prefill=_int_env(environ, "NUM_PREFILL_INSTANCES", 1),
         num_decode=_int_env(environ, "NUM_DECODE_INSTANCES", 1),
@@ -282,7 +288,7 @@ def _accuracy(environ: Mapping[str, str], engine: str, platform: str) -> PresetR
     return PresetResult(spec, exports, tuple(notes), proxy_port=TOY_PROXY_PORT)
 
 
-def _xpu_disagg(environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
+def _xpu_disagg(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 64), engine, platform, "BLOCK_SIZE", notes)
     env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -291,7 +297,7 @@ def _xpu_disagg(environ: Mapping[str, str], engine: str, platform: str) -> Prese
     extra = ("--dtype", "float16") if platform != "cpu" else ()
     if platform == "cpu" and engine == "vllm":
         notes.append("dtype float32 (pdserve's CPU dtype) instead of the script's float16")
-    spec = ClusterSpec(
+    spec = spec_type(
         name="vllm-xpu-disagg", model=_model(environ, "MODEL_NAME"), block_size=block,
         max_model_len=_int_env(environ, "MAX_MODEL_LEN", 1024),
         prefill_tp=_int_env(environ, "PREFILLER_TP_SIZE", 1), decode_tp=_int_env(environ, "DECODER_TP_SIZE", 1),
@@ -323,6 +329,7 @@ def preset_names() -> tuple[str, ...]:
 def resolve(
     name: str,
     *,
+    spec_type: type[ClusterSpec],
     environ: Mapping[str, str] | None = None,
     engine: str = "sim",
     platform: str = "cpu",
@@ -335,7 +342,7 @@ def resolve(
     preset = PRESETS.get(name)
     if preset is None:
         raise ClusterSpecError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    result = preset.build(os.environ if environ is None else environ, engine, platform)
+    result = preset.build(spec_type, os.environ if environ is None else environ, engine, platform)
     if overrides:
         result = replace(result, spec=result.spec.with_(**overrides))
     spec = result.spec

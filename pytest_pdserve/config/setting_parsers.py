@@ -16,8 +16,10 @@ from typing import Any
 
 from pytest_pdserve.common.digits import is_int, parse_float, parse_int
 from pytest_pdserve.config.commands import proxy_placeholder_problems
+from pytest_pdserve.config.connector import parse_kv_connector_config
 from pytest_pdserve.config.extra_args import parse_extra_args
-from pytest_pdserve.errors import ExtraArgsError, InventoryError, SettingError
+from pytest_pdserve.config.presets import PRESETS
+from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError, InventoryError, SettingError
 from pytest_pdserve.machine.inventory import parse_simulate_gpus
 from pytest_pdserve.machine.port_leases import parse_port_range
 from pytest_pdserve.spec import ATTENTION_BACKEND_RE
@@ -209,8 +211,6 @@ def simulate_gpus(text: str) -> str:
 
 
 def preset(text: str) -> str:
-    from pytest_pdserve.config.presets import PRESETS
-
     value = text.strip()
     if value not in PRESETS and value != "auto":
         raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
@@ -218,9 +218,6 @@ def preset(text: str) -> str:
 
 
 def kv_connector_config(text: str) -> str:
-    from pytest_pdserve.config.connector import parse_kv_connector_config
-    from pytest_pdserve.errors import ClusterSpecError
-
     try:
         parse_kv_connector_config(text)
     except ClusterSpecError as exc:

@@ -12,16 +12,48 @@ import importlib.util
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pytest_pdserve.cluster import SIM_VERSION, EngineSetup
 from pytest_pdserve.config.commands import EngineInfo
 from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
+from pytest_pdserve.engines.tiny_model import ensure_tiny_model
 from pytest_pdserve.errors import ClusterUnavailable, EngineVersionUnknown
 from pytest_pdserve.spec import ClusterSpec
 
-__all__ = ["VLLM_MODULE_ENTRYPOINT", "engine_setup", "resolve_engine", "vllm_python"]
+__all__ = [
+    "SIM_DEFAULT_MODELS",
+    "SIM_VERSION",
+    "VLLM_MODULE_ENTRYPOINT",
+    "EngineSetup",
+    "EngineVersionUnknown",
+    "engine_setup",
+    "resolve_engine",
+    "vllm_python",
+]
+
+SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
+#: The simulator speaks vLLM 0.33's flags.
+SIM_VERSION = vllm_compat.LATEST_KNOWN
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """Everything engine-specific the manager needs: how to run it, its platform env, its default model.
+
+    Defined here, not in cluster.py (which imports httpx): the settings resolve the engine when the plugin is
+    configured, and that must not import httpx (tests/test_imports.py).
+    """
+
+    info: EngineInfo
+    platform_env: Mapping[str, str] = field(default_factory=dict)
+    #: ``vllm serve`` flags this platform needs (before the user's extra args, so theirs win).
+    platform_args: tuple[str, ...] = ()
+    #: Default model for a spec without one (the tiny model for real vLLM); None = simulator names.
+    model_resolver: Callable[[ClusterSpec], str] | None = None
+
 
 #: The simulator, run by the interpreter running pytest.
 SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
@@ -125,8 +157,6 @@ def engine_setup(
     platform_env: dict[str, str] = {}
     platform_args: tuple[str, ...] = ()
     if platform == "cpu":
-        from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
-
         platform_env = cpu_server_env(basetemp / "pdserve-vllm")
         platform_args = tuple(cpu_server_args())
     info = EngineInfo("vllm", argv, version, python)
@@ -135,8 +165,6 @@ def engine_setup(
 
 def _tiny_model_resolver(python: str) -> Callable[[ClusterSpec], str]:
     def resolve(spec: ClusterSpec) -> str:
-        from pytest_pdserve.engines.tiny_model import ensure_tiny_model
-
         return str(ensure_tiny_model(spec.model_kind, python))
 
     return resolve

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -95,8 +97,6 @@ def _training_text(english: bool = False) -> list[str]:
     --max-model-len 16384. The syllable-only tokenizer makes that 17,831 tokens (vLLM answers 400); this one
     9,695 (measured with tokenizers 0.23). The same vocabulary size, so the model's shape does not change.
     """
-    import random
-
     rng = random.Random(0)
     words = (
         sorted({"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)})
@@ -240,8 +240,6 @@ def _check_kind(kind: str, where: str) -> None:
 
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
-    import fcntl
-
     with path.open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed, also if we crash
         yield

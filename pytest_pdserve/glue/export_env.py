@@ -18,7 +18,8 @@ import importlib.metadata
 import os
 import re
 import shlex
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,14 +32,17 @@ from pytest_pdserve.config.connector import parse_kv_connector_config
 from pytest_pdserve.config.presets import AUTO, PRESETS, PresetResult, auto_preset, describe_config
 from pytest_pdserve.config.presets import resolve as resolve_preset
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
-from pytest_pdserve.errors import ClusterSpecError
+from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
 from pytest_pdserve.glue.session_inventory import get_inventory
-from pytest_pdserve.metrics import NIXL_BYTES_SUM
 from pytest_pdserve.spec import ClusterSpec
 
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot
+    from pytest_pdserve.running.manager import ClusterManager
+
+#: ``fixtures.get_manager``: the session's cluster manager, built on first use.
+GetManager = Callable[[pytest.Config, pytest.TempPathFactory], "ClusterManager"]
 
 #: Session settings that, when given explicitly, beat the preset's value (the spec field is cleared, so the
 #: command builder falls back to the session setting).
@@ -112,7 +116,9 @@ def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | Non
     spec = ClusterSpec()
     name = session_preset_name(config)
     if name is not None:
-        result = resolve_preset(name, engine=cfg.resolved_engine, platform=get_inventory(config).platform)
+        result = resolve_preset(
+            name, spec_type=ClusterSpec, engine=cfg.resolved_engine, platform=get_inventory(config).platform
+        )
         spec, overridden = _user_over_preset(result.spec, cfg)
         result = replace(result, notes=(*result.notes, *overridden))
     if cfg.kv_connector_config is not None:
@@ -160,10 +166,9 @@ def is_xdist_controller(config: pytest.Config) -> bool:
 
 def variables(cluster: PDCluster, max_model_len: int | None, extra: Mapping[str, str]) -> dict[str, str]:
     """The variables vLLM's modules and scripts read, for one running cluster."""
-    import httpx
 
     def host(url: str) -> str:
-        return str(httpx.URL(url).host)
+        return urllib.parse.urlsplit(url).hostname or ""
 
     p, d = cluster.prefill, cluster.decode
     out = {
@@ -220,18 +225,16 @@ def _export(exported: Exported) -> None:
         write_replace(exported.file, text.encode(), mode=0o644)
 
 
-def start(config: pytest.Config) -> None:
+def start(config: pytest.Config, get_manager: GetManager) -> None:
     """``pytest_sessionstart``: start the session cluster and export it (a no-op without ``--pd-export-env``).
 
-    A cluster that cannot start stops the run with one message (``pytest.exit``), before any module is
-    imported; pytest_unconfigure still stops whatever was started.
+    ``get_manager`` is the fixtures' ``get_manager`` (the plugin passes it: fixtures.py imports this module for
+    the session spec, so this one does not import fixtures.py). A cluster that cannot start stops the run with
+    one message (``pytest.exit``), before any module is imported; pytest_unconfigure still stops whatever was started.
     """
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     if not cfg.export_env or is_xdist_controller(config):
         return
-    from pytest_pdserve.errors import ClusterUnavailable, PDServeError
-    from pytest_pdserve.glue.fixtures import get_manager
-
     where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
     try:
         spec, result = session_spec(config)
@@ -273,6 +276,8 @@ def start(config: pytest.Config) -> None:
 @functools.cache
 def extra_modules(extra: str) -> frozenset[str]:
     """Import names of what pytest-pdserve's *extra* installs (empty where the package metadata is missing)."""
+    # Lazy: packaging.requirements costs about 10 ms of CPU at import (measured 2026-12-02 after pytest and the
+    # plugin); only a test module that failed to import asks.
     from packaging.requirements import Requirement
 
     try:
@@ -374,6 +379,10 @@ def _module_of(nodeid: str) -> str:
 
 def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> tuple[float, float] | None:
     """Decode's external_kv_transfer tokens and NIXL bytes since ``start`` (None: metrics unreadable)."""
+    # Lazy: metrics.py imports httpx and prometheus_client (about 70 ms, measured with -X importtime, see
+    # tests/test_imports.py), which loading the plugin must not pay; a running cluster has imported it already.
+    from pytest_pdserve.metrics import NIXL_BYTES_SUM
+
     tokens = nixl = 0.0
     try:
         for server in cluster.decode:

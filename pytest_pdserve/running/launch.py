@@ -32,12 +32,13 @@ from pathlib import Path
 
 import httpx
 
-from pytest_pdserve.cluster import EngineSetup, PDCluster, ServerHandle, served_model_name
+from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
 from pytest_pdserve.config import commands
 from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.config.effective import effective
+from pytest_pdserve.engines.engine import EngineSetup
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.machine import leases
 from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner
@@ -228,10 +229,13 @@ class ClusterLauncher:
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
                 started_seconds=time.monotonic() - t0,
             )  # fmt: skip
-            # What the servers really run must be what was asked (verify.py); a mismatch fails the start.
-            verify.verify_cluster(cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len)
-            if pd_ready_check:  # P/D-ready, not HTTP-ready: KV must move through the proxy (verify.py)
-                cluster.pd_ready_seconds = verify.pd_round_trip(cluster)
+            # What the servers really run must be what was asked (a mismatch fails the start), and P/D-ready, not
+            # HTTP-ready: KV must move through the proxy. Both at once (verify.check_started).
+            pd_ready = verify.check_started(
+                cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len, pd_ready=pd_ready_check
+            )
+            if pd_ready is not None:
+                cluster.pd_ready_seconds = pd_ready
                 cluster.started_seconds = time.monotonic() - t0
             self.report(cluster.describe())
             return LaunchedCluster(cluster, processes, gpu_plan, port_leases, label)

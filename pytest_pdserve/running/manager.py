@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, EngineSetup, PDCluster
+from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.config.commands import SessionDefaults
+from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS, EngineSetup
 from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
 from pytest_pdserve.machine.gpu_plan import GpuPlanner
 from pytest_pdserve.machine.inventory import Inventory

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from pytest_pdserve.clients import http_transport
-from pytest_pdserve.common.deadline import get_within
+from pytest_pdserve.common.deadline import get_within, http_transport
 from pytest_pdserve.errors import AuthRefused
 
 __all__ = ["REQUEST_TIMEOUT", "ReadinessCheck", "readiness_client"]

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +45,15 @@ from pytest_pdserve import clients
 from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.common.deadline import get_within
-from pytest_pdserve.errors import EffectiveConfigError, MetricsScrapeError, NotPDReady
-from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
-from pytest_pdserve.prompts import prompt_with_tokens
+from pytest_pdserve.errors import EffectiveConfigError, NotPDReady
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.prompts import count_tokens, prompt_with_tokens, words
 from pytest_pdserve.running.hints import hint_for
 
 __all__ = [
     "ObservedConfig",
     "Mismatch",
+    "check_started",
     "pd_round_trip",
     "read_observed",
     "verify_cluster",
@@ -218,7 +221,9 @@ def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> d
     """
     __tracebackhide__ = True
     servers = (*cluster.prefill, *cluster.decode)
-    observed = {s.name: read_observed(s) for s in servers}
+    # One thread per server: each read-back is a few requests that wait on that server alone.
+    with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="pdserve-verify") as pool:
+        observed = dict(zip((s.name for s in servers), pool.map(read_observed, servers), strict=True))
     problems = [m for s in servers for m in _mismatches(cluster, s, observed[s.name], max_model_len)]
     if problems:
         first = next(s for s in servers if s.name == problems[0].server)
@@ -239,8 +244,26 @@ def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> d
 READY_PROMPT_TOKENS = 32
 
 
+#: Words of the first guess at the probe prompt, and the token counts accepted for it without a search: at least half
+#: of :data:`READY_PROMPT_TOKENS`, below one Mamba chunk (64) with a margin.
+READY_PROMPT_WORDS = 24
+READY_PROMPT_RANGE = (READY_PROMPT_TOKENS // 2, 48)
+
+
 def _ready_prompt(cluster: PDCluster, seed: int) -> str:
-    """A short prompt of the served model's tokens (what fits when --max-model-len is tiny)."""
+    """A short prompt of the served model's tokens (what fits when --max-model-len is tiny).
+
+    One ``/tokenize`` checks a first guess; only a tokenizer far from one token per word pays the search
+    (``prompt_with_tokens``, about eight ``/tokenize`` round trips, which were most of the check's time).
+    """
+    guess = words(READY_PROMPT_WORDS, seed)
+    try:
+        count, max_len = count_tokens(cluster, guess)
+    except (httpx.HTTPError, RuntimeError, ValueError, KeyError, TypeError):
+        count, max_len = 0, None  # the search below reports what is wrong
+    low, high = READY_PROMPT_RANGE
+    if low <= count <= high and (max_len is None or count <= int(max_len)):
+        return guess
     try:
         return prompt_with_tokens(cluster, READY_PROMPT_TOKENS, seed=seed)
     except ValueError:  # --max-model-len below READY_PROMPT_TOKENS: one token still moves a block
@@ -266,7 +289,9 @@ def _hints(cluster: PDCluster) -> str:
     return "".join(lines)
 
 
-def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
+def pd_round_trip(
+    cluster: PDCluster, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+) -> float:
     """Prove P/D works before a test gets the cluster: one request per decode server through the proxy, each
     of which must move KV (NIXL bytes > 0 and ``external_kv_transfer`` tokens > 0 on a decode server).
 
@@ -275,6 +300,10 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
     prefix caches can never be hit by a test. Returns the seconds it took: one request and the metric scrapes
     until the transfer shows (no settling for stability, which is what the assertions pay for).
 
+    :param cancel: set by the caller when the start failed anyway (:func:`check_started`): stop waiting.
+    :param fresh: the servers have served no request yet (a start): their KV counters are 0, so no scrape is taken
+        before the first request, and each later one counts from the scrape after the one before (nothing else
+        sends requests meanwhile). A scrape of /metrics is the dearest part of the check after the request itself.
     :raises NotPDReady: naming the decode servers that loaded no KV, with the metrics table.
     """
     __tracebackhide__ = True
@@ -282,9 +311,12 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
     salt = f"pdserve-ready-{uuid.uuid4().hex}"
     ready: set[str] = set()
     rows: list[Check] = []
+    after: dict[str, MetricsSnapshot] | None = None
+    if fresh:
+        after = {d.name: MetricsSnapshot({}, source=f"{d.url}/metrics (before any request)") for d in cluster.decode}
     for i in range(len(cluster.decode)):  # the proxy round-robins over the decode servers
         prompt = _ready_prompt(cluster, 1000 + i)
-        before = {d.name: d.metrics() for d in cluster.decode}
+        before = after if fresh and after is not None else {d.name: d.metrics() for d in cluster.decode}
         try:
             # The whole answer within the request timeout (a total here, not per read: a trickle is no answer).
             total = clients.OPTIONS.request_timeout
@@ -295,11 +327,12 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
             ) from None
         deadline = time.monotonic() + timeout
         while True:
-            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], d.metrics())]
+            after = {d.name: d.metrics() for d in cluster.decode}
+            rows = [r for d in cluster.decode for r in _transfer_rows(d.name, before[d.name], after[d.name])]
             moved = {r.server for r in rows if r.ok} - {r.server for r in rows if not r.ok}
-            if moved - ready or time.monotonic() >= deadline:
+            if moved - ready or time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
                 break
-            time.sleep(0.02)
+            time.sleep(0.005)
         if not moved - ready:
             raise NotPDReady(
                 "proxy",
@@ -308,3 +341,30 @@ def pd_round_trip(cluster: PDCluster, *, timeout: float = 30.0) -> float:
             )
         ready |= moved
     return time.monotonic() - t0
+
+
+def check_started(cluster: PDCluster, *, max_model_len: int | None, pd_ready: bool) -> float | None:
+    """Everything a start checks once the servers answer HTTP: :func:`verify_cluster` and, with ``pd_ready``, the
+    P/D-ready round trip (:func:`pd_round_trip`), run at the same time.
+
+    Both only read running servers (the round trip's request carries a salt nobody else uses), so the start pays
+    the longer of the two instead of their sum (the read-back is a few requests per server; the round trip a
+    request through the proxy and the metric scrapes after it). A mismatch is reported first, as before, and stops
+    the round trip's wait; returns the round trip's seconds (None without it).
+    """
+    __tracebackhide__ = True
+    if not pd_ready:
+        verify_cluster(cluster, max_model_len=max_model_len)
+        return None
+    cancel = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-pd-ready")
+    trip = pool.submit(pd_round_trip, cluster, cancel=cancel, fresh=True)
+    try:
+        verify_cluster(cluster, max_model_len=max_model_len)
+    except BaseException:
+        # The caller stops the servers next, which ends a request still in flight; do not wait for it here.
+        cancel.set()
+        pool.shutdown(wait=False)
+        raise
+    pool.shutdown(wait=True)
+    return trip.result()

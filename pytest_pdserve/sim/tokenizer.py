@@ -13,6 +13,7 @@ are a pure function of the model name ("the weights") and the prompt ids (a hash
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import re
 from array import array
 from collections.abc import Sequence
@@ -112,8 +113,6 @@ class FileTokenizer(Tokenizer):
 
 def tokenizers_available() -> bool:
     """Whether the optional ``tokenizers`` package can be imported."""
-    import importlib.util
-
     return importlib.util.find_spec("tokenizers") is not None
 
 

@@ -1,0 +1,154 @@
+"""The checks a cluster start makes once its servers answer HTTP (verify.py) run at the same time, not one after
+the other: the read-back of each server, and the read-back beside the P/D-ready round trip. Each test makes one
+side wait (boundedly) for the other to have begun, so a serial implementation fails instead of passing slowly.
+The checks themselves, against real simulator clusters, are tests/test_measurements.py's."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pytest_pdserve.errors import EffectiveConfigError, NotPDReady
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
+from pytest_pdserve.running import verify
+from pytest_pdserve.running.verify import Mismatch, ObservedConfig
+
+WAIT_S = 30.0  # only a serial implementation waits this long (and then fails)
+#: Stands in for a PDCluster: the checks are faked, so nothing reads it.
+CLUSTER: Any = SimpleNamespace()
+
+
+def test_verification_and_the_round_trip_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    verifying, tripping = threading.Event(), threading.Event()
+
+    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+        verifying.set()
+        assert tripping.wait(WAIT_S), "the round trip had not begun while the configuration was read back"
+        return {}
+
+    def fake_trip(
+        cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+    ) -> float:
+        tripping.set()
+        assert verifying.wait(WAIT_S), "the read-back had not begun while the round trip ran"
+        return 0.25
+
+    monkeypatch.setattr(verify, "verify_cluster", fake_verify)
+    monkeypatch.setattr(verify, "pd_round_trip", fake_trip)
+    assert verify.check_started(CLUSTER, max_model_len=None, pd_ready=True) == 0.25
+
+
+def test_a_mismatch_is_raised_and_stops_the_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    cancelled = threading.Event()
+    mismatch = Mismatch("decode-0", "block size", 16, 32, "vllm:cache_config_info")
+
+    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+        raise EffectiveConfigError([mismatch])
+
+    def fake_trip(
+        cluster: Any, *, timeout: float = 30.0, cancel: threading.Event | None = None, fresh: bool = False
+    ) -> float:
+        assert cancel is not None
+        if cancel.wait(WAIT_S):
+            cancelled.set()
+        raise NotPDReady("proxy", "moved no KV")
+
+    monkeypatch.setattr(verify, "verify_cluster", fake_verify)
+    monkeypatch.setattr(verify, "pd_round_trip", fake_trip)
+    with pytest.raises(EffectiveConfigError, match="block size"):
+        verify.check_started(CLUSTER, max_model_len=None, pd_ready=True)
+    assert cancelled.wait(WAIT_S)
+
+
+def test_without_the_ready_check_only_the_read_back_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+        calls.append("verify")
+        return {}
+
+    def fake_trip(*args: Any, **kwargs: Any) -> float:
+        calls.append("trip")
+        return 0.0
+
+    monkeypatch.setattr(verify, "verify_cluster", fake_verify)
+    monkeypatch.setattr(verify, "pd_round_trip", fake_trip)
+    assert verify.check_started(CLUSTER, max_model_len=None, pd_ready=False) is None
+    assert calls == ["verify"]
+
+
+def test_every_server_is_read_back_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    started = {"prefill-0": threading.Event(), "decode-0": threading.Event()}
+
+    def fake_read(server: Any) -> ObservedConfig:
+        started[server.name].set()
+        other = next(e for name, e in started.items() if name != server.name)
+        assert other.wait(WAIT_S), f"{server.name}: the other server's read-back had not begun"
+        return ObservedConfig(server=server.name)
+
+    monkeypatch.setattr(verify, "read_observed", fake_read)
+    monkeypatch.setattr(verify, "_mismatches", lambda *a: [])
+    cluster: Any = SimpleNamespace(
+        prefill=(SimpleNamespace(name="prefill-0"),), decode=(SimpleNamespace(name="decode-0"),),
+        attention_backend="CPU_ATTN", effective={},
+    )  # fmt: skip
+    effective = verify.verify_cluster(cluster)
+    assert set(effective) == {"prefill-0", "decode-0"}
+
+
+def test_the_probe_prompt_costs_one_tokenize_when_the_guess_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted: list[str] = []
+
+    def fake_count(target: Any, prompt: str, *, model: str | None = None) -> tuple[int, int | None]:
+        counted.append(prompt)
+        return len(prompt.split()) + 1, 4096
+
+    def no_search(*a: Any, **k: Any) -> str:
+        raise AssertionError("searched although the first guess fit")
+
+    monkeypatch.setattr(verify, "count_tokens", fake_count)
+    monkeypatch.setattr(verify, "prompt_with_tokens", no_search)
+    prompt = verify._ready_prompt(CLUSTER, 1000)
+    assert counted == [prompt]
+
+
+def test_a_guess_outside_the_range_falls_back_to_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify, "count_tokens", lambda target, prompt, *, model=None: (200, 4096))
+    monkeypatch.setattr(verify, "prompt_with_tokens", lambda target, n, *, seed=0: f"searched {n}")
+    assert verify._ready_prompt(CLUSTER, 1000) == f"searched {verify.READY_PROMPT_TOKENS}"
+
+
+def test_a_fresh_start_scrapes_decode_only_after_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a start the servers have served nothing (counters 0): the round trip proves KV moved from one scrape after
+    its request, and still fails a decode server that shows none (tests/test_measurements.py, sim's no-pull switch)."""
+    events: list[str] = []
+    moved = MetricsSnapshot(
+        {
+            (NIXL_BYTES_SUM, frozenset()): 1024.0,
+            (PROMPT_TOKENS_BY_SOURCE, frozenset({("source", "external_kv_transfer")})): 32.0,
+        }
+    )
+
+    class Decode:
+        name, url = "decode-0", "http://127.0.0.1:9"
+
+        def metrics(self) -> MetricsSnapshot:
+            events.append("scrape")
+            return moved
+
+    class Proxy:
+        def complete_within(self, total: float, prompt: str, **body: Any) -> dict[str, Any]:
+            events.append("request")
+            return {}
+
+    cluster: Any = SimpleNamespace(decode=(Decode(),), proxy=Proxy(), model="m", prefill=())
+    monkeypatch.setattr(verify, "_ready_prompt", lambda cluster, seed: "a prompt")
+    verify.pd_round_trip(cluster, fresh=True)
+    assert events == ["request", "scrape"]
+    events.clear()
+    with pytest.raises(NotPDReady, match="moved no KV"):  # counters read first: unchanged, so no KV moved
+        verify.pd_round_trip(cluster, timeout=0.0)
+    assert events[:2] == ["scrape", "request"]
