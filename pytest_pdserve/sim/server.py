@@ -26,7 +26,7 @@ import uvicorn
 
 from pytest_pdserve import cpu
 from pytest_pdserve.rlimits import raise_nofile_limit
-from pytest_pdserve.sim import faults, kvtransfer, model, offload, start_rules, tokenizer
+from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
@@ -186,10 +186,8 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
         if backend is not None and backend != running:
             logger.info("Cannot use AttentionBackendEnum.%s backend on CPU.", backend)  # vLLM's words
         backend = running
-    elif backend is None:
-        # vLLM picks FLASH_ATTN on Hopper (ROCm: its own default, simulated as FLASH_ATTN too).
-        backend = "FLASH_ATTN"
-    logger.info("Using %s attention backend.", backend)
+        logger.info("Using %s attention backend.", backend)
+    # On a simulated GPU the backend depends on the model's shape: chosen once the model is read (_serve_async).
 
     workers = faults.spawn_workers(env.spawn_workers)
     for proc, name in zip(workers, faults.worker_names(env.spawn_workers), strict=True):
@@ -204,7 +202,7 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
 async def _serve_async(
     args: ServeArgs,
     env: SimEnv,
-    backend: str,
+    backend: str | None,
     sock: socket.socket,
     gpu_info: dict[str, Any] | None,
     worker_pids: list[int],
@@ -231,6 +229,18 @@ async def _serve_async(
         return _startup_error(exc)
     if long_len_warning is not None:
         logger.warning("%s", long_len_warning)
+    if env.platform != "cpu":
+        try:
+            backend = attention.select(
+                env.platform, backend, dtype=shape.serving_dtype(args.dtype), head_size=shape.head_dim,
+                block_size=args.block_size if "block_size" in args.non_default else None,
+                kv_connector=args.kv_transfer_config is not None,
+            )  # fmt: skip
+        except start_rules.StartRefused as exc:
+            sock.close()
+            return _startup_error(ValueError(str(exc)))  # vLLM's engine core raises a ValueError
+        logger.info("Using %s attention backend.", backend)
+    assert backend is not None  # the CPU platform's was set in serve()
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
         start_rules.check_kv_cache_fits(
