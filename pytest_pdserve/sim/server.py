@@ -22,6 +22,7 @@ import traceback
 from types import FrameType
 from typing import Any
 
+import pydantic
 import uvicorn
 
 from pytest_pdserve import cpu
@@ -223,8 +224,14 @@ async def _serve_async(
     try:
         shape = model.resolve(args.model)
         long_len_warning = start_rules.check_max_model_len(args.max_model_len, shape, os.environ)
+        start_rules.check_engine_config(args)
         tok = tokenizer.load(args.tokenizer, shape.directory)
-    except (model.ModelConfigError, tokenizer.TokenizerError, start_rules.StartRefused) as exc:
+    except (
+        model.ModelConfigError,
+        tokenizer.TokenizerError,
+        start_rules.StartRefused,
+        pydantic.ValidationError,
+    ) as exc:
         sock.close()
         return _startup_error(exc)
     if long_len_warning is not None:

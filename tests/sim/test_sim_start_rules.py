@@ -90,3 +90,20 @@ def test_rocm_attn_is_refused_with_a_kv_connector(sim_factory: Factory) -> None:
     assert "Selected backend AttentionBackendEnum.ROCM_ATTN is not valid for this configuration. Reason: " \
         "['KV connector not supported']" in refused.log()  # fmt: skip
     assert _backend(sim_factory("--attention-backend", "ROCM_ATTN", env=ROCM)) == "ROCM_ATTN"
+
+
+def test_config_field_limits_are_refused_by_the_engine_not_argparse(sim_factory: Factory) -> None:
+    """vLLM's argparse takes any number for these flags; its config classes refuse them at start, exit 1, in
+    pydantic's words (measured on vLLM for CPU 0.32: `--gpu-memory-utilization 1.5` exits 1 after 110 s)."""
+    cases = {
+        ("--gpu-memory-utilization", "1.5"): ("CacheConfig", "Input should be less than or equal to 1"),
+        ("--block-size", "0"): ("CacheConfig", "Input should be greater than 0"),
+        ("--tensor-parallel-size", "0"): ("ParallelConfig", "Input should be greater than or equal to 1"),
+        ("--max-num-seqs", "0"): ("SchedulerConfig", "Input should be greater than or equal to 1"),
+    }
+    for flags, (config, words) in cases.items():
+        refused: SimServer = sim_factory(*flags)
+        assert refused.wait_exit() == 1, flags
+        log = refused.log()
+        assert f"ValidationError: 1 validation error for {config}" in log, (flags, log[-1500:])
+        assert words in log
