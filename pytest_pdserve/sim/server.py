@@ -60,7 +60,12 @@ def configure_logging() -> None:
 
 
 def _startup_error(exc: BaseException) -> int:
-    """Print an exception the way a dying vLLM does (traceback on stderr) and return exit status 1."""
+    """Print an exception the way a dying vLLM does (traceback on stderr, after its cause's) and return exit
+    status 1."""
+    if exc.__cause__ is not None:
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("".join(traceback.format_exception_only(type(exc.__cause__), exc.__cause__)).rstrip(), file=sys.stderr)
+        print("\nThe above exception was the direct cause of the following exception:\n", file=sys.stderr)
     print("Traceback (most recent call last):", file=sys.stderr)
     print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr, flush=True)
     return 1
@@ -124,11 +129,12 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
         return _startup_error(exc)
     kv = args.kv_transfer_config
     if kv is not None and kv.kv_connector not in KV_CONNECTORS and "kv_connector_module_path" not in kv.raw:
-        return _startup_error(
-            ValueError(
-                f"Unsupported connector type: {kv.kv_connector}. Registered connectors: {', '.join(KV_CONNECTORS)}"
-            )
-        )
+        try:
+            start_rules.check_kv_connector(kv.kv_connector, KV_CONNECTORS)
+        except pydantic.ValidationError as exc:
+            # vLLM's pydantic error wraps the factory's ValueError; the simulator prints that ValueError as its cause.
+            exc.__cause__ = ValueError(f"Unsupported connector type: {kv.kv_connector}")
+            return _startup_error(exc)
     if kv is not None and kv.unsimulated():
         return _startup_error(
             ValueError(

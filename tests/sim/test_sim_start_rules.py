@@ -107,3 +107,11 @@ def test_config_field_limits_are_refused_by_the_engine_not_argparse(sim_factory:
         log = refused.log()
         assert f"ValidationError: 1 validation error for {config}" in log, (flags, log[-1500:])
         assert words in log
+
+
+def test_an_unknown_connector_is_vllm_configs_validation_error(sim_factory: Factory) -> None:
+    """Measured on vLLM for CPU 0.32: exit 1, `1 validation error for VllmConfig ... Unsupported connector type`."""
+    refused: SimServer = sim_factory("--kv-transfer-config", '{"kv_connector":"BogusConnector","kv_role":"kv_both"}')
+    assert refused.wait_exit() == 1
+    assert "ValidationError: 1 validation error for VllmConfig\n  Value error, Unsupported connector type: " \
+        "BogusConnector" in refused.log()  # fmt: skip
