@@ -78,7 +78,10 @@ exits 1 with vLLM's "Selected backend ... is not valid for this configuration"; 
 valid one (cuda: ``FLASH_ATTN``, else ``FLASHINFER``, ``TRITON_ATTN``; rocm: ``ROCM_ATTN``, or
 ``ROCM_AITER_UNIFIED_ATTN`` with a KV connector, else ``TRITON_ATTN``). vLLM's start
 refusals are the simulator's too: a ``--max-model-len`` above the model's and a KV cache too small for one
-request of ``--max-model-len`` tokens exit 1 with vLLM's message (``sim/start_rules.py``).
+request of ``--max-model-len`` tokens exit 1 with vLLM's message, and so do values vLLM's config classes refuse
+(``--gpu-memory-utilization`` outside (0, 1], ``--block-size 0``, parallel sizes or ``--max-num-seqs`` below 1:
+pydantic's ``ValidationError`` for ``CacheConfig``, ``ParallelConfig``, ``SchedulerConfig``) and an unknown KV
+connector (``VllmConfig``) (``sim/start_rules.py``).
 """
 
 from __future__ import annotations
