@@ -75,3 +75,16 @@ def test_flag_sets_start_or_refuse_alike(flags: tuple[str, ...], real_vllm: str,
         got[engine] = _flags.outcome(argv, env, port, 400, tmp_path / f"{engine}.log")
     assert got["sim"] == got["vllm"], got
     assert not got["sim"]["starts"]  # the sample is of refusals (a start costs 50-250 s of real vLLM)
+
+
+def test_a_refusal_is_classed_by_argument_config_or_exception() -> None:
+    """tests/_flags.py's classes, on the outputs vLLM for CPU 0.32 printed (scripts/differential-flags.py logs)."""
+    argparse_out = "usage: vllm serve ...\nvllm serve: error: argument --tensor-parallel-size/-tp: invalid int"
+    pydantic_out = (
+        "Traceback (most recent call last):\npydantic_core._pydantic_core.ValidationError: 1 validation error for "
+        "VllmConfig\n  Value error, Unsupported connector type: BogusConnector [type=value_error]"
+    )
+    assert _flags.refusal_class(argparse_out) == "argparse: argument --tensor-parallel-size/-tp"
+    assert _flags.refusal_class(pydantic_out) == "validation: VllmConfig"
+    assert _flags.refusal_class("(APIServer pid=7) ValueError: Unknown attention backend: 'X'.") == "ValueError"
+    assert _flags.refusal_class("Killed") == "unknown"
