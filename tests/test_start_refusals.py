@@ -1,4 +1,5 @@
-"""What vLLM refuses at start, the simulator refuses at start, in vLLM's words (issue 26), on both engines.
+"""What vLLM refuses at start, the simulator refuses at start, in vLLM's words (issue 26), on both engines; and a
+fixed sample of the flag-set differential (tests/_flags.py, scripts/differential-flags.py).
 
 Each case starts one server of the tiny Llama (2048 positions) directly and expects exit status 1 with vLLM's
 message; the `vllm` half needs real vLLM for CPU ($PDSERVE_VLLM_EXECUTABLE) and skips without it. vLLM for CPU
@@ -15,7 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _flags
 import pytest
+from _ports import free_port
 
 from pytest_pdserve.engines.engine import resolve_engine, vllm_python
 from pytest_pdserve.engines.tiny_model import ensure_tiny_model
@@ -56,3 +59,32 @@ def test_max_model_len_above_the_models_is_refused_at_start(engine: str, tmp_pat
     code, out = _start(engine, tmp_path, "--max-model-len", "4096")
     assert code == 1, out[-2000:]
     assert LONG_LEN in out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("flags", _flags.FIXED_SAMPLE, ids=lambda flags: " ".join(flags))
+def test_flag_sets_start_or_refuse_alike(flags: tuple[str, ...], real_vllm: str, tmp_path: Path) -> None:
+    """The fixed sample of scripts/differential-flags.py (tests/_flags.py): each flag set starts on both engines or
+    is refused by both with the same exit status and class of refusal (docs/differential.md)."""
+    got = {}
+    for engine in ("sim", "vllm"):
+        argv, model, env = _server(engine)
+        env["VLLM_CACHE_ROOT"] = str(tmp_path / "cache")
+        port = free_port()
+        argv = [*argv, "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+        got[engine] = _flags.outcome(argv, env, port, 400, tmp_path / f"{engine}.log")
+    assert got["sim"] == got["vllm"], got
+    assert not got["sim"]["starts"]  # the sample is of refusals (a start costs 50-250 s of real vLLM)
+
+
+def test_a_refusal_is_classed_by_argument_config_or_exception() -> None:
+    """tests/_flags.py's classes, on the outputs vLLM for CPU 0.32 printed (scripts/differential-flags.py logs)."""
+    argparse_out = "usage: vllm serve ...\nvllm serve: error: argument --tensor-parallel-size/-tp: invalid int"
+    pydantic_out = (
+        "Traceback (most recent call last):\npydantic_core._pydantic_core.ValidationError: 1 validation error for "
+        "VllmConfig\n  Value error, Unsupported connector type: BogusConnector [type=value_error]"
+    )
+    assert _flags.refusal_class(argparse_out) == "argparse: argument --tensor-parallel-size/-tp"
+    assert _flags.refusal_class(pydantic_out) == "validation: VllmConfig"
+    assert _flags.refusal_class("(APIServer pid=7) ValueError: Unknown attention backend: 'X'.") == "ValueError"
+    assert _flags.refusal_class("Killed") == "unknown"

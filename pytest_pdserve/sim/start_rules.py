@@ -9,6 +9,12 @@ models of ``tiny_model.py``:
 * a KV cache that cannot hold one request of ``max_model_len`` tokens (``v1/core/kv_cache_utils.py``
   ``_check_enough_kv_cache_memory``): vLLM's engine fails at start; the simulator answered such requests with
   400 "KV cache is full" instead.
+* the field constraints of vLLM's config classes (pydantic dataclasses, built in ``EngineArgs.create_engine_config``
+  after the model's config): ``CacheConfig`` (``config/cache.py``: ``block_size`` > 0, 0 < ``gpu_memory_utilization``
+  <= 1), ``ParallelConfig`` (``config/parallel.py``: tensor, pipeline and data parallel sizes >= 1) and
+  ``SchedulerConfig`` (``config/scheduler.py``: ``max_num_seqs`` and ``max_num_batched_tokens`` >= 1, and the
+  second not below the first). vLLM's argparse takes any int or float there and its engine exits 1 with pydantic's
+  ``ValidationError``; the simulator declares the same fields and lets pydantic word the error.
 * the attention backend: on the CPU platform vLLM runs ``CPU_ATTN`` whatever ``--attention-backend`` asks
   (``platforms/cpu.py`` ``get_attn_backend_cls``: "Cannot use X backend on CPU."); the rule's one home is
   :func:`pytest_pdserve.engines.cpu.running_attention_backend`, which the plugin also applies before a start.
@@ -18,8 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from pytest_pdserve.sim.model import ModelShape
+
+if TYPE_CHECKING:
+    from pytest_pdserve.sim.cli import ServeArgs
 
 GIB = 1 << 30
 
@@ -57,6 +70,76 @@ def check_max_model_len(max_model_len: int | None, shape: ModelShape, environ: M
         "1 validation error for ModelConfig\n  Value error, "
         f"{msg} To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {warning}"
     )
+
+
+@dataclass
+class CacheConfig:
+    """vLLM's ``CacheConfig`` fields that ``vllm serve`` flags set (their constraints only)."""
+
+    block_size: int = Field(default=16, gt=0)
+    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
+
+
+@dataclass
+class ParallelConfig:
+    """vLLM's ``ParallelConfig`` sizes."""
+
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+
+
+@dataclass
+class SchedulerConfig:
+    """vLLM's ``SchedulerConfig`` limits; ``verify_max_model_len``'s rule between them when both are given (vLLM's
+    defaults depend on the platform and usage context, which the simulator does not model)."""
+
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _batched_tokens_hold_every_sequence(self) -> SchedulerConfig:
+        tokens, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        if tokens is not None and seqs is not None and tokens < seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})."
+            )
+        return self
+
+
+def check_engine_config(args: ServeArgs) -> None:
+    """Build vLLM's config classes from ``args`` in vLLM's order.
+
+    :raises pydantic.ValidationError: in vLLM's words (``1 validation error for CacheConfig ...``).
+    """
+    CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization)
+    ParallelConfig(
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+    )
+    SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+
+
+@dataclass
+class VllmConfig:
+    """vLLM's ``VllmConfig`` validation of the KV connector's name (``KVConnectorFactory.get_connector_class``,
+    ``distributed/kv_transfer/kv_connector/factory.py``, raised while vLLM builds its ``VllmConfig``)."""
+
+    kv_connector: str
+    registered: tuple[str, ...]
+
+    @model_validator(mode="after")
+    def _known_connector(self) -> VllmConfig:
+        if self.kv_connector not in self.registered:
+            raise ValueError(f"Unsupported connector type: {self.kv_connector}")
+        return self
+
+
+def check_kv_connector(name: str, registered: tuple[str, ...]) -> None:
+    """:raises pydantic.ValidationError: vLLM's ``1 validation error for VllmConfig`` for an unknown connector
+    (measured on vLLM for CPU 0.32: ``Value error, Unsupported connector type: BogusConnector``, exit 1)."""
+    VllmConfig(kv_connector=name, registered=registered)
 
 
 def _format_gib(n: int) -> str:

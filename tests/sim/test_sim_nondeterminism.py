@@ -12,6 +12,9 @@ from ._simproc import SimServer, sim_processes, words
 CUDA = {"PDSERVE_SIM_PLATFORM": "cuda"}
 #: Batch variance is a fault asked for: by default no backend varies (vLLM 0.26's FLASH_ATTN did not, on an H200).
 FLAKY_FLASH = {**CUDA, "PDSERVE_SIM_NONDETERMINISTIC_BACKENDS": "FLASH_ATTN"}
+#: FLASHINFER takes heads of 64, 128, 256 or 512 (vLLM refuses it for the tiny Llama's 32: sim/attention.py).
+HEADS_OF_128 = "Qwen/Qwen3-0.6B"
+SHORT = ("--max-model-len", "2048")  # its 40,960 tokens would not fit the default 1 GiB KV cache
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
         started = {
             "flash_attn": start("--attention-backend", "FLASH_ATTN", env=FLAKY_FLASH),
             "flash_attn_default": start("--attention-backend", "FLASH_ATTN", env=CUDA),
-            "flashinfer": start("--attention-backend", "FLASHINFER", env=CUDA),
+            "flashinfer": start("--attention-backend", "FLASHINFER", *SHORT, env=CUDA, model=HEADS_OF_128),
             "triton": start("--attention-backend", "triton_attn", env=CUDA),
             "flash_attn_rate0": start(
                 "--attention-backend", "FLASH_ATTN", env={**FLAKY_FLASH, "PDSERVE_SIM_NONDETERMINISM_RATE": "0"}
@@ -28,7 +31,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
             "flashinfer_listed": start(
                 "--attention-backend",
                 "FLASHINFER",
+                *SHORT,
                 env={**CUDA, "PDSERVE_SIM_NONDETERMINISTIC_BACKENDS": "FLASHINFER,ROCM_ATTN"},
+                model=HEADS_OF_128,
             ),
         }
         yield {name: server.wait_ready() for name, server in started.items()}

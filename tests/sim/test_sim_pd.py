@@ -62,13 +62,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
             "d_failpull": start(
                 *common, "--kv-transfer-config", NIXL_KVC, env={**side(free_port()), "PDSERVE_SIM_FAIL_KV_PULL": "1"}
             ),
-            "p_flashinfer": start(
+            "p_triton": start(
                 *common,
                 "--kv-transfer-config",
                 NIXL_KVC,
                 "--attention-backend",
-                "flashinfer",
-                env={**side(free_port()), "PDSERVE_SIM_PLATFORM": "cuda"},  # FLASHINFER exists on GPUs only
+                "triton_attn",
+                # CPU_ATTN runs on the CPU platform whatever is asked; TRITON_ATTN on a GPU takes float32 (FLASHINFER
+                # does not, nor the tiny Llama's heads of 32: sim/attention.py).
+                env={**side(free_port()), "PDSERVE_SIM_PLATFORM": "cuda"},
             ),
             "p_short_lease": start(
                 *common,
@@ -234,7 +236,7 @@ def test_fail_kv_pull_switch(cluster: dict[str, SimServer]) -> None:
 
 
 def test_attention_backend_mismatch_fails_handshake(cluster: dict[str, SimServer]) -> None:
-    p, d = cluster["p_flashinfer"], cluster["d"]
+    p, d = cluster["p_triton"], cluster["d"]
     prompt = words(20, tag="mismatch")
     r = decode(d, prompt, prefill(p, prompt))
     assert r.status_code == 500

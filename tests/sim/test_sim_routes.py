@@ -141,6 +141,38 @@ def test_seeded_sampling(servers: dict[str, SimServer]) -> None:
     assert len(texts) == 2  # seed 1 twice is reproducible, seed 2 differs
 
 
+def test_n_choices_as_vllm_serves_them(servers: dict[str, SimServer]) -> None:
+    """``n`` > 1 (vLLM's ParentRequest fan-out, measured on vLLM for CPU 0.32): n choices indexed 0..n-1, usage
+    counting the prompt once and every choice's tokens, seeded children seeded ``seed + i``, stream chunks carrying
+    their choice's index (chat's role chunk once per choice first), greedy n > 1 refused."""
+    s = servers["plain"]
+    body = s.complete("pick several", temperature=1.0, seed=5, n=3, max_tokens=4, return_token_ids=True).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    usage = body["usage"]
+    n_prompt = len(body["choices"][0]["prompt_token_ids"])
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (n_prompt, 12)
+    assert len({tuple(c["token_ids"]) for c in body["choices"]}) == 3  # children sample apart
+    child = s.complete("pick several", temperature=1.0, seed=6, max_tokens=4, return_token_ids=True).json()
+    assert child["choices"][0]["token_ids"] == body["choices"][1]["token_ids"]  # child 1 runs with seed 5 + 1
+
+    greedy = s.complete("pick several", temperature=0, n=2, max_tokens=4)
+    assert greedy.status_code == 400
+    assert greedy.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
+
+    for route, over in (("/v1/completions", {"prompt": "pick several"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "pick"}]})):  # fmt: skip
+        stream = {**over, "n": 2, "max_tokens": 3, "temperature": 1.0, "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", s.url + route, json=stream) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        indices = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+        roles = 2 if route.endswith("chat/completions") else 0
+        assert indices == [0, 1] * (3 + roles // 2), indices
+        finished = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert finished == [0, 1]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_streaming_matches_non_streaming(servers: dict[str, SimServer]) -> None:
     s = servers["plain"]
     full = s.complete("stream this", max_tokens=6).json()["choices"][0]["text"]
