@@ -31,7 +31,9 @@ from pytest_pdserve.fixtures import (  # the timeout hooks only observe pytest-t
     reuse_options,
     run_log_name,
     stop_manager,
+    stop_unused_clusters,
 )
+from pytest_pdserve.glue import last_user
 from pytest_pdserve.markers import apply_skips, register_markers
 from pytest_pdserve.redaction import redact
 from pytest_pdserve.session_inventory import get_inventory, start_inventory_detection
@@ -166,6 +168,26 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     logs.record_offsets(item)
     yield
     fail_if_cluster_died(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """Once the test's fixtures are torn down: stop each cluster no remaining test uses (glue/last_user.py)."""
+    try:
+        return (yield)
+    finally:
+        stop_unused_clusters(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, object, object]:
+    """While a fixture's code runs, it is who asks for any cluster the factory hands out (glue/last_user.py)."""
+    return (yield from last_user.fixture_setup(fixturedef, request))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The items in the order they run: what "the remaining tests" are (glue/last_user.py)."""
+    last_user.collection_finished(session)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,1 @@
+"""The pytest side of the plugin: fixtures, hooks' helpers, what a test session learns about its clusters."""
