@@ -7,7 +7,7 @@ cluster it got, and a later test checks in /proc whether they still run.
 from __future__ import annotations
 
 import pytest
-from _pdsession import Inner
+from _pdsession import INNER_CONFTEST, Inner
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -109,3 +109,51 @@ def test_a_parametrised_fixtures_cluster_stops_after_its_own_parameters_tests(in
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
     return Inner(pytester, monkeypatch)
+
+
+SIDE_BY_SIDE_CONFTEST = """
+from pytest_pdserve.glue import last_user
+
+# The rule is for real vLLM on CPU (~3 GB a server); the simulator stands in for it here.
+last_user.SIDE_BY_SIDE_ENGINES = frozenset({"vllm", "sim"})
+"""
+
+SIDE_BY_SIDE = HELPERS + """
+from pytest_pdserve.spec import ClusterSpec
+
+A = ClusterSpec(name="a", env={"WHICH": "a"})
+B = ClusterSpec(name="b", env={"WHICH": "b"})
+
+
+def test_1(pd_cluster_factory):
+    _record("a", pd_cluster_factory(A))
+
+
+def test_2(pd_cluster_factory):
+    assert len(_running("a")) == 3
+    _record("b", pd_cluster_factory(B))
+    assert _running("a") == []  # stopped before b started: test_2 does not use it
+
+
+def test_3(pd_cluster_factory):
+    _record("a", pd_cluster_factory(A))  # started again for its next user
+    _record("b", pd_cluster_factory(B))
+    assert len(_running("a")) == 3 and len(_running("b")) == 3  # this test uses both: both stay up
+"""
+
+
+def test_on_cpu_a_real_cluster_the_running_test_does_not_use_stops_before_another_starts(inner: Inner) -> None:
+    inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST)
+    inner.pytester.makepyfile(test_s=SIDE_BY_SIDE)
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*test_s.py::test_1 PASSED*",
+        "*pdserve: stopping cluster a: cluster b (sim) starts next on CPU and test_s.py::test_2 does not use this one*",
+        "*cluster b (sim, 1P x 1D) ready in*",
+        "*test_s.py::test_2 PASSED*",
+        "*pdserve: stopping cluster b: cluster a (sim) starts next on CPU and test_s.py::test_3 does not use this one*",
+        "*cluster a (sim, 1P x 1D) ready in*",
+        "*cluster b (sim, 1P x 1D) ready in*",
+        "*test_s.py::test_3 PASSED*",
+    ])  # fmt: skip

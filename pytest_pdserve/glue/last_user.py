@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from pytest_pdserve.manager import ClusterManager
 
 FACTORY = "pd_cluster_factory"
+#: Engines whose clusters are not kept up side by side on CPU (~3 GB a server); tests add the simulator.
+SIDE_BY_SIDE_ENGINES = frozenset({"vllm"})
 
 
 @dataclass(frozen=True)
@@ -164,17 +166,19 @@ def make_cpu_room(
     does not use (two side by side need twice the memory; a later test that needs one starts it again)."""
     if item is None or not _applies(manager, item.config) or manager.inventory.platform != "cpu":
         return
-    if (spec.engine or manager.default_engine) != "vllm" or manager.is_running(spec):
+    engine = spec.engine or manager.default_engine
+    if engine not in SIDE_BY_SIDE_ENGINES or manager.is_running(spec):
         return
     state = _state(item.config)
     for cluster in manager.running():
         other = cluster.spec
-        if cluster.engine != "vllm" or other in manager.pinned or not state.askers.get(other):
+        if cluster.engine not in SIDE_BY_SIDE_ENGINES or other in manager.pinned or not state.askers.get(other):
             continue
         if any(a.nodeid == item.nodeid if a.fixturedef is None else _uses(a, item) for a in state.askers[other]):
-            continue  # this test holds it: both are needed
-        _stop(manager, other, forget, f"{spec.name} (real vLLM) starts next and the running test does not use it: "
-                                      "on CPU two real clusters are not kept up side by side")  # fmt: skip
+            continue  # the running test holds it: both are needed
+        _stop(manager, other, forget, f"cluster {spec.name} ({engine}) starts next on CPU and {item.nodeid} does not "
+                                      "use this one: two are not kept up side by side (a later user starts it "
+                                      "again)")  # fmt: skip
 
 
 def _stop(manager: ClusterManager, spec: ClusterSpec, forget: Callable[[PDCluster], object], why: str) -> None:
