@@ -19,6 +19,7 @@ pytest's wall time is printed too (its import, collection, tiny model look-up an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -122,10 +123,8 @@ def bare_round(servers: list[dict[str, Any]], work: Path) -> float:
 
 def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Signal the server's own process group (vLLM's engine core and worker are its children)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def run(rounds: int, exe: str) -> dict[str, Any]:

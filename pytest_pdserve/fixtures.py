@@ -294,7 +294,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
                 last_user.make_cpu_room(item, manager, spec, _forgetter(request))
                 asker = last_user.current_asker(config, item)
                 cluster = manager.get(spec, pin=False)
-                last_user.note(config, manager, spec, asker)
+                last_user.note(config, manager, spec, asker, item)
         if cluster.health.died is None:
             return cluster
         # A server died under an earlier test: fail at once with that reason instead of timing out again.

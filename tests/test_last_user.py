@@ -30,7 +30,8 @@ def _running(name):
     return [p for p in pids if up(p)]
 """
 
-FIRST = HELPERS + """
+FIRST = """
+from _pids import _record, _running
 import pytest
 from pytest_pdserve.spec import ClusterSpec
 
@@ -57,7 +58,8 @@ def test_4(pd_cluster_factory):
     assert len(_running("b")) == 3  # asked for by a test body: up while the module's factory users run
 """
 
-SECOND = HELPERS + """
+SECOND = """
+from _pids import _record, _running
 def test_5(pd_cluster):
     assert _running("b") == []  # the module that asked for it in a test body ended
     _record("pd", pd_cluster)
@@ -69,7 +71,7 @@ def test_6():
 
 
 def test_a_cluster_is_stopped_after_its_last_user_and_before_the_next_starts(inner: Inner) -> None:
-    inner.pytester.makepyfile(test_m1=FIRST, test_m2=SECOND)
+    inner.pytester.makepyfile(_pids=HELPERS, test_m1=FIRST, test_m2=SECOND)
     result = inner.run("-v", "-p", "no:randomly")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([
@@ -82,7 +84,8 @@ def test_a_cluster_is_stopped_after_its_last_user_and_before_the_next_starts(inn
     ])  # fmt: skip
 
 
-PARAMETRISED = HELPERS + """
+PARAMETRISED = """
+from _pids import _record, _running
 import pytest
 from pytest_pdserve.spec import ClusterSpec
 
@@ -100,10 +103,12 @@ def test_up(c):
 
 
 def test_a_parametrised_fixtures_cluster_stops_after_its_own_parameters_tests(inner: Inner) -> None:
-    inner.pytester.makepyfile(test_p=PARAMETRISED)
+    inner.pytester.makepyfile(_pids=HELPERS, test_p=PARAMETRISED)
     result = inner.run("-v", "-p", "no:randomly")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*stopping cluster x: no remaining test uses it (its last user was test_p.py::test_up[[]x])*"])
+    result.stdout.fnmatch_lines(
+        ["*stopping cluster x: no remaining test uses it (its last user was test_p.py::test_up[[]x])*"]
+    )
 
 
 @pytest.fixture
@@ -118,7 +123,8 @@ from pytest_pdserve.glue import last_user
 last_user.SIDE_BY_SIDE_ENGINES = frozenset({"vllm", "sim"})
 """
 
-SIDE_BY_SIDE = HELPERS + """
+SIDE_BY_SIDE = """
+from _pids import _record, _running
 from pytest_pdserve.spec import ClusterSpec
 
 A = ClusterSpec(name="a", env={"WHICH": "a"})
@@ -144,7 +150,7 @@ def test_3(pd_cluster_factory):
 
 def test_on_cpu_a_real_cluster_the_running_test_does_not_use_stops_before_another_starts(inner: Inner) -> None:
     inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST)
-    inner.pytester.makepyfile(test_s=SIDE_BY_SIDE)
+    inner.pytester.makepyfile(_pids=HELPERS, test_s=SIDE_BY_SIDE)
     result = inner.run("-v", "-p", "no:randomly")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([

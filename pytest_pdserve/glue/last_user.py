@@ -5,9 +5,9 @@ left five real vLLM servers (about 15 GB) up at once. Each cluster the fixtures 
 
 - a fixture (``pd_cluster`` itself, or a user's ``hybrid_cluster`` that calls the factory): the cluster is used by
   every remaining test whose fixture closure holds that fixture (with the same parameter, for a parametrised one);
-- a test's own body: by every remaining test of the same module that requests ``pd_cluster_factory``. What a body
-  asks for is not known before it runs, so a module's end is the latest such a cluster stays up; a cluster several
-  modules share is asked for from a fixture (in a conftest.py).
+- a test's own body (or a fixture a test fetched with ``request.getfixturevalue``): by every remaining test of the
+  same module. What a body asks for is not known before it runs, so a module's end is the latest such a cluster
+  stays up; a cluster several modules share is asked for from a fixture they request (in a conftest.py).
 
 After each test (once its fixtures are torn down), a cluster none of whose askers has a remaining user is stopped.
 The remaining tests are the collected items after this one, in the order pytest runs them; an xdist worker cannot
@@ -101,22 +101,32 @@ def current_asker(config: pytest.Config, item: pytest.Item | None) -> Asker | No
         return Asker(fixturedef=fixturedef, argname=str(getattr(fixturedef, "argname", "")), param_index=index)
     if item is None:
         return None
-    return Asker(module=item.nodeid.split("::")[0], nodeid=item.nodeid)
+    return Asker(module=_module(item), nodeid=item.nodeid)
 
 
-def note(config: pytest.Config, manager: ClusterManager, spec: ClusterSpec, asker: Asker | None) -> None:
-    """``asker`` got the cluster for ``spec``; an unknown asker (None) pins it up to the end."""
+def note(
+    config: pytest.Config, manager: ClusterManager, spec: ClusterSpec, asker: Asker | None, item: pytest.Item | None
+) -> None:
+    """``asker`` got the cluster for ``spec`` while ``item`` ran; an unknown asker (None) pins it up to the end."""
     state = _state(config)
     state.next_user.pop(spec, None)
     if asker is None:
         manager.pinned.add(spec)
-    else:
-        state.askers.setdefault(spec, set()).add(asker)
+        return
+    askers = state.askers.setdefault(spec, set())
+    askers.add(asker)
+    if asker.fixturedef is not None and item is not None and not _uses(asker, item):
+        # Fetched with request.getfixturevalue: what follows fetches it the same way unseen; its module may.
+        askers.add(Asker(module=_module(item), nodeid=item.nodeid))
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def _uses(asker: Asker, item: pytest.Item) -> bool:
     if asker.fixturedef is None:
-        return item.nodeid.split("::")[0] == asker.module and FACTORY in getattr(item, "fixturenames", ())
+        return _module(item) == asker.module
     info = getattr(item, "_fixtureinfo", None)
     defs = getattr(info, "name2fixturedefs", {}).get(asker.argname) if info is not None else None
     if defs is None:  # no closure to read (another item type): by name, the conservative answer
@@ -136,9 +146,7 @@ def _applies(manager: ClusterManager, config: pytest.Config) -> bool:
     return manager.reuse is None and not config.stash[PDSERVE_CONFIG].attach_mode
 
 
-def stop_unused(
-    item: pytest.Item, manager: ClusterManager | None, forget: Callable[[PDCluster], object]
-) -> None:
+def stop_unused(item: pytest.Item, manager: ClusterManager | None, forget: Callable[[PDCluster], object]) -> None:
     """After ``item`` (its fixtures torn down): stop each cluster no remaining test uses."""
     state = _state(item.config)
     if manager is None or not state.askers or not _applies(manager, item.config):
@@ -174,11 +182,20 @@ def make_cpu_room(
         other = cluster.spec
         if cluster.engine not in SIDE_BY_SIDE_ENGINES or other in manager.pinned or not state.askers.get(other):
             continue
-        if any(a.nodeid == item.nodeid if a.fixturedef is None else _uses(a, item) for a in state.askers[other]):
+        if _holds(item, cluster, state.askers[other]):
             continue  # the running test holds it: both are needed
         _stop(manager, other, forget, f"cluster {spec.name} ({engine}) starts next on CPU and {item.nodeid} does not "
                                       "use this one: two are not kept up side by side (a later user starts it "
                                       "again)")  # fmt: skip
+
+
+def _holds(item: pytest.Item, cluster: PDCluster, askers: set[Asker]) -> bool:
+    """Whether the running test uses ``cluster``: through a fixture it requests, its own body, or a value it got."""
+    if any(a.nodeid == item.nodeid if a.fixturedef is None else _uses(a, item) for a in askers):
+        return True
+    values = list(getattr(item, "funcargs", {}).values())
+    values += [v for d in values if isinstance(d, dict) for v in d.values()]
+    return any(v is cluster for v in values)
 
 
 def _stop(manager: ClusterManager, spec: ClusterSpec, forget: Callable[[PDCluster], object], why: str) -> None:
