@@ -136,7 +136,7 @@ def _uses(asker: Asker, item: pytest.Item) -> bool:
         return False
     if asker.param_index is None:
         return True
-    indices = getattr(getattr(item, "callspec", None), "indices", {})
+    indices: dict[str, int] = getattr(getattr(item, "callspec", None), "indices", {})
     return indices.get(asker.argname, asker.param_index) == asker.param_index
 
 
