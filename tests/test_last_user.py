@@ -55,7 +55,7 @@ def test_3(pd_cluster_factory):
 
 
 def test_4(pd_cluster_factory):
-    assert len(_running("b")) == 3  # asked for by a test body: up while the module's factory users run
+    assert len(_running("b")) == 3  # asked for by a test body: up while tests of its module remain
 """
 
 SECOND = """

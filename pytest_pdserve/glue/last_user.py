@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.manager import ClusterManager
 
-FACTORY = "pd_cluster_factory"
 #: Engines whose clusters are not kept up side by side on CPU (~3 GB a server); tests add the simulator.
 SIDE_BY_SIDE_ENGINES = frozenset({"vllm"})
 
