@@ -89,7 +89,8 @@ def tiny_llama_dir(real_vllm: str) -> Path:
     return ensure_tiny_model("llama", vllm_python(resolve_engine("vllm", real_vllm, python=sys.executable)[2]))
 
 
-#: The real-vLLM P/D cluster the contract and the differential tests share: one start on 2 cores instead of two.
+#: The real-vLLM P/D cluster the contract, the differential and the tokenizer-comparison tests share: one start on
+#: 2 cores instead of three.
 #: max_model_len 512 is what the differential script probes (a prompt one token too long, ...); the contract's
 #: prompts and answers stay under it.
 REAL_MAX_MODEL_LEN = 512
