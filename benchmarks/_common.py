@@ -192,11 +192,15 @@ class InnerProject:
 
     def run(self, *args: str, env: Mapping[str, str] | None = None, plugin: bool = True, timeout: float = 300) -> float:
         """Run pytest here; return its wall time. Raises with the output tail if it fails."""
+        return self.run_argv(self.argv(*args, plugin=plugin), env=env, timeout=timeout)
+
+    def run_argv(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 300) -> float:
+        """Run ``argv`` (a pytest command line of the caller's own) here; as :meth:`run`."""
         t0 = time.monotonic()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(
-            self.argv(*args, plugin=plugin), cwd=self.path, env=dict(env or clean_env()), capture_output=True,
-            text=True, timeout=timeout, check=False,
+            list(argv), cwd=self.path, env=dict(env or clean_env()), capture_output=True, text=True,
+            timeout=timeout, check=False,
         )  # fmt: skip
         wall = time.monotonic() - t0
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -204,7 +208,7 @@ class InnerProject:
         self.last_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         if proc.returncode != 0:
             raise RuntimeError(
-                f"inner pytest {' '.join(args)} in {self.path} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                f"inner pytest {' '.join(argv)} in {self.path} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                 f"{proc.stderr[-2000:]}"
             )
         return wall

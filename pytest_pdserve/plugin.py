@@ -21,7 +21,7 @@ from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, logs, start_failure
+from pytest_pdserve.glue import export_env, last_user, logs, start_failure
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
@@ -38,6 +38,7 @@ from pytest_pdserve.glue.fixtures import (
     run_log_name,
     salted_test,
     stop_manager,
+    stop_unused_clusters,
 )
 from pytest_pdserve.glue.markers import apply_skips, register_markers
 from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
@@ -173,6 +174,26 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     logs.record_offsets(item)
     yield
     fail_if_cluster_died(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """Once the test's fixtures are torn down: stop each cluster no remaining test uses (glue/last_user.py)."""
+    try:
+        return (yield)
+    finally:
+        stop_unused_clusters(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, object, object]:
+    """While a fixture's code runs, it is who asks for any cluster the factory hands out (glue/last_user.py)."""
+    return (yield from last_user.fixture_setup(fixturedef, request))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The items in the order they run: what "the remaining tests" are (glue/last_user.py)."""
+    last_user.collection_finished(session)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pytest_pdserve.engines.engine import resolve_engine, vllm_python
 from pytest_pdserve.engines.tiny_model import ensure_tiny_model
+from pytest_pdserve.spec import ClusterSpec
 
 DATA = Path(__file__).parent / "data"
 GPU_DIR = Path(__file__).parent / "gpu"
@@ -85,3 +87,18 @@ def tiny_llama_dir(real_vllm: str) -> Path:
     """The tiny Llama checkpoint directory that real vLLM serves, built (or found) by the vLLM venv's python as
     the plugin builds it; it needs real vLLM, so a test asking for it is in the `vllm` tier."""
     return ensure_tiny_model("llama", vllm_python(resolve_engine("vllm", real_vllm, python=sys.executable)[2]))
+
+
+#: The real-vLLM P/D cluster the contract, the differential and the tokenizer-comparison tests share: one start on
+#: 2 cores instead of three.
+#: max_model_len 512 is what the differential script probes (a prompt one token too long, ...); the contract's
+#: prompts and answers stay under it.
+REAL_MAX_MODEL_LEN = 512
+REAL_SPEC = ClusterSpec(engine="vllm", max_model_len=REAL_MAX_MODEL_LEN, name="real-vllm")
+
+
+@pytest.fixture(scope="session")
+def real_pd_cluster(real_vllm: str, pd_cluster_factory: Any) -> Any:
+    """The shared real-vLLM cluster (:data:`REAL_SPEC`); the plugin stops it after the last test that requests this
+    fixture (a test that fetches it with ``request.getfixturevalue`` keeps it up to its module's end)."""
+    return pd_cluster_factory(REAL_SPEC)

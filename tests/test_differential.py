@@ -166,15 +166,14 @@ def run_script(cluster: PDCluster, text_prompts: bool) -> Record:
 
 
 @pytest.fixture(scope="module")
-def clusters(real_vllm: str, pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
-    real_spec = ClusterSpec(engine="vllm", max_model_len=MAX_MODEL_LEN, name="diff-vllm")
-    real = pd_cluster_factory(real_spec)
+def clusters(real_pd_cluster: PDCluster, pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
+    real = real_pd_cluster  # conftest.py: shared with tests/test_contract.py, stopped after its last user
+    assert real.spec.max_model_len == MAX_MODEL_LEN
     sim_spec = ClusterSpec(engine="sim", model=real.model, max_model_len=MAX_MODEL_LEN, extra_args=SIM_EXTRA_ARGS,
                            name="diff-sim")  # fmt: skip
     sim = pd_cluster_factory(sim_spec)
     yield {"vllm": real, "sim": sim}
     pd_cluster_factory.stop(sim_spec)
-    pd_cluster_factory.stop(real_spec)
 
 
 def test_simulator_and_real_vllm_agree(clusters: dict[str, PDCluster]) -> None:

@@ -20,9 +20,11 @@ import pytest
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.commands import SessionDefaults
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, SETTINGS_BY_NAME, PDServeConfig, short_source
+from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.engines.engine import engine_setup
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
+from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.export_env import session_proxy_port, session_spec
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
@@ -243,9 +245,16 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     cfg = config.stash[PDSERVE_CONFIG]
     manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
     skip_reason = fail_reason = None
+    item = config.stash.get(CURRENT_ITEM, None)
     try:
         with timeout_paused(config):
-            cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+            if cfg.attach_mode:
+                cluster = manager.attached(spec, cfg)
+            else:
+                last_user.make_cpu_room(item, manager, spec, _forgetter(request))
+                asker = last_user.current_asker(config, item)
+                cluster = manager.get(spec, pin=False)
+                last_user.note(config, manager, spec, asker, item)
         if cluster.health.died is None:
             return cluster
         # A server died under an earlier test: fail at once with that reason instead of timing out again.
@@ -263,6 +272,21 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     if skip_reason is not None:
         pytest.skip(skip_reason)
     pytest.fail(fail_reason or "unreachable", pytrace=False)
+
+
+def _forgetter(request: pytest.FixtureRequest) -> Callable[[PDCluster], object]:
+    """What to call with a cluster stopped before the session's end: the cached ``pd_cluster`` forgets it."""
+    return lambda cluster: forget_fixture_value(request, "pd_cluster", cluster)
+
+
+FACTORY_REQUEST = pytest.StashKey[pytest.FixtureRequest]()
+
+
+def stop_unused_clusters(item: pytest.Item) -> None:
+    """After a test's teardown: stop the clusters no remaining test uses (glue/last_user.py)."""
+    request = item.config.stash.get(FACTORY_REQUEST, None)
+    if request is not None:
+        last_user.stop_unused(item, item.config.stash.get(MANAGER, None), _forgetter(request))
 
 
 def fail_if_cluster_died(item: pytest.Item) -> None:
@@ -336,8 +360,10 @@ def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactor
 
     ``pd_cluster_factory(ClusterSpec(num_decode=2, decode_tp=2))`` or ``pd_cluster_factory(num_decode=2)``.
     Equal specs share one running cluster; a spec that needs GPUs another of our clusters holds stops
-    that cluster first; ``pd_cluster_factory.stop(spec)`` stops one early. Everything stops at session end.
+    that cluster first; ``pd_cluster_factory.stop(spec)`` stops one early. A cluster no remaining test uses is
+    stopped after its last user (glue/last_user.py); everything else stops at session end.
     """
+    request.config.stash[FACTORY_REQUEST] = request
     yield _Factory(request)
     stop_manager(request.config)
 

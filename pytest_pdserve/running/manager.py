@@ -116,15 +116,21 @@ class ClusterManager:
         self.proxy_ports: dict[ClusterSpec, int] = {}
         #: ``--pd-reuse``: keep clusters for the next run and attach to kept ones (reuse/); None: off.
         self.reuser = reuser
+        #: Specs someone other than the fixtures asked for (see :meth:`get`): never stopped before the end.
+        self.pinned: set[ClusterSpec] = set()
 
     # ------------------------------------------------------------------ public
 
-    def get(self, spec: ClusterSpec) -> PDCluster:
+    def get(self, spec: ClusterSpec, *, pin: bool = True) -> PDCluster:
         """The running cluster for ``spec``, starting it if needed.
 
         A spec that failed to start fails again at once (same error) instead of restarting for every test.
+        ``pin``: keep it up to the end (``--pd-export-env``'s session cluster); the fixtures pass False for the
+        clusters they hand out, which they stop once no remaining test uses them (glue/last_user.py).
         """
         with self._lock:
+            if pin:
+                self.pinned.add(spec)
             if spec in self._running:
                 self.ensure_watchdog()
                 running = self._running[spec]
@@ -188,6 +194,11 @@ class ClusterManager:
     def running(self) -> list[PDCluster]:
         """Clusters that are up now."""
         return [r.cluster for r in self._running.values()]
+
+    def is_running(self, spec: ClusterSpec) -> bool:
+        """Whether a cluster for ``spec`` is up now."""
+        with self._lock:
+            return spec in self._running
 
     def stop(self, spec: ClusterSpec, why: str = "pd_cluster_factory.stop") -> PDCluster | None:
         """Stop one cluster (no-op if it is not running); returns the stopped cluster. Every ``on_stop`` listener

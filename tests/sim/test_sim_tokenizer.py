@@ -7,27 +7,16 @@ vLLM server on it for the same answers. The refusal without the `tokenizers` pac
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from pytest_pdserve.engines.cpu import CPU_BLOCK_SIZE, cpu_server_args, cpu_server_env
-from pytest_pdserve.engines.engine import resolve_engine
 from pytest_pdserve.sim import tokenizer
 
-from ._simproc import Factory, SimServer, child_env, free_port
-
-#: vLLM for CPU starts in 60-170 s on a loaded 2-core machine (measured); the deadline is a generous multiple.
-VLLM_READY_S = 480.0
+from ._simproc import Factory, SimServer
 
 #: Prompts whose token counts differ between the built-in tokenizer and the tiny Llama's (digits, punctuation,
 #: runs of spaces, a newline, non-ASCII letters).
@@ -101,50 +90,24 @@ def test_a_checkpoint_tokenizer_without_the_tokenizers_package_is_refused_at_sta
     ) in server.log()
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + VLLM_READY_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM exited with {proc.returncode} before ready:\n{log.read_text(errors='replace')[-4000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)
-    pytest.fail(f"vLLM not ready after {VLLM_READY_S} s:\n{log.read_text(errors='replace')[-4000:]}")
-
-
-@pytest.mark.timeout(VLLM_READY_S + 120)
 def test_real_vllm_and_the_simulator_tokenize_alike(
-    sim_factory: Factory, tiny_llama_dir: Path, real_vllm: str, tmp_path: Path
+    sim_factory: Factory, tiny_llama_dir: Path, real_pd_cluster: Any
 ) -> None:
-    argv = resolve_engine("vllm", real_vllm, python=sys.executable)[2]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "vllm.log"
-    flags = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager",
-             "--block-size", str(CPU_BLOCK_SIZE), *cpu_server_args()]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*argv, "serve", str(tiny_llama_dir), *flags], env=child_env(cpu_server_env(tmp_path)),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        sim: SimServer = sim_factory("--max-model-len", "512", model=str(tiny_llama_dir))
-        _wait_healthy(proc, url, log)
-        sim.wait_ready()
-        for prompt in PROMPTS:
-            for body in ({"prompt": prompt}, {"prompt": prompt, "add_special_tokens": False}):
-                real = httpx.post(url + "/tokenize", json=body, timeout=30.0).json()
-                print(f"vLLM /tokenize {body}: count {real['count']}")  # the counts, for the record (-s)
-                assert sim.post("/tokenize", body).json() == real, body
-            ids = {"tokens": real["tokens"]}
-            assert sim.post("/detokenize", ids).json() == httpx.post(url + "/detokenize", json=ids, timeout=30.0).json()
-            request = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-            real_usage = httpx.post(url + "/v1/completions", json=request, timeout=60.0).json()["usage"]
-            assert sim.complete(prompt, max_tokens=1).json()["usage"]["prompt_tokens"] == real_usage["prompt_tokens"]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    """The real side is the prefill server of the real-vLLM tier's shared cluster (tests/conftest.py: the tiny Llama,
+    max_model_len 512, eager, the CPU flags): a `vllm serve` start of its own cost this test 206 s at load 12."""
+    real_server = real_pd_cluster.prefill[0]
+    assert Path(real_pd_cluster.model) == tiny_llama_dir
+    assert real_pd_cluster.spec.max_model_len == 512
+    url = real_server.url
+    sim: SimServer = sim_factory("--max-model-len", "512", model=str(tiny_llama_dir))
+    sim.wait_ready()
+    for prompt in PROMPTS:
+        for body in ({"prompt": prompt}, {"prompt": prompt, "add_special_tokens": False}):
+            real = httpx.post(url + "/tokenize", json=body, timeout=30.0).json()
+            print(f"vLLM /tokenize {body}: count {real['count']}")  # the counts, for the record (-s)
+            assert sim.post("/tokenize", body).json() == real, body
+        ids = {"tokens": real["tokens"]}
+        assert sim.post("/detokenize", ids).json() == httpx.post(url + "/detokenize", json=ids, timeout=30.0).json()
+        request = {"model": real_pd_cluster.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        real_usage = httpx.post(url + "/v1/completions", json=request, timeout=60.0).json()["usage"]
+        assert sim.complete(prompt, max_tokens=1).json()["usage"]["prompt_tokens"] == real_usage["prompt_tokens"]

@@ -1,0 +1,165 @@
+"""A cluster the fixtures handed out is stopped after its last user, before the next one starts (glue/last_user.py).
+
+Real pytest sessions on the simulator; orderings, not times: each inner test records the servers' pids of the
+cluster it got, and a later test checks in /proc whether they still run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _pdsession import INNER_CONFTEST, Inner
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+HELPERS = """
+import json, os
+from pathlib import Path
+
+def _record(name, cluster):
+    pids = [s.process.pid for s in cluster.servers]
+    Path(os.environ["PDINFO_DIR"], name + ".pids").write_text(json.dumps(pids))
+
+def _running(name):
+    pids = json.loads(Path(os.environ["PDINFO_DIR"], name + ".pids").read_text())
+    def up(pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2] not in "ZX"
+    return [p for p in pids if up(p)]
+"""
+
+FIRST = """
+from _pids import _record, _running
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+
+@pytest.fixture(scope="module")
+def a(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="a", env={"WHICH": "a"}))
+
+
+def test_1(a):
+    _record("a", a)
+
+
+def test_2(a):
+    assert len(_running("a")) == 3  # prefill, decode, proxy: still up for its second user
+
+
+def test_3(pd_cluster_factory):
+    assert _running("a") == []  # test_2 was its last user: stopped before this test, and before b starts
+    _record("b", pd_cluster_factory(ClusterSpec(name="b", env={"WHICH": "b"})))
+
+
+def test_4(pd_cluster_factory):
+    assert len(_running("b")) == 3  # asked for by a test body: up while tests of its module remain
+"""
+
+SECOND = """
+from _pids import _record, _running
+def test_5(pd_cluster):
+    assert _running("b") == []  # the module that asked for it in a test body ended
+    _record("pd", pd_cluster)
+
+
+def test_6():
+    assert _running("pd") == []  # test_5 was pd_cluster's last user
+"""
+
+
+def test_a_cluster_is_stopped_after_its_last_user_and_before_the_next_starts(inner: Inner) -> None:
+    inner.pytester.makepyfile(_pids=HELPERS, test_m1=FIRST, test_m2=SECOND)
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines([
+        "*test_m1.py::test_2 PASSED*",
+        "*pdserve: stopping cluster a: no remaining test uses it (its last user was test_m1.py::test_2)*",
+        "*cluster b (sim, 1P x 1D) ready in*",
+        "*pdserve: stopping cluster b: no remaining test uses it (its last user was test_m1.py::test_4)*",
+        "*cluster pd (sim, 1P x 1D) ready in*",
+        "*pdserve: stopping cluster pd: no remaining test uses it (its last user was test_m2.py::test_5)*",
+    ])  # fmt: skip
+
+
+PARAMETRISED = """
+from _pids import _record, _running
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+
+@pytest.fixture(scope="module", params=["x", "y"])
+def c(request, pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name=request.param, env={"WHICH": request.param}))
+
+
+def test_up(c):
+    _record(c.spec.name, c)
+    if c.spec.name == "y":
+        assert _running("x") == []  # x's tests are done before y's start (pytest groups them by parameter)
+"""
+
+
+def test_a_parametrised_fixtures_cluster_stops_after_its_own_parameters_tests(inner: Inner) -> None:
+    inner.pytester.makepyfile(_pids=HELPERS, test_p=PARAMETRISED)
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["*stopping cluster x: no remaining test uses it (its last user was test_p.py::test_up[[]x])*"]
+    )
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
+    return Inner(pytester, monkeypatch)
+
+
+SIDE_BY_SIDE_CONFTEST = """
+from pytest_pdserve.glue import last_user
+
+# The rule is for real vLLM on CPU (~3 GB a server); the simulator stands in for it here.
+last_user.SIDE_BY_SIDE_ENGINES = frozenset({"vllm", "sim"})
+"""
+
+SIDE_BY_SIDE = """
+from _pids import _record, _running
+from pytest_pdserve.spec import ClusterSpec
+
+A = ClusterSpec(name="a", env={"WHICH": "a"})
+B = ClusterSpec(name="b", env={"WHICH": "b"})
+
+
+def test_1(pd_cluster_factory):
+    _record("a", pd_cluster_factory(A))
+
+
+def test_2(pd_cluster_factory):
+    assert len(_running("a")) == 3
+    _record("b", pd_cluster_factory(B))
+    assert _running("a") == []  # stopped before b started: test_2 does not use it
+
+
+def test_3(pd_cluster_factory):
+    _record("a", pd_cluster_factory(A))  # started again for its next user
+    _record("b", pd_cluster_factory(B))
+    assert len(_running("a")) == 3 and len(_running("b")) == 3  # this test uses both: both stay up
+"""
+
+
+def test_on_cpu_a_real_cluster_the_running_test_does_not_use_stops_before_another_starts(inner: Inner) -> None:
+    inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST)
+    inner.pytester.makepyfile(_pids=HELPERS, test_s=SIDE_BY_SIDE)
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*test_s.py::test_1 PASSED*",
+        "*pdserve: stopping cluster a: cluster b (sim) starts next on CPU and test_s.py::test_2 does not use this one*",
+        "*cluster b (sim, 1P x 1D) ready in*",
+        "*test_s.py::test_2 PASSED*",
+        "*pdserve: stopping cluster b: cluster a (sim) starts next on CPU and test_s.py::test_3 does not use this one*",
+        "*cluster a (sim, 1P x 1D) ready in*",
+        "*cluster b (sim, 1P x 1D) ready in*",
+        "*test_s.py::test_3 PASSED*",
+    ])  # fmt: skip
