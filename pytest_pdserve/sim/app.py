@@ -649,9 +649,11 @@ def build_app(state: AppState) -> Starlette:
         messages = body["messages"]
         if not messages:
             raise _ApiError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        lines = [f"{msg['role']}: {protocol.content_text(msg.get('content'), args.model)}\n" for msg in messages]
-        # The reference tiny model's template; vLLM tokenizes chat prompts without special tokens.
-        prompt_ids = engine.tok.encode("".join(lines) + "assistant: ", add_special_tokens=False)
+        turns = [
+            {"role": msg["role"], "content": protocol.content_text(msg.get("content"), args.model)} for msg in messages
+        ]
+        # The checkpoint's template (or the tiny models' own); vLLM tokenizes chat prompts without special tokens.
+        prompt_ids = engine.tok.encode(engine.tok.chat_text(turns), add_special_tokens=False)
         params = _sampling(body, None, "max_completion_tokens")
         top = _int_field(body, "top_logprobs", 0, 0) or 0
         _check_logprobs(top)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import re
 from array import array
 from collections.abc import Sequence
@@ -54,10 +55,48 @@ _SYLLABLES = (
 )
 
 
+class ChatTemplate:
+    """A checkpoint's chat template (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``),
+    rendered as transformers renders it for vLLM: a sandboxed Jinja2 environment with ``trim_blocks`` and
+    ``lstrip_blocks``, ``raise_exception`` and the tokenizer config's special-token strings in scope.
+
+    :raises ImportError: the optional ``jinja2`` package is not installed.
+    """
+
+    def __init__(self, source: str, origin: str, special: dict[str, str]) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: only checkpoints with a template
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self._template = env.from_string(source)
+        self._special = special
+        self.origin = origin
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for ``messages``, with the generation prompt (what vLLM's chat route asks for)."""
+        return str(self._template.render(messages=messages, add_generation_prompt=True, **self._special))
+
+
+def builtin_chat_text(messages: list[dict[str, str]]) -> str:
+    """The template of the project's tiny models (``tiny_model.py`` writes it), for names without a checkpoint."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
 class Tokenizer:
     """The built-in synthetic tokenizer (the functions of this module behind one interface)."""
 
     name = "built-in"
+    #: The checkpoint's chat template; None: the built-in one (:func:`builtin_chat_text`).
+    chat_template: ChatTemplate | None = None
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str:
+        """The chat prompt's text, through the checkpoint's template when it has one, as vLLM renders it."""
+        if self.chat_template is not None:
+            return self.chat_template.render(messages)
+        return builtin_chat_text(messages)
     vocab_size = VOCAB_SIZE
     special_ids: frozenset[int] = frozenset(SPECIAL_TOKENS)
 
@@ -133,7 +172,49 @@ def _from_file(file: Path, given: str) -> FileTokenizer:
         raise TokenizerError(f"{given}: cannot load {file}: {exc}") from None
 
 
+def _chat_template(directory: Path) -> ChatTemplate | None:
+    """The chat template a checkpoint directory carries, or None.
+
+    :raises TokenizerError: there is one and ``jinja2`` is not installed (vLLM would render it: the built-in
+        template's token counts would differ), or it does not parse.
+    """
+    config: dict[str, object] = {}
+    config_file = directory / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            loaded = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"model {directory}: cannot read {config_file}: {exc}") from None
+        config = loaded if isinstance(loaded, dict) else {}
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        source, origin = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    elif isinstance(config.get("chat_template"), str):
+        source, origin = str(config["chat_template"]), f"{config_file} (chat_template)"
+    else:
+        return None
+    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    try:
+        return ChatTemplate(source, origin, special)
+    except ImportError:
+        raise TokenizerError(
+            f"model {directory}: its chat template {origin} needs the optional 'jinja2' package (pip install "
+            "jinja2): the simulator renders chat prompts with the checkpoint's own template, as vLLM does"
+        ) from None
+    except Exception as exc:  # jinja2's TemplateSyntaxError
+        raise TokenizerError(f"model {directory}: cannot parse its chat template {origin}: {exc}") from None
+
+
 def load(explicit: str | None, model_dir: Path | None) -> Tokenizer:
+    """The tokenizer to serve with, and its chat template (:func:`_chat_template`, from the same directory)."""
+    tok = _load_tokens(explicit, model_dir)
+    directory = Path(explicit).expanduser() if explicit is not None else model_dir
+    if directory is not None and directory.is_dir():
+        tok.chat_template = _chat_template(directory)
+    return tok
+
+
+def _load_tokens(explicit: str | None, model_dir: Path | None) -> Tokenizer:
     """The tokenizer to serve with.
 
     ``--tokenizer DIR`` (or a file) is used, or MODEL's directory when it holds a ``tokenizer.json``; both need

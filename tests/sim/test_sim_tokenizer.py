@@ -111,3 +111,50 @@ def test_real_vllm_and_the_simulator_tokenize_alike(
         request = {"model": real_pd_cluster.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
         real_usage = httpx.post(url + "/v1/completions", json=request, timeout=60.0).json()["usage"]
         assert sim.complete(prompt, max_tokens=1).json()["usage"]["prompt_tokens"] == real_usage["prompt_tokens"]
+
+
+def _checkpoint(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A checkpoint directory with the tiny Llama's shape and ``files`` (no tokenizer.json: built-in tokens)."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+              "torch_dtype": "float32", "max_position_embeddings": 2048, "vocab_size": 2048}  # fmt: skip
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    for name, text in files.items():
+        (checkpoint / name).write_text(text)
+    return checkpoint
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Red Hat is"}]
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_chat_prompts_are_rendered_with_the_checkpoints_template(
+    sim_factory: Factory, tmp_path: Path, where: str
+) -> None:
+    """vLLM renders a chat request with the checkpoint's template, so its prompt_tokens are that text's tokens; a
+    simulator that used its own template counted other tokens (green on the simulator, red on vLLM)."""
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    files = (
+        {"chat_template.jinja": template, "tokenizer_config.json": json.dumps({"bos_token": "<s>"})}
+        if where == "chat_template.jinja"
+        else {"tokenizer_config.json": json.dumps({"bos_token": "<s>", "chat_template": template})}
+    )
+    server: SimServer = sim_factory("--max-model-len", "512", model=str(_checkpoint(tmp_path, files))).wait_ready()
+    text = "<s><|system|>\nBe brief.\n<|user|>\nRed Hat is\n<|assistant|>\n"
+    usage = server.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == len(tokenizer.encode(text, add_bos=False))
+    assert usage["prompt_tokens"] != len(tokenizer.encode(tokenizer.builtin_chat_text(CHAT), add_bos=False))
+
+
+def test_a_chat_template_without_jinja2_is_refused_at_start(sim_factory: Factory, tmp_path: Path) -> None:
+    checkpoint = _checkpoint(tmp_path, {"chat_template.jinja": "{{ messages[0]['content'] }}"})
+    hidden = tmp_path / "no-jinja2" / "jinja2"  # shadows the installed package: its import fails
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'jinja2'\")\n")
+    server: SimServer = sim_factory(model=str(checkpoint), env={"PYTHONPATH": str(hidden.parent)})
+    assert server.wait_exit() == 1
+    assert f"its chat template {checkpoint / 'chat_template.jinja'} needs the optional 'jinja2' package" in server.log()
