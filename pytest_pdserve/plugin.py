@@ -21,7 +21,7 @@ from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, last_user, logs, start_failure
+from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, start_failure
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
@@ -205,7 +205,7 @@ def pytest_runtest_makereport(
     start_failure.report_as_message(call)
     report = yield
     logs.attach_sections(item, report)
-    export_env.test_passed(item.config, report)
+    kv_moved.test_passed(item.config, report)
     logs.redact_report(report)
     return report
 
@@ -213,13 +213,13 @@ def pytest_runtest_makereport(
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     """The test's cache salt on the plugin's clients (fixtures.salted_test); with ``--pd-export-env``: the KV each test
-    module moved from prefill to decode (export_env.module_boundary)."""
-    export_env.module_boundary(item.config, item, nextitem, starting=True)
+    module moved from prefill to decode (kv_moved.module_boundary)."""
+    kv_moved.module_boundary(item.config, item, nextitem, starting=True)
     try:
         with salted_test(item):
             return (yield)
     finally:
-        export_env.module_boundary(item.config, item, nextitem, starting=False)
+        kv_moved.module_boundary(item.config, item, nextitem, starting=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -229,7 +229,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     if PDSERVE_CONFIG not in config.stash or session.exitstatus != pytest.ExitCode.OK:
         return
-    if export_env.require_kv_transfer(config) and export_env.vacuous_modules(config):
+    if kv_moved.require_kv_transfer(config) and kv_moved.vacuous_modules(config):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -241,8 +241,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line(redact(f"pdserve: {death.summary()}"), red=True, bold=True)
     for line in export_env.summary_lines(config):
         terminalreporter.write_line(redact(line))
-    for line in export_env.module_lines(config):
-        terminalreporter.write_line(redact(line), red="no KV moved" in line and export_env.require_kv_transfer(config))
+    for line in kv_moved.module_lines(config):
+        terminalreporter.write_line(redact(line), red="no KV moved" in line and kv_moved.require_kv_transfer(config))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

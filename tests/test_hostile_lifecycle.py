@@ -380,8 +380,8 @@ def test_sigkill_in_any_order_leaves_no_server_and_no_lease_held_early(
     with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
         info = inner.wait_info()
         servers = {s["name"]: s["pid"] for s in info["servers"]}
-        [watchdog] = _helpers(inner, "watchdog")
-        [guard] = _helpers(inner, "supervise")  # one per pytest process
+        [watchdog] = _helpers(inner, "running.watchdog")
+        [guard] = _helpers(inner, "running.supervise")  # one per pytest process
         locks = sorted(inner.lease_dir.glob("*.lock"))
         assert len(locks) == 2 + 2 * (1 + 1 + VLLM_PORT_WINDOW) + 1, locks  # GPUs, HTTP, NIXL, VLLM_PORT, proxy
         victims = {"pytest": proc.pid, "watchdog": watchdog, "guard": guard, "proxy": servers["proxy"]}
@@ -409,8 +409,8 @@ def test_pytest_killed_during_cluster_start(inner: Inner) -> None:
         """
     )
     with inner.popen("--pd-shutdown-timeout=1", "--pd-simulate-gpus=2") as proc:
-        wait_for(lambda: len(_servers(inner)) == 3 and _helpers(inner, "supervise"), 60, "servers spawned")
-        [watchdog] = _helpers(inner, "watchdog")
+        wait_for(lambda: len(_servers(inner)) == 3 and _helpers(inner, "running.supervise"), 60, "servers spawned")
+        [watchdog] = _helpers(inner, "running.watchdog")
         _kill(watchdog)  # and the watchdog first: only the guards are left to stop the starting servers
         _kill(proc.pid)
         seconds = inner.gone_within()
@@ -439,7 +439,7 @@ def test_pytest_killed_during_teardown(inner: Inner) -> None:
         logs = [Path(s["log"]) for s in info["servers"] if s["name"] != "proxy"]
         wait_for(lambda: any(SIGTERM_IGNORED in p.read_text(errors="replace") for p in logs), 60, "SIGTERM sent")
         assert proc.poll() is None
-        [watchdog] = _helpers(inner, "watchdog")
+        [watchdog] = _helpers(inner, "running.watchdog")
         _kill(proc.pid)
         _kill(watchdog)
         seconds = inner.gone_within()
@@ -461,7 +461,7 @@ def test_forked_child_of_pytest_does_not_keep_servers_alive(inner: Inner, monkey
     with inner.popen("--pd-shutdown-timeout=1") as proc:
         info = inner.wait_info()
         child = int(info["child"])
-        [watchdog] = _helpers(inner, "watchdog")
+        [watchdog] = _helpers(inner, "running.watchdog")
         try:
             _kill(watchdog)
             _kill(proc.pid)
@@ -587,11 +587,11 @@ def test_a_dead_watchdog_is_started_again(inner: Inner, monkeypatch: pytest.Monk
     )
     with inner.popen("--pd-shutdown-timeout=1") as proc:
         inner.wait_info()
-        [first] = _helpers(inner, "watchdog")
+        [first] = _helpers(inner, "running.watchdog")
         _kill(first)
         (inner.pytester.path / "goa").touch()
         wait_for(lambda: len(inner.infos()) == 2, 60, "test_b got the cluster")
-        [second] = _helpers(inner, "watchdog")
+        [second] = _helpers(inner, "running.watchdog")
         assert second != first
         _kill(proc.pid)
         inner.gone_within()

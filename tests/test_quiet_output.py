@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from _pdsession import Inner
 
-from pytest_pdserve.running import launch
+from pytest_pdserve.running import progress
+from pytest_pdserve.running.progress import StartProgress
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -45,7 +46,7 @@ def test_a_waiting_start_repeats_no_progress_line_into_a_log(inner: Inner) -> No
         # The 12 s without news give one line (and one more per 30 s); a line after them reports the log's next
         # line (the simulator's backend line as it becomes ready), which is news.
         waiting = [line for line in lines if "Loading model weights" in line]
-        assert len(waiting) <= 1 + int(server["ready_seconds"] // launch._Progress.QUIET_EVERY), lines
+        assert len(waiting) <= 1 + int(server["ready_seconds"] // StartProgress.QUIET_EVERY), lines
         news = [line.split(") ", 1)[1] for line in lines]
         assert len(news) == len(set(news)), lines  # no line repeats what the last one said
 
@@ -58,7 +59,7 @@ class _Clock:
         return self.now
 
 
-def _feed(progress: launch._Progress, clock: _Clock, lines: dict[int, str]) -> list[float]:
+def _feed(progress: StartProgress, clock: _Clock, lines: dict[int, str]) -> list[float]:
     """Call ``progress`` once per second of a start (as wait_all_ready does); the elapsed times it reported at."""
     shown: list[float] = []
     progress.report = lambda message: shown.append(float(re.search(r"\((\d+)s\)", message)[1]))  # type: ignore[index]
@@ -73,12 +74,12 @@ def _feed(progress: launch._Progress, clock: _Clock, lines: dict[int, str]) -> l
 
 def test_progress_into_a_log_is_each_change_or_a_line_per_30_s(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock()
-    monkeypatch.setattr(launch, "time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(progress, "time", SimpleNamespace(monotonic=clock))
     lines = {1: "loading", 20: "compiling", 21: "compiling step 2", 22: "compiling step 3"}
-    to_log = _feed(launch._Progress(print, terminal=False), clock, lines)
+    to_log = _feed(StartProgress(print, terminal=False), clock, lines)
     # 5 s in; the change at 20 s; the next change at most 5 s later; then 30 s of the same line.
     assert to_log == [5, 20, 25, 55]
-    to_terminal = _feed(launch._Progress(print, terminal=True), clock, lines)
+    to_terminal = _feed(StartProgress(print, terminal=True), clock, lines)
     assert to_terminal == [1, 6, 11, 16, 21, 26, 31, 36, 41, 46, 51, 56, 61, 66]
 
 

@@ -362,99 +362,13 @@ def summary_lines(config: pytest.Config) -> list[str]:
             delta = None
         if delta is None:
             continue
-        hits = _get(delta, "vllm:prefix_cache_hits_total")
-        external = _get(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        hits = delta_or_zero(delta, "vllm:prefix_cache_hits_total")
+        external = delta_or_zero(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         parts.append(f"{server.name} prefix-cache hits {hits:g} tokens, external_kv_transfer {external:g} tokens")
     return [f"pdserve: during this session: {'; '.join(parts)}"] if parts else []
 
 
-def _get(delta: MetricsDelta, name: str, **labels: str) -> float:
+def delta_or_zero(delta: MetricsDelta, name: str, **labels: str) -> float:
+    """A counter's delta, 0 when the server does not export it (yet)."""
     value = delta.get(name, **labels)
     return 0.0 if value is None else value
-
-
-def _module_of(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
-def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> tuple[float, float] | None:
-    """Decode's external_kv_transfer tokens and NIXL bytes since ``start`` (None: metrics unreadable)."""
-    # Lazy: metrics.py imports httpx and prometheus_client (about 70 ms, measured with -X importtime, see
-    # tests/test_imports.py), which loading the plugin must not pay; a running cluster has imported it already.
-    from pytest_pdserve.metrics import NIXL_BYTES_SUM
-
-    tokens = nixl = 0.0
-    try:
-        for server in cluster.decode:
-            delta = server.metrics() - start[server.name]
-            tokens += _get(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-            nixl += _get(delta, NIXL_BYTES_SUM)
-    except Exception:  # a report, never a failure of its own (a dead server is reported elsewhere)
-        return None
-    return tokens, nixl
-
-
-def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.Item | None, starting: bool) -> None:
-    """Around each test (``pytest_runtest_protocol``): snapshot decode's metrics when a module starts, and when it
-    ends record the KV it moved from prefill to decode (issue 26: vLLM's test_edge_cases primes decode directly,
-    so its prefix-cache hits stay the same through a proxy that never calls prefill; only these drop to 0)."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None or exported.cluster is None:
-        return
-    module = _module_of(item.nodeid)
-    if starting:
-        if exported.module_start is None or exported.module_start[0] != module:
-            try:
-                exported.module_start = (module, {s.name: s.metrics() for s in exported.cluster.decode})
-            except Exception:  # a report, never a failure of its own
-                exported.module_start = None
-        return
-    if nextitem is not None and _module_of(nextitem.nodeid) == module:
-        return
-    if exported.module_start is not None and exported.module_start[0] == module:
-        moved = _decode_moved(exported.cluster, exported.module_start[1])
-        if moved is not None:
-            exported.moved[module] = moved
-    exported.module_start = None
-
-
-def test_passed(config: pytest.Config, report: pytest.TestReport) -> None:
-    """``pytest_runtest_logreport``: remember the modules with a passed test."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is not None and report.when == "call" and report.passed:
-        exported.passed.add(_module_of(report.nodeid))
-
-
-def require_kv_transfer(config: pytest.Config) -> bool:
-    """``--pd-require-kv-transfer``, else on exactly when a preset is in use (the presets stand for P/D scripts)."""
-    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if cfg.sources.get("require_kv_transfer", "default") != "default":
-        return cfg.require_kv_transfer
-    exported = config.stash.get(EXPORTED, None)
-    return exported is not None and exported.preset is not None
-
-
-def vacuous_modules(config: pytest.Config) -> list[str]:
-    """Modules that passed a test and moved no KV from prefill to decode."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None:
-        return []
-    return sorted(m for m, (tokens, nixl) in exported.moved.items() if m in exported.passed and not tokens and
-                  not nixl)  # fmt: skip
-
-
-def module_lines(config: pytest.Config) -> list[str]:
-    """Terminal-summary lines: the KV each module moved from prefill to decode, and what requiring it did."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None or not exported.moved:
-        return []
-    lines = [f"pdserve: KV moved prefill -> decode in {m}: external_kv_transfer {t:.0f} tokens, NIXL {b:.0f} bytes"
-             for m, (t, b) in sorted(exported.moved.items())]  # fmt: skip
-    vacuous = vacuous_modules(config)
-    if vacuous:
-        why = ("failing the session (--pd-require-kv-transfer"
-               + (", on under --pd-preset)" if exported.preset else ")"))  # fmt: skip
-        tail = why if require_kv_transfer(config) else "(--pd-require-kv-transfer fails the session for this)"
-        lines.append(f"pdserve: no KV moved from prefill to decode in {', '.join(vacuous)}: the P/D path was not "
-                     f"exercised (a proxy that never calls prefill passes this way); {tail}")  # fmt: skip
-    return lines

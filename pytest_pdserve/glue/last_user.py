@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_pdserve.config.settings import PDSERVE_CONFIG
 from pytest_pdserve.spec import ClusterSpec
 
 if TYPE_CHECKING:
@@ -140,8 +141,6 @@ def _uses(asker: Asker, item: pytest.Item) -> bool:
 
 
 def _applies(manager: ClusterManager, config: pytest.Config) -> bool:
-    from pytest_pdserve.config.settings import PDSERVE_CONFIG
-
     return manager.reuser is None and not config.stash[PDSERVE_CONFIG].attach_mode
 
 

@@ -19,11 +19,9 @@ Sharing clusters between tests, remembering failures and making room are the man
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +45,10 @@ from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.running import verify
 from pytest_pdserve.running.process import ServerProcess, StopReport, new_run_token, wait_all_ready
-from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, pids_with_env
+from pytest_pdserve.running.proctree import tree_pids
+from pytest_pdserve.running.progress import StartProgress
 from pytest_pdserve.running.rpc_dirs import RPC_BASE_ENV, make_rpc_dir
-from pytest_pdserve.running.supervise import start_guard
+from pytest_pdserve.running.supervisors import Supervisors
 from pytest_pdserve.running.watchdog import Watchdog
 from pytest_pdserve.spec import ClusterSpec
 
@@ -109,8 +108,7 @@ class ClusterLauncher:
         self.terminal = terminal
         self.run_token = new_run_token()
         self.port_range = port_range
-        self._watchdog: Watchdog | None = None
-        self._guard: subprocess.Popen[bytes] | None = None
+        self.supervisors = Supervisors(self.run_token, shutdown_timeout, self.log_path, report)
 
     def log_path(self, name: str) -> Path:
         """``name`` in the log directory, which is made again if it was removed mid-run: private (0700) like the
@@ -119,51 +117,19 @@ class ClusterLauncher:
         :raises PathError: it cannot be made (the message names it)."""
         return ensure_dir(self.log_dir, LOG_DIR_MODE) / name
 
-    def _supervisor_log(self, name: str) -> Path | None:
-        """The watchdog's or the guard's log, or None (it logs nowhere) when what is there is refused (a link, a
-        FIFO: logfile.open_append); said on the terminal, where their own stderr would be captured by pytest."""
-        path = self.log_path(name)
-        try:
-            os.close(open_append(path))
-        except OSError as exc:
-            self.report(f"pdserve: not writing {path}: {exc.strerror or exc}; that supervisor logs nowhere")
-            return None
-        return path
-
-    # ------------------------------------------------------------------ supervisors
+    # ------------------------------------------------------------------ supervisors (supervisors.py)
 
     def watch(self) -> Watchdog:
-        """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token)."""
-        if self._guard is None or self._guard.poll() is not None:
-            # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
-            self._guard = start_guard(self.run_token, self.orphan_grace(), self._supervisor_log("guard.log"))
-        if self._watchdog is None or not self._watchdog.alive:
-            # wait=False: the hello is checked at the first command, after the servers are spawned.
-            self._watchdog = Watchdog.start(
-                self.run_token,
-                grace=self.orphan_grace(),
-                log_path=self._supervisor_log("watchdog.log"),
-                wait=False,
-            )
-        return self._watchdog
+        """The session's watchdog, (re)started with the guard if either is gone."""
+        return self.supervisors.watch()
 
     def close(self) -> None:
         """Stop the watchdog and the guard (after every cluster is stopped). Safe to call twice."""
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
-        if self._guard is not None:  # nothing left to guard; it would exit with this process anyway
-            self._guard.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._guard.wait(5)
-            self._guard = None
+        self.supervisors.close()
 
     def orphan_grace(self) -> float:
-        """SIGTERM-to-SIGKILL grace of the watchdog and the guards, who stop servers when pytest is dead.
-
-        At most 3 s, so that no server is alive 5 s after pytest died, even one that ignores SIGTERM.
-        """
-        return min(self.shutdown_timeout, 3.0)
+        """SIGTERM-to-SIGKILL grace of the watchdog and the guards (:meth:`Supervisors.orphan_grace`)."""
+        return self.supervisors.orphan_grace()
 
     # ------------------------------------------------------------------ start
 
@@ -305,7 +271,7 @@ class ClusterLauncher:
         inherit_fds: Sequence[int] = (),
     ) -> None:
         deadline = t0 + self.startup_timeout
-        progress = _Progress(self.report, self.terminal)
+        progress = StartProgress(self.report, self.terminal)
         if shared:
             # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
             # (The proxy, last in `handles`, uses no GPU: it starts with the first server.)
@@ -387,7 +353,7 @@ class ClusterLauncher:
         assert proxy.process is not None
         proxy.process.start([fd for lease in port_leases for fd in lease.fds])
         watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, _Progress(self.report, self.terminal))
+        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, StartProgress(self.report, self.terminal))
         proxy.ready_seconds = ready["proxy"]
         return proxy
 
@@ -402,16 +368,16 @@ class ClusterLauncher:
         for s in launched.cluster.servers:
             s.close()
         for p in launched.processes:
-            if self._watchdog is not None and p.pgid is not None:
-                self._watchdog.unwatch(p.pgid)
+            if self.supervisors.watchdog is not None and p.pgid is not None:
+                self.supervisors.watchdog.unwatch(p.pgid)
             p.disown()
         held = [*(launched.gpu_plan.leases if launched.gpu_plan is not None else ()), *launched.port_leases]
         names = [f"{launched.label}-gpus", *(f"{launched.label}-ports-{lease.base}" for lease in launched.port_leases)]
         for lease in held:
             lease.disown()
-        if self._watchdog is not None:
+        if self.supervisors.watchdog is not None:
             for name in names:
-                self._watchdog.drop(name)
+                self.supervisors.watchdog.drop(name)
 
     def teardown(self, launched: LaunchedCluster) -> None:
         """Stop a cluster this launcher started (its clients first, then everything `cleanup` undoes)."""
@@ -427,15 +393,15 @@ class ClusterLauncher:
         port_leases: list[leases.PortLease],
     ) -> None:
         """Stop processes in parallel, then hand GPUs back behind the release gate, then ports. Best effort."""
-        our_pids = _tree_pids(self.run_token, processes)
+        our_pids = tree_pids(self.run_token, (p.pid for p in processes))
         started = [p for p in processes if p.pid is not None]
         if started:
             with ThreadPoolExecutor(max_workers=len(started)) as pool:
                 list(pool.map(lambda p: _safe_stop(p, self.shutdown_timeout), started))
         for p in started:
-            if self._watchdog is not None and p.pgid is not None:
+            if self.supervisors.watchdog is not None and p.pgid is not None:
                 try:
-                    self._watchdog.unwatch(p.pgid)
+                    self.supervisors.watchdog.unwatch(p.pgid)
                 except Exception:
                     log.exception("watchdog unwatch failed")
         if gpu_plan is not None:
@@ -444,10 +410,10 @@ class ClusterLauncher:
                 self.report(f"pdserve: {label}: GPUs {gpu_plan.keys} released after a {waited:.2f}s gate")
         for lease in port_leases:
             lease.release()
-        if self._watchdog is not None:
+        if self.supervisors.watchdog is not None:
             for name in [f"{label}-gpus", *(f"{label}-ports-{lease.base}" for lease in port_leases)]:
                 try:
-                    self._watchdog.drop(name)
+                    self.supervisors.watchdog.drop(name)
                 except Exception:
                     log.debug("watchdog drop %s failed", name, exc_info=True)
 
@@ -471,41 +437,3 @@ def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:
     except Exception:
         log.exception("stopping %s failed", proc.name)
         return None
-
-
-def _tree_pids(run_token: str, processes: Sequence[ServerProcess]) -> set[int]:
-    """Every pid we started (servers and their descendants), read before stopping them."""
-    pids = {p.pid for p in processes if p.pid is not None}
-    with contextlib.suppress(OSError):
-        pids.update(pids_with_env(RUN_TOKEN_ENV, run_token))
-    return pids
-
-
-class _Progress:
-    """Start-up progress: role, elapsed time, last log line.
-
-    On a terminal, at most one line per role per 5 s. Into a log (CI, a pipe) a line only when the role's last log
-    line changed since its previous line, or after 30 s without one; at most one per 5 s and none in a start's
-    first 5 s. A start that only waits repeated one line every 5 s per server: most of a CI log.
-    """
-
-    EVERY = 5.0
-    QUIET_EVERY = 30.0
-
-    def __init__(self, report: Reporter, terminal: bool = True) -> None:
-        self.report = report
-        self.terminal = terminal
-        self.last: dict[str, float] = {}
-        self.shown: dict[str, str] = {}
-
-    def __call__(self, name: str, elapsed: float, last_line: str) -> None:
-        now = time.monotonic()
-        # Into a log, the first line too waits 5 s: a start that takes less (the simulator's) shows none.
-        since = now - self.last.get(name, 0.0 if self.terminal else now - elapsed)
-        if since < self.EVERY:
-            return
-        if not self.terminal and last_line == self.shown.get(name) and since < self.QUIET_EVERY:
-            return
-        self.last[name] = now
-        self.shown[name] = last_line
-        self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {last_line[-160:]}")

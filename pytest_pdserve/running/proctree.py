@@ -35,6 +35,7 @@ __all__ = [
     "read_stat",
     "terminate",
     "token_pids",
+    "tree_pids",
 ]
 
 RUN_TOKEN_ENV = "PDSERVE_RUN_TOKEN"
@@ -336,3 +337,11 @@ def isolated_argv(module: str) -> list[str]:
         f"sys.modules['pytest_pdserve'] = p; from {module} import main; sys.exit(main(sys.argv[1:]))"
     )
     return [sys.executable, "-I", "-S", "-c", boot]
+
+
+def tree_pids(run_token: str, pids: Iterable[int | None]) -> set[int]:
+    """Every pid we started (servers and their descendants), read before stopping them."""
+    found = {pid for pid in pids if pid is not None}
+    with contextlib.suppress(OSError):
+        found.update(pids_with_env(RUN_TOKEN_ENV, run_token))
+    return found

@@ -97,6 +97,7 @@ class Tokenizer:
         if self.chat_template is not None:
             return self.chat_template.render(messages)
         return builtin_chat_text(messages)
+
     vocab_size = VOCAB_SIZE
     special_ids: frozenset[int] = frozenset(SPECIAL_TOKENS)
 
