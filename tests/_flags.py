@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _children import die_with_parent
 
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 
@@ -83,7 +84,7 @@ def outcome(argv: Sequence[str], env: Mapping[str, str], port: int, timeout: flo
     exits first. :raises TimeoutError: neither within ``timeout`` seconds."""
     with log.open("wb") as out:
         proc = subprocess.Popen(list(argv), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
     deadline = time.monotonic() + timeout
     try:
         with httpx.Client(timeout=2, trust_env=False) as client:

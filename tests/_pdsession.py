@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _children import die_with_parent
 
 from pytest_pdserve.config.commands import VLLM_PORT_WINDOW
 
@@ -182,6 +183,7 @@ class Inner:
                 stdout=out,  # type: ignore[arg-type]  # pytest's stub says TextIO; any file object works
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         try:
             yield proc

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _children import die_with_parent
 from _ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -90,7 +91,13 @@ def _spawn(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            list(argv), env=_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO
+            list(argv),
+            env=_env(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            cwd=REPO,
         )
     return _Proc(name, f"http://127.0.0.1:{port}", proc, log_path)
 

@@ -163,3 +163,51 @@ def test_on_cpu_a_real_cluster_the_running_test_does_not_use_stops_before_anothe
         "*cluster b (sim, 1P x 1D) ready in*",
         "*test_s.py::test_3 PASSED*",
     ])  # fmt: skip
+
+
+OVERRIDDEN = """
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+# A project's own `pd_cluster` (vLLM's suites override fixtures in conftest.py): a spec of its own.
+@pytest.fixture(scope="session")
+def pd_cluster(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="mine", env={"WHICH": "mine"}))
+"""
+
+OVERRIDDEN_TESTS = """
+from _pids import _record, _running
+from pytest_pdserve.spec import ClusterSpec
+
+
+def test_1(pd_cluster):
+    _record("mine", pd_cluster)
+
+
+def test_2(pd_cluster_factory):
+    pd_cluster_factory(ClusterSpec(name="other", env={"WHICH": "other"}))
+    assert _running("mine") == []  # stopped to make room: test_2 does not use it
+
+
+def test_3(pd_cluster):
+    assert pd_cluster.spec.name == "mine"
+    assert len(_running("mine")) == 0  # the pids recorded by test_1 are gone ...
+    _record("mine", pd_cluster)
+    assert len(_running("mine")) == 3  # ... and pytest handed out a fresh cluster, not the stopped one
+    assert pd_cluster.complete("a b c", max_tokens=1)["choices"]
+"""
+
+
+def test_a_conftests_own_pd_cluster_stopped_early_is_started_afresh_for_its_next_user(inner: Inner) -> None:
+    """Every early stop goes through the manager, whose listener makes pytest forget the cached value of whichever
+    `pd_cluster` handed it out: here a conftest's override, stopped by the side-by-side rule."""
+    inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST + OVERRIDDEN)
+    inner.pytester.makepyfile(_pids=HELPERS, test_o=OVERRIDDEN_TESTS)
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*pdserve: stopping cluster mine: cluster other (sim) starts next on CPU and test_o.py::test_2 does not use*",
+        "*test_o.py::test_2 PASSED*",
+        "*cluster mine (sim, 1P x 1D) ready in*",
+        "*test_o.py::test_3 PASSED*",
+    ])  # fmt: skip

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from _children import die_with_parent
 
 P_ADDR, D_ADDR = "10.201.0.1", "10.201.0.2"
 P_HTTP, BAD_P_HTTP, D_HTTP = 8100, 8101, 8200
@@ -94,7 +95,7 @@ class _Procs:
         with (self.log_dir / f"{name}.log").open("wb") as log:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", ns, *argv], env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
         self.procs.append((name, proc))
 

@@ -23,6 +23,7 @@ import anyio.to_thread
 import httpx
 import pytest
 import uvicorn
+from _children import die_with_parent
 from _ports import free_port
 from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 from starlette.applications import Starlette
@@ -149,7 +150,9 @@ def start_proxy(tmp: Path, prefill: list[str], decode: list[str], *extra: str) -
     argv += list(extra)
     log_path = tmp / f"proxy-{port}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while True:

@@ -22,6 +22,7 @@ from typing import Any
 
 import _reuse
 import pytest
+from _children import die_with_parent
 from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
@@ -636,7 +637,9 @@ def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) ->
     (reuse_dir / dirs.REUSE_DIR_MARKER).touch()  # a reuse dir pdserve made (else no file in it is touched)
     (reuse_dir / "garbage.json").write_text("{not json")
     # A bystander process, and a state file naming it as server and keeper: nothing may signal it.
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True, preexec_fn=die_with_parent
+    )
     try:
         me = read_stat(bystander.pid)
         assert me is not None
@@ -672,7 +675,7 @@ def test_the_keeper_hands_gpus_back_only_behind_the_release_gate(
     fcntl.flock(fd, fcntl.LOCK_EX)
     sleepers = [
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                         env={**os.environ, SERVER_TOKEN_ENV: f"tok-{i}"})
+                         preexec_fn=die_with_parent, env={**os.environ, SERVER_TOKEN_ENV: f"tok-{i}"})
         for i in range(2)
     ]  # fmt: skip
     servers = [KeptServer(name=f"s{i}", pid=p.pid, pgid=p.pid, starttime=0, token=f"tok-{i}", url="",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import _reuse
 import pytest
+from _children import die_with_parent
 from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
@@ -574,7 +575,9 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
     reuse_dir.mkdir(mode=0o700)
     (reuse_dir / dirs.REUSE_DIR_MARKER).touch()
     bystanders = [
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True, preexec_fn=die_with_parent
+        )
         for _ in range(2)
     ]
     try:
@@ -729,7 +732,9 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
     ("its keeper did not stop it"), must not signal the bystander, and must leave no state behind."""
     reuse_dir = tmp_path / "reuse"
     dirs.ensure_reuse_dir(reuse_dir)
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True, preexec_fn=die_with_parent
+    )
     try:
         me = read_stat(bystander.pid)
         assert me is not None

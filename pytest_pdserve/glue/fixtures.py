@@ -251,7 +251,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
             if cfg.attach_mode:
                 cluster = manager.attached(spec, cfg)
             else:
-                last_user.make_cpu_room(item, manager, spec, _forgetter(request))
+                last_user.make_cpu_room(item, manager, spec)
                 asker = last_user.current_asker(config, item)
                 cluster = manager.get(spec, pin=False)
                 last_user.note(config, manager, spec, asker, item)
@@ -274,19 +274,13 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     pytest.fail(fail_reason or "unreachable", pytrace=False)
 
 
-def _forgetter(request: pytest.FixtureRequest) -> Callable[[PDCluster], object]:
-    """What to call with a cluster stopped before the session's end: the cached ``pd_cluster`` forgets it."""
-    return lambda cluster: forget_fixture_value(request, "pd_cluster", cluster)
-
-
 FACTORY_REQUEST = pytest.StashKey[pytest.FixtureRequest]()
 
 
 def stop_unused_clusters(item: pytest.Item) -> None:
     """After a test's teardown: stop the clusters no remaining test uses (glue/last_user.py)."""
-    request = item.config.stash.get(FACTORY_REQUEST, None)
-    if request is not None:
-        last_user.stop_unused(item, item.config.stash.get(MANAGER, None), _forgetter(request))
+    if FACTORY_REQUEST in item.config.stash:  # the factory (and with it the manager's on_stop listener) exists
+        last_user.stop_unused(item, item.config.stash.get(MANAGER, None))
 
 
 def fail_if_cluster_died(item: pytest.Item) -> None:

@@ -23,7 +23,7 @@ cluster something other than these fixtures asked for (``--pd-export-env``'s ses
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,7 @@ def _applies(manager: ClusterManager, config: pytest.Config) -> bool:
     return manager.reuser is None and not config.stash[PDSERVE_CONFIG].attach_mode
 
 
-def stop_unused(item: pytest.Item, manager: ClusterManager | None, forget: Callable[[PDCluster], object]) -> None:
+def stop_unused(item: pytest.Item, manager: ClusterManager | None) -> None:
     """After ``item`` (its fixtures torn down): stop each cluster no remaining test uses."""
     state = _state(item.config)
     if manager is None or not state.askers or not _applies(manager, item.config):
@@ -162,12 +162,10 @@ def stop_unused(item: pytest.Item, manager: ClusterManager | None, forget: Calla
         if later is not None:
             state.next_user[spec] = later
             continue
-        _stop(manager, spec, forget, f"no remaining test uses it (its last user was {item.nodeid})")
+        _stop(manager, spec, f"no remaining test uses it (its last user was {item.nodeid})")
 
 
-def make_cpu_room(
-    item: pytest.Item | None, manager: ClusterManager, spec: ClusterSpec, forget: Callable[[PDCluster], object]
-) -> None:
+def make_cpu_room(item: pytest.Item | None, manager: ClusterManager, spec: ClusterSpec) -> None:
     """Before a real-vLLM cluster for ``spec`` starts on CPU: stop the other real-vLLM clusters the running test
     does not use (two side by side need twice the memory; a later test that needs one starts it again)."""
     if item is None or not _applies(manager, item.config) or manager.inventory.platform != "cpu":
@@ -182,7 +180,7 @@ def make_cpu_room(
             continue
         if _holds(item, cluster, state.askers[other]):
             continue  # the running test holds it: both are needed
-        _stop(manager, other, forget, f"cluster {spec.name} ({engine}) starts next on CPU and {item.nodeid} does not "
+        _stop(manager, other, f"cluster {spec.name} ({engine}) starts next on CPU and {item.nodeid} does not "
                                       "use this one: two are not kept up side by side (a later user starts it "
                                       "again)")  # fmt: skip
 
@@ -196,9 +194,9 @@ def _holds(item: pytest.Item, cluster: PDCluster, askers: set[Asker]) -> bool:
     return any(v is cluster for v in values)
 
 
-def _stop(manager: ClusterManager, spec: ClusterSpec, forget: Callable[[PDCluster], object], why: str) -> None:
+def _stop(manager: ClusterManager, spec: ClusterSpec, why: str) -> None:
+    """Stop through the manager, whose ``on_stop`` listeners make pytest forget the cached fixture value (one door
+    for every early stop: glue/fixtures.py registers the listener before any cluster is handed out)."""
     name = next((c.spec.name for c in manager.running() if c.spec == spec), spec.name)  # name: not in spec's ==
     manager.report(f"pdserve: stopping cluster {name}: {why}")
-    stopped = manager.stop(spec, why=why)
-    if stopped is not None:
-        forget(stopped)
+    manager.stop(spec, why=why)

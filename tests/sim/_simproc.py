@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _children import die_with_parent
 from _ports import free_port as free_port  # re-exported: the sim tests import it from here
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,6 +61,7 @@ class SimServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
 
     def log(self) -> str:
