@@ -169,9 +169,9 @@ OVERRIDDEN = """
 import pytest
 from pytest_pdserve.spec import ClusterSpec
 
-# A project's own `pd_cluster` (vLLM's suites override fixtures in conftest.py): a spec of its own.
+# A project's own cluster fixture (vLLM's suites write them in conftest.py): a spec of its own.
 @pytest.fixture(scope="session")
-def pd_cluster(pd_cluster_factory):
+def FIXTURE(pd_cluster_factory):
     return pd_cluster_factory(ClusterSpec(name="mine", env={"WHICH": "mine"}))
 """
 
@@ -180,8 +180,8 @@ from _pids import _record, _running
 from pytest_pdserve.spec import ClusterSpec
 
 
-def test_1(pd_cluster):
-    _record("mine", pd_cluster)
+def test_1(FIXTURE):
+    _record("mine", FIXTURE)
 
 
 def test_2(pd_cluster_factory):
@@ -189,20 +189,24 @@ def test_2(pd_cluster_factory):
     assert _running("mine") == []  # stopped to make room: test_2 does not use it
 
 
-def test_3(pd_cluster):
-    assert pd_cluster.spec.name == "mine"
+def test_3(FIXTURE):
+    assert FIXTURE.spec.name == "mine"
     assert len(_running("mine")) == 0  # the pids recorded by test_1 are gone ...
-    _record("mine", pd_cluster)
+    _record("mine", FIXTURE)
     assert len(_running("mine")) == 3  # ... and pytest handed out a fresh cluster, not the stopped one
-    assert pd_cluster.complete("a b c", max_tokens=1)["choices"]
+    assert FIXTURE.complete("a b c", max_tokens=1)["choices"]
 """
 
 
-def test_a_conftests_own_pd_cluster_stopped_early_is_started_afresh_for_its_next_user(inner: Inner) -> None:
-    """Every early stop goes through the manager, whose listener makes pytest forget the cached value of whichever
-    `pd_cluster` handed it out: here a conftest's override, stopped by the side-by-side rule."""
-    inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST + OVERRIDDEN)
-    inner.pytester.makepyfile(_pids=HELPERS, test_o=OVERRIDDEN_TESTS)
+@pytest.mark.parametrize("fixture", ["pd_cluster", "mine_cluster"])
+def test_a_conftests_own_cluster_fixture_stopped_early_is_started_afresh_for_its_next_user(
+    inner: Inner, fixture: str
+) -> None:
+    """Every early stop goes through the manager, whose listener makes pytest forget every cached fixture value
+    that is the stopped cluster: a conftest's override of `pd_cluster`, or a fixture of its own name (under xdist,
+    tests/conftest.py's `real_pd_cluster` was handed out stopped), here stopped by the side-by-side rule."""
+    inner.pytester.makeconftest(INNER_CONFTEST + SIDE_BY_SIDE_CONFTEST + OVERRIDDEN.replace("FIXTURE", fixture))
+    inner.pytester.makepyfile(_pids=HELPERS, test_o=OVERRIDDEN_TESTS.replace("FIXTURE", fixture))
     result = inner.run("-v", "-p", "no:randomly")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
@@ -211,3 +215,39 @@ def test_a_conftests_own_pd_cluster_stopped_early_is_started_afresh_for_its_next
         "*cluster mine (sim, 1P x 1D) ready in*",
         "*test_o.py::test_3 PASSED*",
     ])  # fmt: skip
+
+
+OUT_OF_ORDER_CONFTEST = """
+import pytest
+from pytest_pdserve.spec import ClusterSpec
+
+
+@pytest.fixture(scope="session")
+def shared(pd_cluster_factory):
+    return pd_cluster_factory(ClusterSpec(name="shared", env={"WHICH": "shared"}))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    # What an xdist worker does with --dist loadfile: it runs the files in the order they are sent, here the
+    # second collected file first.
+    items = sorted(session.items, key=lambda item: 0 if "test_b.py" in item.nodeid else 1)
+    for i, item in enumerate(items):
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=items[i + 1] if i + 1 < len(items) else None)
+    return True
+"""
+
+
+def test_a_cluster_is_kept_for_an_earlier_collected_test_that_runs_later(inner: Inner) -> None:
+    """The remaining tests are those this process has not run, not those collected after this one."""
+    inner.pytester.makeconftest(INNER_CONFTEST + OUT_OF_ORDER_CONFTEST)
+    inner.pytester.makepyfile(
+        test_a="def test_a(shared):\n    assert shared.complete('a b', max_tokens=1)['choices']\n",
+        test_b="def test_b(shared):\n    assert shared.complete('a b', max_tokens=1)['choices']\n",
+    )
+    result = inner.run("-v", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_b.py::test_b PASSED*", "*test_a.py::test_a PASSED*"])
+    out = result.stdout.str()
+    assert "its last user was test_b.py::test_b" not in out  # test_a, collected first, had not run yet
+    assert out.count("cluster shared (sim, 1P x 1D) ready in") == 1, "started twice"

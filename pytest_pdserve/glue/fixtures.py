@@ -316,7 +316,7 @@ class _Factory:
         return _get_cluster(self._request, spec)
 
     def _forget(self, stopped: PDCluster) -> None:
-        forget_fixture_value(self._request, "pd_cluster", stopped)
+        forget_fixture_values(self._request, stopped)
 
     def stop(self, spec: ClusterSpec) -> None:
         """Stop the cluster for ``spec`` now (e.g. at the end of a module, to free GPUs or memory).
@@ -328,24 +328,30 @@ class _Factory:
             manager.stop(spec)  # the manager's on_stop listener (above) makes pytest forget it
 
 
-def forget_fixture_value(request: pytest.FixtureRequest, name: str, value: object) -> bool:
-    """Make pytest run fixture ``name`` again next time, if it cached ``value``; returns whether it did.
+def forget_fixture_values(request: pytest.FixtureRequest, value: object) -> list[str]:
+    """Make pytest run again, next time, every fixture that cached ``value``; returns their names.
 
-    pytest caches a session fixture's value for the whole session and has no public way to drop it, so this
-    uses ``FixtureDef.finish`` (what pytest itself calls to tear a fixture down) through the fixture manager.
-    Isolated here and tested (tests/test_hostile_lifecycle.py): should pytest's internals change, it warns
-    and the stopped cluster's own errors remain.
+    Not only ``pd_cluster``: a conftest fixture of any name that returns a factory cluster (vLLM's suites name
+    theirs) is cached by pytest just the same, and handing its stopped cluster to the next test fails that test with
+    "connection refused" (found under xdist with tests/conftest.py's ``real_pd_cluster``). pytest caches a fixture's
+    value for its scope and has no public way to drop it, so this uses ``FixtureDef.finish`` (what pytest itself
+    calls to tear a fixture down) through the fixture manager. Isolated here and tested
+    (tests/test_last_user.py, tests/test_hostile_lifecycle.py): should pytest's internals change, it warns and the
+    stopped cluster's own errors remain.
     """
+    forgotten: list[str] = []
     try:
-        defs = request._fixturemanager.getfixturedefs(name, request.node) or ()
+        manager: Any = request._fixturemanager
+        every = getattr(manager, "_get_all_fixture_defs", None)  # newer pytest; older ones: a dict of lists
+        defs = list(every()) if every is not None else [d for ds in manager._arg2fixturedefs.values() for d in ds]
         for fixturedef in defs:
             cached = fixturedef.cached_result
             if cached is not None and cached[0] is value:
-                fixturedef.finish(request)  # type: ignore[arg-type]  # a SubRequest at run time
-                return True
+                fixturedef.finish(request)  # a SubRequest at run time
+                forgotten.append(fixturedef.argname)
     except Exception as exc:  # pytest internals moved: keep the stop, lose only the re-run
-        log.warning("pdserve: could not make pytest forget the stopped %s fixture value: %r", name, exc)
-    return False
+        log.warning("pdserve: could not make pytest forget a stopped cluster's fixture values: %r", exc)
+    return forgotten
 
 
 @pytest.fixture(scope="session")

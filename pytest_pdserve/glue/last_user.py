@@ -10,8 +10,9 @@ left five real vLLM servers (about 15 GB) up at once. Each cluster the fixtures 
   stays up; a cluster several modules share is asked for from a fixture they request (in a conftest.py).
 
 After each test (once its fixtures are torn down), a cluster none of whose askers has a remaining user is stopped.
-The remaining tests are the collected items after this one, in the order pytest runs them; an xdist worker cannot
-tell which of them it will run, so it keeps a cluster while any of them might use it.
+The remaining tests are the collected items this process has not run yet; an xdist worker cannot tell which of
+them it will be sent, nor in which order, so it keeps a cluster while any of them might use it (in practice, to the
+session's end when other workers run its users).
 
 On the CPU platform, before a real-vLLM cluster starts, every other real-vLLM cluster the running test does not use
 is stopped first: a pair is ~6 GB of memory a small machine may not have twice. A later test that needs a stopped
@@ -57,8 +58,10 @@ class _State:
     #: The fixtures being set up now, innermost last: the last one is who calls the factory.
     setting_up: list[tuple[Any, int | None]] = field(default_factory=list)
     askers: dict[ClusterSpec, set[Asker]] = field(default_factory=dict)
-    #: Position of the next test known to use a spec (skips rescanning the items after every test).
+    #: Position of a test not run yet known to use a spec (skips rescanning the items after every test).
     next_user: dict[ClusterSpec, int] = field(default_factory=dict)
+    #: Positions of the items this process has run.
+    done: set[int] = field(default_factory=set)
     items: list[pytest.Item] = field(default_factory=list)
     position: dict[int, int] = field(default_factory=dict)  # id(item) -> index in items
 
@@ -78,6 +81,7 @@ def collection_finished(session: pytest.Session) -> None:
     state.items = list(session.items)
     state.position = {id(item): n for n, item in enumerate(state.items)}
     state.next_user.clear()
+    state.done.clear()
 
 
 def fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Generator[None, Any, Any]:
@@ -152,13 +156,18 @@ def stop_unused(item: pytest.Item, manager: ClusterManager | None) -> None:
     pos = state.position.get(id(item))
     if pos is None:  # not a collected item (a plugin re-running it): nothing known about what follows
         return
+    state.done.add(pos)
+    # Remaining = every collected item this process has not run yet, not only those after this one: an xdist
+    # worker runs the files it is sent in the order they come, not in collection order (loadfile sent a later file
+    # first, and a cluster an earlier file still needed was stopped).
+    order = [*range(pos + 1, len(state.items)), *range(pos)]  # the nearest first: most searches end early
     for spec, askers in list(state.askers.items()):
         if not askers or spec in manager.pinned or not manager.is_running(spec):
             continue
-        if state.next_user.get(spec, -1) > pos:
+        known = state.next_user.get(spec)
+        if known is not None and known not in state.done:
             continue
-        later = next((n for n in range(pos + 1, len(state.items)) if any(_uses(a, state.items[n]) for a in askers)),
-                     None)  # fmt: skip
+        later = next((n for n in order if n not in state.done and any(_uses(a, state.items[n]) for a in askers)), None)
         if later is not None:
             state.next_user[spec] = later
             continue
