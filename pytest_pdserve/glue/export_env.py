@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_pdserve.common.logfile import check_writable, write_replace
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
 from pytest_pdserve.glue.session_inventory import get_inventory
@@ -84,7 +83,8 @@ VLLM_TESTS_EXTRA = "vllm-tests"
 #: "local-completions" API model, and lm_eval downloads the dataset when it runs.
 _OUTSIDE_EXTRA = {"lm_eval": "pip install 'lm_eval[api]' (it also downloads the gsm8k dataset: network access)"}
 #: How pytest reports a test module whose import failed for a missing module (its CollectError text).
-_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+#: A pattern, compiled (and cached by ``re``) at the first failed module of an exporting run, not when the plugin loads.
+_NO_MODULE = r"ModuleNotFoundError: No module named '([\w.]+)'"
 
 
 def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterSpec, list[str]]:
@@ -215,6 +215,9 @@ FILE_HEADER = "# written by pytest-pdserve --pd-export-env\n"
 def foreign_file(path: Path) -> str | None:
     """Why *path* must not be written as an export file (a link or other non-file, or a file pdserve did not
     write), or None."""
+    # Lazy: logfile.py, ~1.3 M instructions to load under pytest (cachegrind 2026-12-02), only for an export file.
+    from pytest_pdserve.common.logfile import check_writable
+
     try:
         check_writable(path)  # the writer's own rule (logfile), asked before anything starts
     except OSError as exc:
@@ -239,6 +242,9 @@ def _export(exported: Exported) -> None:
         exported.file.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
         text = FILE_HEADER + "\n".join(lines) + "\n"
+        # Lazy: see foreign_file (logfile.py only for an export file).
+        from pytest_pdserve.common.logfile import write_replace
+
         # Replaced by rename, never written through: a link planted as FILE in a shared directory is refused.
         write_replace(exported.file, text.encode(), mode=0o644)
 
@@ -316,7 +322,7 @@ def name_missing_extra(config: pytest.Config, report: pytest.CollectReport) -> N
     add to its error the command that installs it, instead of leaving a bare ``ModuleNotFoundError``."""
     if not report.failed or EXPORTED not in config.stash:
         return
-    match = _NO_MODULE.search(str(report.longrepr))
+    match = re.search(_NO_MODULE, str(report.longrepr))
     if match is None:
         return
     top = match.group(1).split(".", 1)[0]

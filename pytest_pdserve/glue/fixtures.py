@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
@@ -25,7 +24,6 @@ from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
-from pytest_pdserve.reuse import PLUGIN_NAME as REUSE_PLUGIN
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +95,20 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
     """The reuse plugin (`reuse/plugin.py`), registered by pytest_configure when --pd-reuse is given; None: not
     given."""
-    plugin: ReusePlugin | None = config.pluginmanager.get_plugin(REUSE_PLUGIN)
+    # Lazy: one module (~1 M instructions with pytest's assertion-rewrite hook, cachegrind 2026-12-02) that only a
+    # run which builds a cluster manager needs.
+    from pytest_pdserve.reuse import PLUGIN_NAME
+
+    plugin: ReusePlugin | None = config.pluginmanager.get_plugin(PLUGIN_NAME)
     return plugin
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
     """Progress lines to the terminal (around pytest's capture) and to ``pdserve.log``."""
+    # Lazy: logfile.py costs ~1.3 M instructions to load under pytest (cachegrind 2026-12-02); a reporter exists only
+    # once a cluster manager is built.
+    from pytest_pdserve.common.logfile import open_append
+
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
 
