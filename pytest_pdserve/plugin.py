@@ -21,7 +21,7 @@ from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, start_failure
+from pytest_pdserve.glue import export_env, kv_moved, last_user, logs
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
@@ -202,6 +202,10 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A start error as its message alone; what each server and the proxy logged during a failed test as report
     sections; passed modules noted for ``--pd-require-kv-transfer``."""
+    # Lazy: ~1.8 M instructions to load under pytest (cachegrind 2026-12-02), needed only once a test runs: a
+    # collection (--collect-only, an IDE's test discovery, the xdist controller) never loads it.
+    from pytest_pdserve.glue import start_failure
+
     start_failure.report_as_message(call)
     report = yield
     logs.attach_sections(item, report)

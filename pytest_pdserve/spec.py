@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pytest_pdserve.config import owned_flags, presets
+
+# Shared with the session settings (config/bounds.py: the settings table loads them without this module).
+from pytest_pdserve.config.bounds import ATTENTION_BACKEND_RE, MAX_BLOCK_SIZE, MAX_MODEL_LEN
 from pytest_pdserve.errors import ClusterSpecError
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
@@ -24,9 +27,6 @@ KV_CONNECTORS = ("NixlConnector", "MultiConnector")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 MAMBA_CACHE_MODES = ("all", "align", "none")
 
-#: Upper bounds shared with the session settings (`settings.py`): beyond them a value only costs memory or time.
-MAX_BLOCK_SIZE = 8192
-MAX_MODEL_LEN = 1 << 24
 MAX_TP = 64
 MAX_SERVERS = 64
 #: Linux rejects a single argv element or env string of 128 KiB or more (MAX_ARG_STRLEN) with a raw OSError.
@@ -35,8 +35,6 @@ MAX_ARG_BYTES = 128 * 1024 - 1
 MAX_ARGS_TOTAL_BYTES = 1 << 20
 #: Cluster names become log file names: no path separators, no leading dot.
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+ -]{0,79}")
-#: What vLLM attention backend names look like (``FLASH_ATTN``, ``TRITON_ATTN``, ``auto``).
-ATTENTION_BACKEND_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 
 
 def argv_text_problem(value: str) -> str | None:

@@ -73,6 +73,24 @@ def test_skips_under_one_simulated_cuda_gpu(pytester: pytest.Pytester) -> None:
     assert got["test_distributed_two"] == f"needs 2 GPUs, 1 visible (cuda, {sim})"
 
 
+def test_markers_on_a_module_or_class_apply_to_each_of_its_tests(pytester: pytest.Pytester) -> None:
+    """The skip check walks each item's parents once per collection (collection cost, issue 27): a marker on the
+    module or the class still reaches every test under it, and a sibling module without one is untouched."""
+    pytester.makepyfile(
+        test_mod="import pytest\n\npytestmark = pytest.mark.gpus(2)\n\ndef test_a(): pass\n\ndef test_b(): pass\n",
+        test_cls="import pytest\n\n@pytest.mark.rocm\nclass TestR:\n    def test_c(self): pass\n\n"
+        "def test_free(): pass\n",
+    )
+    got = outcomes(pytester, "--pd-simulate-gpus=cuda:1")
+    sim = "simulated via --pd-simulate-gpus=cuda:1"
+    assert got == {
+        "test_a": f"needs 2 GPUs, 1 visible (cuda, {sim})",
+        "test_b": f"needs 2 GPUs, 1 visible (cuda, {sim})",
+        "test_c": f"needs platform rocm, this machine is cuda ({sim})",
+        "test_free": "PASSED",
+    }
+
+
 def test_simulated_rocm_from_the_environment(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_SIMULATE_GPUS", "rocm:2")
     pytester.makepyfile(MARKED_TESTS)

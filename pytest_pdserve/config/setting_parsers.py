@@ -15,14 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_pdserve.common.digits import is_int, parse_float, parse_int
-from pytest_pdserve.config.commands import proxy_placeholder_problems
-from pytest_pdserve.config.connector import parse_kv_connector_config
-from pytest_pdserve.config.extra_args import parse_extra_args
-from pytest_pdserve.config.presets import PRESETS
+from pytest_pdserve.config.bounds import ATTENTION_BACKEND_RE
 from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError, InventoryError, SettingError
-from pytest_pdserve.machine.inventory import parse_simulate_gpus
-from pytest_pdserve.machine.port_leases import parse_port_range
-from pytest_pdserve.spec import ATTENTION_BACKEND_RE
+
+# The parsers below that need the cluster-description modules (commands, connector, presets -> spec, owned_flags,
+# vllm_compat, packaging) or the lease machinery (port_leases -> lockfiles -> proctree) import them when the setting
+# is given: loading them cost about 100 M instructions of the plugin's import (cachegrind, 2026-12-02), and a run that
+# gives none of these settings (the default) never needs them.
 
 __all__ = [
     "MAX_GPU_INDEX",
@@ -119,13 +118,11 @@ def text(what: str, max_len: int = 4096) -> Callable[[str], str]:
     return parse
 
 
-_API_KEY = re.compile(r"[\x21-\x7e]{1,1024}")
-
-
 def api_key(text: str) -> str:
-    # It goes into an HTTP header (Authorization: Bearer KEY): printable ASCII, no spaces.
+    # It goes into an HTTP header (Authorization: Bearer KEY): 1-1024 printable ASCII characters, no spaces. Checked
+    # without a regex: compiling one at import costs every run that loads the plugin, and few give a key.
     value = text.strip()
-    if not _API_KEY.fullmatch(value):
+    if not (1 <= len(value) <= 1024 and all("\x21" <= c <= "\x7e" for c in value)):
         raise SettingError("expected 1-1024 printable ASCII characters without spaces (it is sent as an HTTP header)")
     return value
 
@@ -149,6 +146,9 @@ def attention_backend(text: str) -> str:
 
 
 def extra_args(text: str) -> tuple[str, ...]:
+    # Lazy: extra_args.py, ~1.1 M instructions to load under pytest (cachegrind 2026-12-02), only when given.
+    from pytest_pdserve.config.extra_args import parse_extra_args
+
     try:
         return parse_extra_args(text)
     except ExtraArgsError as exc:
@@ -162,6 +162,9 @@ def command(text: str) -> tuple[str, ...]:
         raise SettingError(f"cannot split it as a shell command ({exc}); balance the quotes") from None
     if not argv:
         raise SettingError("expected a command line, e.g. 'python my_proxy.py --port {port}'")
+    # Lazy: commands.py pulls in spec, presets, owned_flags and packaging (~75 M instructions, see the top).
+    from pytest_pdserve.config.commands import proxy_placeholder_problems
+
     problems = proxy_placeholder_problems(argv)
     if problems:
         raise SettingError("; ".join(problems))
@@ -203,6 +206,9 @@ def simulate_gpus(text: str) -> str:
         raise SettingError("use N, cuda:N or rocm:N with N a whole number >= 0 (digits 0-9 only)")
     if int(count) > MAX_SIMULATED_GPUS:
         raise SettingError(f"at most {MAX_SIMULATED_GPUS} GPUs can be simulated")
+    # Lazy: inventory.py is ~6 M instructions at import (measured 2026-12-02); only --pd-simulate-gpus needs it here.
+    from pytest_pdserve.machine.inventory import parse_simulate_gpus
+
     try:
         parse_simulate_gpus(text)
     except InventoryError as exc:
@@ -211,6 +217,9 @@ def simulate_gpus(text: str) -> str:
 
 
 def preset(text: str) -> str:
+    # Lazy: presets.py is ~10 M instructions at import (measured 2026-12-02); only --pd-preset needs it.
+    from pytest_pdserve.config.presets import PRESETS
+
     value = text.strip()
     if value not in PRESETS and value != "auto":
         raise SettingError(f"accepted values: auto (from the module names), {', '.join(PRESETS)}")
@@ -218,6 +227,9 @@ def preset(text: str) -> str:
 
 
 def kv_connector_config(text: str) -> str:
+    # Lazy: connector.py imports spec.py (with presets and owned_flags ~40 M instructions, measured 2026-12-02).
+    from pytest_pdserve.config.connector import parse_kv_connector_config
+
     try:
         parse_kv_connector_config(text)
     except ClusterSpecError as exc:
@@ -236,6 +248,9 @@ def port(text: str) -> int:
 
 
 def port_range(text: str) -> tuple[int, int]:
+    # Lazy: port_leases.py loads lockfiles and proctree (~10 M instructions, measured 2026-12-02).
+    from pytest_pdserve.machine.port_leases import parse_port_range
+
     try:
         return parse_port_range(text)
     except ValueError as exc:

@@ -24,12 +24,11 @@ from typing import Any
 import pytest
 
 from pytest_pdserve.common import redaction
-from pytest_pdserve.config import owned_flags
 from pytest_pdserve.config.setting_parsers import check_raw
 
 # The table's names are re-exported: settings.SETTINGS, settings.remedy, ... are where callers look.
 from pytest_pdserve.config.setting_table import PATH_SETTINGS, SETTINGS, SETTINGS_BY_NAME, Setting, remedy
-from pytest_pdserve.engines.engine import VLLM_MODULE_ENTRYPOINT, resolve_engine
+from pytest_pdserve.engines.locate import VLLM_MODULE_ENTRYPOINT, resolve_engine
 from pytest_pdserve.errors import InventoryError, OwnedFlagError, PathError, SettingError
 from pytest_pdserve.machine.inventory import Platform, parse_simulate_gpus
 from pytest_pdserve.machine.paths import check_dir
@@ -360,6 +359,12 @@ def _check_extra_args(values: Mapping[str, Any], sources: Mapping[str, str]) -> 
     """The owned-flags table applied to the session's extra args: refused flags, and ``once`` flags that a
     setting gives too (the same rule `effective.effective` applies per cluster)."""
     extra: Sequence[str] = values["vllm_serve_extra_args"]
+    if not extra:
+        return  # no flag to refuse, and each setting gives its flag once: nothing can fail (the default run)
+    # Lazy: owned_flags.py is ~14 M instructions at import (its table and dataclasses, cachegrind 2026-12-02), needed
+    # only when extra args are given.
+    from pytest_pdserve.config import owned_flags
+
     where = short_source(sources["vllm_serve_extra_args"])
     given: dict[str, list[owned_flags.Given]] = {}
     for owned in owned_flags.OWNED_FLAGS:

@@ -8,9 +8,6 @@ and a silent "assume the newest" turns into an argparse error or a wrong role mu
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +16,10 @@ from pathlib import Path
 from pytest_pdserve.config.commands import EngineInfo
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
+
+# Deciding the engine lives in locate.py (no import of ours), so resolving the settings at configure loads neither
+# commands.py nor spec.py nor packaging; re-exported here, where callers look.
+from pytest_pdserve.engines.locate import VLLM_MODULE_ENTRYPOINT, resolve_engine
 from pytest_pdserve.engines.tiny_model import ensure_tiny_model
 from pytest_pdserve.errors import ClusterUnavailable, EngineVersionUnknown
 from pytest_pdserve.spec import ClusterSpec
@@ -57,52 +58,6 @@ class EngineSetup:
 
 #: The simulator, run by the interpreter running pytest.
 SIM_ARGV = (sys.executable, "-m", "pytest_pdserve.sim")
-VLLM_MODULE_ENTRYPOINT = ("-m", "vllm.entrypoints.cli.main")
-"""``python -m`` target used when the vllm package is importable but no ``vllm`` script is found."""
-
-
-def resolve_engine(
-    engine: str,
-    vllm_executable: str,
-    *,
-    which: Callable[[str], str | None] = shutil.which,
-    has_module: Callable[[str], bool] | None = None,
-    python: str = sys.executable,
-) -> tuple[str, str, tuple[str, ...]]:
-    """Decide the engine without importing vllm.
-
-    :returns: ``(resolved_engine, reason, vllm_argv)``; vllm_argv is empty when vLLM is not found.
-    """
-    if engine == "sim":
-        return "sim", "sim: requested", ()
-    argv: tuple[str, ...] = ()
-    found = ""
-    exe = Path(vllm_executable).expanduser()
-    if os.sep in vllm_executable or exe.is_absolute():
-        if exe.is_file() and os.access(exe, os.X_OK):
-            argv, found = (str(exe.resolve()),), f"vllm executable {exe}"
-    else:
-        beside = Path(python).parent / vllm_executable
-        if beside.is_file() and os.access(beside, os.X_OK):
-            argv, found = (str(beside),), f"vllm executable found at {beside}"
-        elif (on_path := which(vllm_executable)) is not None:
-            argv, found = (on_path,), f"vllm executable found at {on_path}"
-    if not argv:
-        check = has_module or _has_module
-        if check("vllm"):
-            argv, found = (python, *VLLM_MODULE_ENTRYPOINT), f"vllm package importable by {python}"
-    if engine == "vllm":
-        return "vllm", f"vllm: requested; {found}" if found else "vllm: requested", argv
-    if argv:
-        return "vllm", f"auto: {found}", argv
-    return "sim", "auto: no vllm executable on PATH or next to python; using the simulator", ()
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def vllm_python(argv: Sequence[str]) -> str:

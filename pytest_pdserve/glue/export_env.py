@@ -20,26 +20,25 @@ import re
 import shlex
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_pdserve.common.logfile import check_writable, write_replace
-from pytest_pdserve.config import owned_flags
-from pytest_pdserve.config.connector import parse_kv_connector_config
-from pytest_pdserve.config.presets import AUTO, PRESETS, PresetResult, auto_preset, describe_config
-from pytest_pdserve.config.presets import resolve as resolve_preset
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
 from pytest_pdserve.glue.session_inventory import get_inventory
-from pytest_pdserve.spec import ClusterSpec
 
+# The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: ~40 M instructions at import,
+# cachegrind 2026-12-02) are imported by the functions that describe the session cluster: the plugin loads this module
+# for every run, and a run without --pd-preset / --pd-export-env / pd_cluster never describes one.
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
+    from pytest_pdserve.config.presets import PresetResult
     from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot
     from pytest_pdserve.running.manager import ClusterManager
+    from pytest_pdserve.spec import ClusterSpec
 
 #: ``fixtures.get_manager``: the session's cluster manager, built on first use.
 GetManager = Callable[[pytest.Config, pytest.TempPathFactory], "ClusterManager"]
@@ -49,25 +48,30 @@ GetManager = Callable[[pytest.Config, pytest.TempPathFactory], "ClusterManager"]
 _SESSION_WINS = ("model", "attention_backend", "block_size", "max_model_len", "gpu_memory_utilization")
 
 
-@dataclass
 class Exported:
-    """What ``--pd-export-env`` started and exported (``config.stash[EXPORTED]``)."""
+    """What ``--pd-export-env`` started and exported (``config.stash[EXPORTED]``).
 
-    spec: ClusterSpec
-    cluster: PDCluster | None = None
-    variables: dict[str, str] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-    file: Path | None = None
-    #: os.environ values before we exported (None: unset), restored at unconfigure.
-    saved: dict[str, str | None] = field(default_factory=dict)
-    baseline: dict[str, MetricsSnapshot] = field(default_factory=dict)
-    preset: str | None = None
-    #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
-    moved: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: The running module and its decode servers' metrics when it began.
-    module_start: tuple[str, dict[str, MetricsSnapshot]] | None = None
-    #: Modules with at least one passed test (only those must have moved KV).
-    passed: set[str] = field(default_factory=set)
+    A plain class, not a dataclass: defining a 12-field dataclass costs ~5 M instructions (cachegrind, 2026-12-02),
+    paid by every run that loads the plugin, and only an exporting run makes one."""
+
+    def __init__(
+        self, spec: ClusterSpec, *, notes: tuple[str, ...] = (), preset: str | None = None, file: Path | None = None
+    ) -> None:
+        self.spec = spec
+        self.cluster: PDCluster | None = None
+        self.variables: dict[str, str] = {}
+        self.notes = notes
+        self.file = file
+        #: os.environ values before we exported (None: unset), restored at unconfigure.
+        self.saved: dict[str, str | None] = {}
+        self.baseline: dict[str, MetricsSnapshot] = {}
+        self.preset = preset
+        #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
+        self.moved: dict[str, tuple[float, float]] = {}
+        #: The running module and its decode servers' metrics when it began.
+        self.module_start: tuple[str, dict[str, MetricsSnapshot]] | None = None
+        #: Modules with at least one passed test (only those must have moved KV).
+        self.passed: set[str] = set()
 
 
 EXPORTED = pytest.StashKey[Exported]()
@@ -79,7 +83,8 @@ VLLM_TESTS_EXTRA = "vllm-tests"
 #: "local-completions" API model, and lm_eval downloads the dataset when it runs.
 _OUTSIDE_EXTRA = {"lm_eval": "pip install 'lm_eval[api]' (it also downloads the gsm8k dataset: network access)"}
 #: How pytest reports a test module whose import failed for a missing module (its CollectError text).
-_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+#: A pattern, compiled (and cached by ``re``) at the first failed module of an exporting run, not when the plugin loads.
+_NO_MODULE = r"ModuleNotFoundError: No module named '([\w.]+)'"
 
 
 def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterSpec, list[str]]:
@@ -89,6 +94,10 @@ def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterS
     args, clears the preset's field; each override is returned as a report-header note. Two of the user's own
     sources that disagree are still refused, by `effective.effective` (``--max-model-len is given twice``).
     """
+    # Lazy: ~14 M instructions at import (see the top); a preset is in use, so spec.py has loaded it already.
+    from pytest_pdserve.config import owned_flags
+    from pytest_pdserve.spec import ClusterSpec
+
     cleared: dict[str, None] = {}
     notes = []
     for name in _SESSION_WINS:
@@ -111,6 +120,12 @@ def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterS
 def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
     """The session cluster's spec: ``--pd-preset`` (if any), explicit session settings over it, then the
     session connector (``--pd-kv-connector-config``). ``pd_cluster`` and ``--pd-export-env`` both use it."""
+    # Lazy: the cluster-description modules, ~40 M instructions at import (see the top), loaded when a session
+    # cluster is first described.
+    from pytest_pdserve.config.connector import parse_kv_connector_config
+    from pytest_pdserve.config.presets import resolve as resolve_preset
+    from pytest_pdserve.spec import ClusterSpec
+
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     result = None
     spec = ClusterSpec()
@@ -138,6 +153,9 @@ def session_preset_name(config: pytest.Config) -> str | None:
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     if cfg.preset != "auto":
         return cfg.preset
+    # Lazy: presets.py, ~10 M instructions at import (see the top), only for --pd-preset auto.
+    from pytest_pdserve.config.presets import AUTO, PRESETS, auto_preset
+
     base = config.invocation_params.dir if config.args_source != pytest.Config.ArgsSource.TESTPATHS else config.rootpath
     where = f"--pd-preset auto (from {cfg.source_of('preset')})"
     try:
@@ -197,6 +215,9 @@ FILE_HEADER = "# written by pytest-pdserve --pd-export-env\n"
 def foreign_file(path: Path) -> str | None:
     """Why *path* must not be written as an export file (a link or other non-file, or a file pdserve did not
     write), or None."""
+    # Lazy: logfile.py, ~1.3 M instructions to load under pytest (cachegrind 2026-12-02), only for an export file.
+    from pytest_pdserve.common.logfile import check_writable
+
     try:
         check_writable(path)  # the writer's own rule (logfile), asked before anything starts
     except OSError as exc:
@@ -221,6 +242,9 @@ def _export(exported: Exported) -> None:
         exported.file.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
         text = FILE_HEADER + "\n".join(lines) + "\n"
+        # Lazy: see foreign_file (logfile.py only for an export file).
+        from pytest_pdserve.common.logfile import write_replace
+
         # Replaced by rename, never written through: a link planted as FILE in a shared directory is refused.
         write_replace(exported.file, text.encode(), mode=0o644)
 
@@ -298,7 +322,7 @@ def name_missing_extra(config: pytest.Config, report: pytest.CollectReport) -> N
     add to its error the command that installs it, instead of leaving a bare ``ModuleNotFoundError``."""
     if not report.failed or EXPORTED not in config.stash:
         return
-    match = _NO_MODULE.search(str(report.longrepr))
+    match = re.search(_NO_MODULE, str(report.longrepr))
     if match is None:
         return
     top = match.group(1).split(".", 1)[0]
@@ -333,6 +357,9 @@ def header_lines(config: pytest.Config) -> list[str]:
     exported = config.stash.get(EXPORTED, None)
     if exported is None or exported.cluster is None:
         return []
+    # Lazy: presets.py (see the top); a session cluster was exported, so it is loaded already.
+    from pytest_pdserve.config.presets import describe_config
+
     lines = []
     if exported.preset is not None:
         lines.append(f"pdserve: preset {exported.preset}: {describe_config(exported.spec)}, block size "

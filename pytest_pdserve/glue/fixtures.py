@@ -17,19 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact
-from pytest_pdserve.config.commands import SessionDefaults
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
-from pytest_pdserve.engines.engine import engine_setup
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 from pytest_pdserve.glue import last_user
-from pytest_pdserve.glue.export_env import session_proxy_port, session_spec
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
-from pytest_pdserve.reuse import PLUGIN_NAME as REUSE_PLUGIN
-from pytest_pdserve.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +33,7 @@ if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.reuse.plugin import ReusePlugin
     from pytest_pdserve.running.manager import ClusterManager
+    from pytest_pdserve.spec import ClusterSpec
 
 
 class ClusterFactory(Protocol):
@@ -100,12 +95,20 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
     """The reuse plugin (`reuse/plugin.py`), registered by pytest_configure when --pd-reuse is given; None: not
     given."""
-    plugin: ReusePlugin | None = config.pluginmanager.get_plugin(REUSE_PLUGIN)
+    # Lazy: one module (~1 M instructions with pytest's assertion-rewrite hook, cachegrind 2026-12-02) that only a
+    # run which builds a cluster manager needs.
+    from pytest_pdserve.reuse import PLUGIN_NAME
+
+    plugin: ReusePlugin | None = config.pluginmanager.get_plugin(PLUGIN_NAME)
     return plugin
 
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
     """Progress lines to the terminal (around pytest's capture) and to ``pdserve.log``."""
+    # Lazy: logfile.py costs ~1.3 M instructions to load under pytest (cachegrind 2026-12-02); a reporter exists only
+    # once a cluster manager is built.
+    from pytest_pdserve.common.logfile import open_append
+
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
 
@@ -142,6 +145,10 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     """The session's cluster manager, built from the resolved settings (once per process)."""
     # Lazy: manager.py imports the launcher, the cluster objects, httpx and prometheus_client, about 145 ms of CPU
     # (measured 2026-12-02 after pytest and the plugin), which only a run that needs a cluster pays.
+    # Lazy too: commands.py and engine.py load spec, presets, owned_flags and packaging, ~90 M instructions at
+    # import (cachegrind 2026-12-02), which loading the plugin for a run that starts no cluster must not pay.
+    from pytest_pdserve.config.commands import SessionDefaults
+    from pytest_pdserve.engines.engine import engine_setup
     from pytest_pdserve.running.manager import ClusterManager
 
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
@@ -306,6 +313,10 @@ class _Factory:
         if spec is not None and fields:
             spec = spec.with_(**fields)
         elif spec is None:
+            # Lazy: spec.py with presets and owned_flags is ~40 M instructions at import (cachegrind 2026-12-02);
+            # the plugin loads this module for every run, a cluster is asked for in few.
+            from pytest_pdserve.spec import ClusterSpec
+
             spec = ClusterSpec(**fields)
         if not self._listening:
             # Whatever stops a cluster (this factory's stop, or the manager making room for another spec on the
@@ -376,6 +387,9 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
     reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``). ``--pd-preset``,
     ``--pd-kv-connector-config`` and ``--pd-proxy-port`` shape it (the same cluster ``--pd-export-env`` exports).
     """
+    # Lazy: export_env's session spec loads spec.py and presets (~40 M instructions, see _Factory), here at first use.
+    from pytest_pdserve.glue.export_env import session_proxy_port, session_spec
+
     spec, preset = session_spec(request.config)
     port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
     if port is not None:

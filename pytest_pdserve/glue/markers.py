@@ -15,14 +15,16 @@ its cluster runs on that one GPU (its report says so too).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
 from pytest_pdserve.config.settings import PDSERVE_CONFIG
 from pytest_pdserve.errors import MarkerError
 from pytest_pdserve.glue.session_inventory import get_inventory
-from pytest_pdserve.machine.inventory import Inventory
+
+if TYPE_CHECKING:
+    from pytest_pdserve.machine.inventory import Inventory
 
 __all__ = [
     "MARKERS",
@@ -47,9 +49,11 @@ MARKERS = (
 PLATFORM_MARKERS = ("cuda", "rocm")
 
 
-@dataclass(frozen=True)
-class Requirement:
-    """What an item needs: a platform (any of, empty = any) and a GPU count."""
+class Requirement(NamedTuple):
+    """What an item needs: a platform (any of, empty = any) and a GPU count.
+
+    A NamedTuple, not a frozen dataclass: about 2 M instructions cheaper to define (cachegrind, 2026-12-02), which
+    every run pays when the plugin loads."""
 
     platforms: frozenset[str] = frozenset()
     gpus: int = 0
@@ -91,10 +95,32 @@ def _unknown(kwargs: Mapping[str, object], known: Iterable[str], shown: str, usa
         raise MarkerError(f"{shown}: unknown keyword argument{'s' if len(extra) > 1 else ''} {names}; {usage}")
 
 
-def requirement_for(item: pytest.Item) -> Requirement:
-    """The combined requirement of *item*'s markers; raises :class:`MarkerError` for a bad one."""
-    if not any(m.name in _OUR_MARKERS for m in item.iter_markers()):
-        return Requirement()  # the common case, kept cheap: it runs for every collected item
+_NO_REQUIREMENT = Requirement()
+
+
+def _marked(node: Any, parents: dict[int, bool]) -> bool:
+    """Whether *node* (an item or a collector: ``Any``, pytest's Node type is not public API) or a node above it
+    carries one of our markers (what ``iter_markers`` would find); *parents* caches the answer per parent node, so
+    2,000 items of 20 modules walk 20 chains, not 2,000."""
+    for mark in node.own_markers:
+        if mark.name in _OUR_MARKERS:
+            return True
+    parent = node.parent
+    if parent is None:
+        return False
+    known = parents.get(id(parent))
+    if known is None:
+        known = parents[id(parent)] = _marked(parent, parents)
+    return known
+
+
+def requirement_for(item: pytest.Item, parents: dict[int, bool] | None = None) -> Requirement:
+    """The combined requirement of *item*'s markers; raises :class:`MarkerError` for a bad one.
+
+    :param parents: a cache shared across the items of one collection (see :func:`_marked`).
+    """
+    if not _marked(item, {} if parents is None else parents):
+        return _NO_REQUIREMENT  # the common case, kept cheap: it runs for every collected item
     platforms = {name for name in PLATFORM_MARKERS if item.get_closest_marker(name) is not None}
     for name in PLATFORM_MARKERS:
         for mark in item.iter_markers(name):
@@ -151,7 +177,7 @@ def shared_gpu_need(req: Requirement, share_gpus: bool) -> int:
 def skip_reason(req: Requirement, inv: Inventory, *, share_gpus: bool = False) -> str | None:
     """Why an item with *req* cannot run on *inv*, or None when it can."""
     if share_gpus and req.uses_cluster and req.gpus > 1:
-        req = replace(req, gpus=shared_gpu_need(req, share_gpus))
+        req = req._replace(gpus=shared_gpu_need(req, share_gpus))
     if req.platforms and inv.platform not in req.platforms:
         wanted = " or ".join(sorted(req.platforms))
         return f"needs platform {wanted}, this machine is {inv.platform} ({_how(inv)})"
@@ -196,9 +222,12 @@ def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
     """
     errors: list[str] = []
     needs: list[tuple[pytest.Item, Requirement]] = []
+    parents: dict[int, bool] = {}
     for item in items:
+        if not _marked(item, parents):
+            continue  # no marker of ours (the common case): nothing to check, no Requirement to build
         try:
-            req = requirement_for(item)
+            req = requirement_for(item, parents)
         except MarkerError as exc:
             errors.append(f"  {item.nodeid}: {exc}")
             continue

@@ -27,13 +27,16 @@ class InventoryHolder:
     skip every GPU test and leave CI green on a broken GPU machine.
     """
 
-    def __init__(self, detect: Callable[[], Inventory], what: str) -> None:
+    def __init__(self, detect: Callable[[], Inventory], what: str, *, ready: Inventory | None = None) -> None:
+        """:param ready: an inventory known already (a simulated one): no thread, nothing to detect."""
         self._detect = detect
         self._what = what
-        self._result: Inventory | None = None
+        self._result: Inventory | None = ready
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pdserve-inventory", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if ready is None:
+            self._thread = threading.Thread(target=self._run, name="pdserve-inventory", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -42,7 +45,8 @@ class InventoryHolder:
             self._error = exc
 
     def get(self) -> Inventory:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise pytest.UsageError(
                 f"pdserve: GPU detection ({self._what}) crashed: {_where_raised(self._error)}. Fix the GPU "
@@ -76,7 +80,7 @@ def start_inventory_detection(config: pytest.Config) -> None:
         plat, count = cfg.simulate_gpus
         where = f"{cfg.source_of('simulate_gpus')}={plat}:{count}"
         inv = simulated_inventory(plat, count, f"simulated via {where}")
-        config.stash[_INVENTORY] = InventoryHolder(lambda: inv, "simulated")
+        config.stash[_INVENTORY] = InventoryHolder(lambda: inv, "simulated", ready=inv)
     else:
         platform = cfg.platform
         config.stash[_INVENTORY] = InventoryHolder(lambda: detect_inventory(platform), f"platform {platform}")

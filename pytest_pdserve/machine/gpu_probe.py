@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+# Gpu lives in gpu.py (an inventory that probes nothing loads it without this module); re-exported here.
+from pytest_pdserve.machine.gpu import Gpu
+
 __all__ = [
     "AMD_SMI_LIST",
     "GPU_RELEASE_TIMEOUT",
@@ -117,24 +120,6 @@ class SystemPaths:
     proc_nvidia_gpus: Path = Path("/proc/driver/nvidia/gpus")
     dev_kfd: Path = Path("/dev/kfd")
     kfd_nodes: Path = Path("/sys/class/kfd/kfd/topology/nodes")
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """One GPU the caller can see.
-
-    ``index`` is the machine-wide index (nvidia-smi's index; HIP's physical index on ROCm);
-    ``token`` is how a child's visibility variable names it: the index, or the UUID when the
-    caller selected GPUs by UUID.
-    """
-
-    index: int
-    uuid: str
-    name: str
-    memory_mib: int | None
-    token: str
-    pci_bus_id: str | None = None
-    memory_used_mib: int | None = None
 
 
 class GpuProcess(NamedTuple):

@@ -20,54 +20,23 @@ import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-# The probes' names are re-exported: callers and tests import them from here.
 from pytest_pdserve.common.digits import is_int, parse_int
 from pytest_pdserve.errors import InventoryError
-from pytest_pdserve.machine.gpu_probe import (
-    AMD_SMI_LIST,
-    NVIDIA_QUERY_APPS,
-    NVIDIA_QUERY_GPU,
-    ROCM_SMI_QUERY,
-    CommandResult,
-    Gpu,
-    GpuProcess,
-    Runner,
-    SystemPaths,
-    gpu_processes,
-    parse_amd_smi_list,
-    parse_compute_apps,
-    parse_kfd_topology,
-    parse_nvidia_query_gpu,
-    parse_proc_nvidia,
-    parse_rocm_smi_json,
-    probe_cuda,
-    probe_rocm,
-    run_command,
-)
+from pytest_pdserve.machine.gpu import Gpu
+
+# The probes (gpu_probe.py, ~12 M instructions at import: cachegrind 2026-12-02) load when something is detected:
+# an inventory that probes nothing (--pd-simulate-gpus, --pd-platform=cpu) never needs them.
+if TYPE_CHECKING:
+    from pytest_pdserve.machine.gpu_probe import Runner, SystemPaths
 
 __all__ = [
-    "AMD_SMI_LIST",
-    "NVIDIA_QUERY_APPS",
-    "NVIDIA_QUERY_GPU",
-    "ROCM_SMI_QUERY",
-    "CommandResult",
     "Gpu",
-    "GpuProcess",
     "Inventory",
     "Platform",
-    "SystemPaths",
     "detect_inventory",
-    "gpu_processes",
-    "parse_amd_smi_list",
-    "parse_compute_apps",
-    "parse_kfd_topology",
-    "parse_nvidia_query_gpu",
-    "parse_proc_nvidia",
-    "parse_rocm_smi_json",
     "parse_simulate_gpus",
-    "run_command",
     "select_visible",
     "simulated_inventory",
 ]
@@ -285,20 +254,24 @@ def detect_inventory(
     platform: str = "auto",
     *,
     environ: Mapping[str, str] | None = None,
-    runner: Runner = run_command,
+    runner: Runner | None = None,
     paths: SystemPaths | None = None,
 ) -> Inventory:
     """Detect the platform and the GPUs visible to this process. Never raises for a missing stack.
 
     :param platform: ``auto`` (try CUDA, then ROCm, else cpu) or a forced ``cuda``/``rocm``/``cpu``.
     :param environ: the caller's environment (default ``os.environ``).
-    :param runner: runs a tool's argv; see :func:`run_command`.
+    :param runner: runs a tool's argv (default: :func:`pytest_pdserve.machine.gpu_probe.run_command`).
     :param paths: filesystem locations; see :class:`SystemPaths`.
     """
-    env = os.environ if environ is None else environ
-    sys_paths = paths or SystemPaths()
     if platform == "cpu":
         return Inventory("cpu", (), None, "platform set to cpu")
+    # Lazy: the probes, ~12 M instructions at import (see the top), only when something is detected.
+    from pytest_pdserve.machine.gpu_probe import SystemPaths, probe_cuda, probe_rocm, run_command
+
+    env = os.environ if environ is None else environ
+    runner = run_command if runner is None else runner
+    sys_paths = paths or SystemPaths()
     cuda_found = False
     cuda_source = ""
     if platform in ("auto", "cuda"):

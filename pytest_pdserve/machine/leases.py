@@ -52,6 +52,7 @@ from pytest_pdserve.machine.lockfiles import (
     want_file,
     write_holder,
 )
+from pytest_pdserve.machine.paths import DEFAULT_LEASE_DIR
 
 # Port leases and the lease primitives are re-exported: callers use ``leases.acquire_ports`` and friends (and
 # tests patch them here), so this module stays the one place to lease anything.
@@ -79,9 +80,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
-"""Machine-wide so concurrent runs of different users see each other. Keep it on a local file system:
-flock on NFS is not reliable."""
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9._-]")
 _REPORT_EVERY = 30.0  # seconds between repeated "still waiting" messages

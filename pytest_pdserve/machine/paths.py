@@ -21,7 +21,11 @@ from pathlib import Path
 
 from pytest_pdserve.errors import PathError
 
-__all__ = ["LEASE_DIR_MODE", "LOG_DIR_MODE", "check_dir", "ensure_dir"]
+__all__ = ["DEFAULT_LEASE_DIR", "LEASE_DIR_MODE", "LOG_DIR_MODE", "check_dir", "ensure_dir"]
+
+DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
+"""Machine-wide so concurrent runs of different users see each other. Keep it on a local file system:
+flock on NFS is not reliable. (Here, not in leases.py: the settings table loads it without the lease machinery.)"""
 
 LOG_DIR_MODE = 0o700
 """Logs carry prompts and the servers' own start-up lines: private to the user."""
