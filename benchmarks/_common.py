@@ -236,3 +236,26 @@ def proc_gone(pid: int) -> bool:
 
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("MET" if ok else "MISSED")
+
+
+#: The inner test of the start benchmarks (bench_startup.py, bench_vllm_start.py): when `pd_cluster` yielded, and each
+#: server's start, argv and env, into $BENCH_RECORDS/cluster.json.
+CLUSTER_RECORD_TEST = r"""
+import json, os, time
+from pathlib import Path
+
+
+def test_cluster(pd_cluster):
+    t_yield = time.monotonic()
+    servers = []
+    for s in pd_cluster.servers:
+        p = s.process
+        servers.append({
+            "name": s.name, "pid": p.pid, "started_at": p.started_at, "ready_seconds": s.ready_seconds,
+            "argv": list(s.command.argv) if s.command else list(p.argv),
+            "env": dict(s.command.env) if s.command else {}, "url": s.url,
+        })
+    rec = {"t_yield": t_yield, "started_seconds": pd_cluster.started_seconds, "model": pd_cluster.model,
+           "pd_ready_seconds": pd_cluster.pd_ready_seconds, "servers": servers}
+    Path(os.environ["BENCH_RECORDS"], "cluster.json").write_text(json.dumps(rec))
+"""

@@ -73,8 +73,8 @@ def wait_for_server(port: int, timeout: float = 1200.0) -> None:
 
 def server_argv(preset: str, role: str, port: int) -> tuple[list[str], dict[str, str]]:
     """The simulator argv/env the plugin would build for this preset and role."""
-    from pytest_pdserve.config import commands, presets
     from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, SIM_VERSION
+    from pytest_pdserve.config import commands, presets
     from pytest_pdserve.spec import ClusterSpec
 
     spec = presets.resolve(preset, spec_type=ClusterSpec, environ={}, engine="sim").spec

@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 from _common import BENCH_DIR, fmt, load_average, print_table, probe_env, summary, write_result
 
-from pytest_pdserve.config import commands
 from pytest_pdserve.cluster import SIM_VERSION
+from pytest_pdserve.config import commands
 from pytest_pdserve.config.commands import EngineInfo, Role, ServerPorts, SessionDefaults
-from pytest_pdserve.running.process import ServerProcess, new_run_token, wait_all_ready
 from pytest_pdserve.proxy.app import prefill_body
+from pytest_pdserve.running.process import ServerProcess, new_run_token, wait_all_ready
 from pytest_pdserve.spec import ClusterSpec
 
 MODEL = "pdserve-sim/tiny-llama"

@@ -33,6 +33,7 @@ from typing import Any
 
 from _common import (
     BENCH_DIR,
+    CLUSTER_RECORD_TEST,
     InnerProject,
     clean_env,
     fmt,
@@ -47,26 +48,6 @@ from _common import (
 from pytest_pdserve.running.process import ServerProcess, new_run_token
 
 STARTUP_DELAY = 2.0
-
-INNER_TEST = r"""
-import json, os, time
-from pathlib import Path
-
-
-def test_cluster(pd_cluster):
-    t_yield = time.monotonic()
-    servers = []
-    for s in pd_cluster.servers:
-        p = s.process
-        servers.append({
-            "name": s.name, "pid": p.pid, "started_at": p.started_at, "ready_seconds": s.ready_seconds,
-            "argv": list(s.command.argv) if s.command else list(p.argv),
-            "env": dict(s.command.env) if s.command else {}, "url": s.url,
-        })
-    rec = {"t_yield": t_yield, "started_seconds": pd_cluster.started_seconds, "model": pd_cluster.model,
-           "pd_ready_seconds": pd_cluster.pd_ready_seconds, "servers": servers}
-    Path(os.environ["BENCH_RECORDS"], "cluster.json").write_text(json.dumps(rec))
-"""
 
 
 def _sim_argv(port: int) -> list[str]:
@@ -193,7 +174,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     # The simulator as shipped (no TCP_NODELAY): the plugin's /v1/models check waits for a delayed ACK.
     as_shipped = [poll_loops_round(work, delay, nodelay=False)["plugin"] for _ in range(1 if quick else 3)]
     project = InnerProject("startup")
-    project.write("test_cluster.py", INNER_TEST)
+    project.write("test_cluster.py", CLUSTER_RECORD_TEST)
     fixture: dict[str, list[float]] = {}
     try:
         for _ in range(rounds_b):

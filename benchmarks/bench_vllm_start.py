@@ -32,26 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _common import InnerProject, clean_env, fmt, load_average, print_table, summary, write_result
-
-INNER_TEST = r"""
-import json, os, time
-from pathlib import Path
-
-
-def test_cluster(pd_cluster):
-    t_yield = time.monotonic()
-    servers = []
-    for s in pd_cluster.servers:
-        p = s.process
-        servers.append({
-            "name": s.name, "started_at": p.started_at, "ready_seconds": s.ready_seconds, "url": s.url,
-            "argv": list(s.command.argv) if s.command else list(p.argv),
-            "env": dict(s.command.env) if s.command else {},
-        })
-    rec = {"t_yield": t_yield, "started_seconds": pd_cluster.started_seconds, "servers": servers}
-    Path(os.environ["BENCH_RECORDS"], "cluster.json").write_text(json.dumps(rec))
-"""
+from _common import CLUSTER_RECORD_TEST, InnerProject, clean_env, fmt, load_average, print_table, summary, write_result
 
 START_LIMIT = 900.0  # seconds: a start on a loaded 2-core machine has taken up to ~200 s
 
@@ -131,7 +112,7 @@ def run(rounds: int, exe: str) -> dict[str, Any]:
     load_before = load_average()
     work = Path(tempfile.mkdtemp(prefix="pdbench-vllm-start-"))
     project = InnerProject("vllm-start")
-    project.write("test_cluster.py", INNER_TEST)
+    project.write("test_cluster.py", CLUSTER_RECORD_TEST)
     samples: dict[str, list[float]] = {}
     try:
         servers: list[dict[str, Any]] | None = None

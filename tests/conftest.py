@@ -60,6 +60,13 @@ def _needs_real_vllm(item: pytest.Item) -> bool:
     return callspec is not None and any(value == "vllm" for value in callspec.params.values())
 
 
+def _uses_shared_real_cluster(item: pytest.Item) -> bool:
+    """Requests `real_pd_cluster`, or is a `[vllm]` contract test (tests/test_contract.py fetches it by name)."""
+    if "real_pd_cluster" in getattr(item, "fixturenames", ()):
+        return True
+    return Path(str(item.path)).name == "test_contract.py" and _needs_real_vllm(item)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
@@ -67,6 +74,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
         if GPU_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.gpu)
+        if _uses_shared_real_cluster(item):
+            # One xdist worker runs every user of the shared real cluster (`.ci/run`'s `--dist loadgroup`): one
+            # real start, not one per worker.
+            item.add_marker(pytest.mark.xdist_group("real_pd_cluster"))
 
 
 @pytest.fixture(scope="session")

@@ -122,8 +122,8 @@ def test_every_repository_path_the_readme_names_exists() -> None:
     assert not missing, f"README names paths this repository lacks: {missing}"
 
 
-#: pytest options whose value is the next word (`-m "not vllm"`, `-k name`, `-p plugin`, `-n 2`).
-PYTEST_VALUE_FLAGS = frozenset({"-m", "-k", "-p", "-n", "-o", "-c", "--rootdir", "--basetemp"})
+#: pytest options whose value is the next word (`-m "not vllm"`, `-k name`, `-p plugin`, `-n 2`, `--dist loadfile`).
+PYTEST_VALUE_FLAGS = frozenset({"-m", "-k", "-p", "-n", "-o", "-c", "--rootdir", "--basetemp", "--dist"})
 
 
 def test_every_readme_command_is_real(pytester: pytest.Pytester, tmp_path: Path) -> None:

