@@ -33,8 +33,6 @@ from pytest_pdserve.glue.fixtures import (
     pd_cache_salt,
     pd_cluster,
     pd_cluster_factory,
-    pytest_timeout_cancel_timer,
-    pytest_timeout_set_timer,
     run_log_name,
     salted_test,
     stop_manager,
@@ -42,6 +40,7 @@ from pytest_pdserve.glue.fixtures import (
 )
 from pytest_pdserve.glue.markers import apply_skips, register_markers
 from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
+from pytest_pdserve.glue.timeout_pause import pytest_timeout_cancel_timer, pytest_timeout_set_timer
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:

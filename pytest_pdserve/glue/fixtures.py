@@ -23,6 +23,7 @@ from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
+from pytest_pdserve.glue.timeout_pause import timeout_paused
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
 
 log = logging.getLogger(__name__)
@@ -208,45 +209,6 @@ def stop_manager(config: pytest.Config) -> None:
         manager.stop_all()
 
 
-#: The settings pytest-timeout armed the current test's timer with (seen through its public hooks, below).
-TIMEOUT_ARMED = pytest.StashKey[Any]()
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
-    """Observe (not handle: returns None) pytest-timeout arming a test's timer, to re-arm it after a pause."""
-    item.stash[TIMEOUT_ARMED] = settings
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)
-def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
-    """Observe pytest-timeout's timer being cancelled."""
-    with contextlib.suppress(KeyError):
-        del item.stash[TIMEOUT_ARMED]
-
-
-@contextlib.contextmanager
-def timeout_paused(config: pytest.Config) -> Iterator[None]:
-    """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
-
-    Otherwise a session-scoped start is billed to whichever test first asks for the cluster
-    (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up. Only pytest-timeout's
-    public hooks are used: the settings are those it armed the timer with (none when ``func_only`` defers the
-    timer to the test call, where no cluster starts).
-    """
-    item = config.stash.get(CURRENT_ITEM, None)
-    settings = item.stash.get(TIMEOUT_ARMED, None) if item is not None else None
-    if item is None or settings is None:
-        yield
-        return
-    hook = config.pluginmanager.hook
-    hook.pytest_timeout_cancel_timer(item=item)
-    try:
-        yield
-    finally:
-        hook.pytest_timeout_set_timer(item=item, settings=settings)
-
-
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
@@ -254,7 +216,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     skip_reason = fail_reason = None
     item = config.stash.get(CURRENT_ITEM, None)
     try:
-        with timeout_paused(config):
+        with timeout_paused(item):
             if cfg.attach_mode:
                 cluster = manager.attached(spec, cfg)
             else:
