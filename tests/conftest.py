@@ -75,8 +75,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if GPU_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.gpu)
         if _uses_shared_real_cluster(item):
-            # One xdist worker runs every user of the shared real cluster (`.ci/run`'s `--dist loadgroup`): one
-            # real start, not one per worker.
+            # Under `-n N --dist loadgroup` one worker runs every user of the shared real cluster: one real
+            # start, not one per worker.
             item.add_marker(pytest.mark.xdist_group("real_pd_cluster"))
 
 

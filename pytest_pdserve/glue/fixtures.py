@@ -249,7 +249,8 @@ FACTORY_REQUEST = pytest.StashKey[pytest.FixtureRequest]()
 def stop_unused_clusters(item: pytest.Item) -> None:
     """After a test's teardown: stop the clusters no remaining test uses (glue/last_user.py)."""
     if FACTORY_REQUEST in item.config.stash:  # the factory (and with it the manager's on_stop listener) exists
-        last_user.stop_unused(item, item.config.stash.get(MANAGER, None))
+        with timeout_paused(item):  # bounded by --pd-shutdown-timeout, not billed to this test's timer
+            last_user.stop_unused(item, item.config.stash.get(MANAGER, None))
 
 
 def fail_if_cluster_died(item: pytest.Item) -> None:
@@ -338,7 +339,9 @@ def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactor
     """
     request.config.stash[FACTORY_REQUEST] = request
     yield _Factory(request)
-    stop_manager(request.config)
+    # The session's stop is bounded by --pd-shutdown-timeout, not by the timer of whichever test ran last.
+    with timeout_paused(request.config.stash.get(CURRENT_ITEM, None)):
+        stop_manager(request.config)
 
 
 @pytest.fixture(scope="session")

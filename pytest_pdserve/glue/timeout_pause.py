@@ -1,4 +1,5 @@
-"""pytest-timeout and a cluster start: the test's timer is paused while a cluster starts (pytest-timeout #96).
+"""pytest-timeout and the plugin's clusters: a test's timer is paused while a cluster starts or the plugin stops one
+(pytest-timeout #96: a session fixture's setup and teardown are billed to whichever test runs first or last).
 
 Only pytest-timeout's public hooks are used: this module observes them (the plugin registers its two hook
 implementations) and calls them to cancel and re-arm a test's timer.
@@ -31,7 +32,8 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
 
 @contextlib.contextmanager
 def timeout_paused(item: pytest.Item | None) -> Iterator[None]:
-    """Keep pytest-timeout's clock off while a cluster starts: the start has its own --pd-startup-timeout.
+    """Keep pytest-timeout's clock off while a cluster starts or the plugin stops one: the start has its own
+    --pd-startup-timeout, the stop its --pd-shutdown-timeout.
 
     Otherwise a session-scoped start is billed to whichever test first asks for the cluster
     (pytest-timeout #96). The test's timer is re-armed, in full, once the cluster is up. Only pytest-timeout's
