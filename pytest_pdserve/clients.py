@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from pytest_pdserve.common.deadline import TOTAL, http_transport, ssl_context
+from pytest_pdserve.common.deadline import TOTAL, connection_limits, http_transport, ssl_context
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
 __all__ = [
@@ -202,8 +202,8 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
 
 
 def async_http_transport() -> httpx.AsyncHTTPTransport:
-    """An async transport that shares :func:`ssl_context`."""
-    return httpx.AsyncHTTPTransport(verify=ssl_context())
+    """An async transport that shares :func:`ssl_context` and the idle-connection expiry of :func:`http_transport`."""
+    return httpx.AsyncHTTPTransport(verify=ssl_context(), limits=connection_limits())
 
 
 def make_client(

@@ -16,7 +16,12 @@ from typing import Any
 from pytest_pdserve.config import owned_flags, presets
 
 # Shared with the session settings (config/bounds.py: the settings table loads them without this module).
-from pytest_pdserve.config.bounds import ATTENTION_BACKEND_RE, MAX_BLOCK_SIZE, MAX_MODEL_LEN
+from pytest_pdserve.config.bounds import (
+    ATTENTION_BACKEND_RE,
+    MAX_BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    server_keepalive_problem,
+)
 from pytest_pdserve.errors import ClusterSpecError
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
@@ -211,6 +216,8 @@ class ClusterSpec:
             owned_flags.refuse(getattr(self, attr), f"ClusterSpec.{attr}")
         for attr in ("env", "prefill_env", "decode_env"):
             owned_flags.check_env(dict(getattr(self, attr)), f"ClusterSpec.{attr}")
+            if (problem := server_keepalive_problem(dict(getattr(self, attr)))) is not None:
+                raise ClusterSpecError(f"ClusterSpec.{attr}: {problem}")
 
     @property
     def num_gpus(self) -> int:

@@ -3,15 +3,19 @@ choice, and a timeout names the server and the request (against a real silent so
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from _crossing import crossing_server
 
 from pytest_pdserve import clients
 from pytest_pdserve.cluster import ServerHandle
+from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.errors import RequestFailed
 
 
@@ -135,3 +139,43 @@ def test_every_complete_quotes_the_same_length_of_body() -> None:
 
 def test_200_is_an_answer_for_every_complete() -> None:
     assert [exc for _, exc in _both_completes(200, "")] == [None, None, None]
+
+
+# -------------------------------------------------------------- idle connections: never reused past the keep-alive
+
+#: Longer than the plugin's clients keep an idle connection, shorter than httpx's default (5 s). The idle time is
+#: what is tested, so waiting it out is the condition itself.
+IDLE_S = KEEPALIVE_EXPIRY_S + 0.5
+
+
+def test_a_connection_idle_past_the_expiry_is_not_reused() -> None:
+    """A CI run failed with 'Server disconnected without sending a response': httpx kept idle connections as long as
+    uvicorn (5 s), so a request met the server's keep-alive close. The crossing server makes that moment certain:
+    a plain httpx client loses it, the plugin's client (a new connection after KEEPALIVE_EXPIRY_S) does not."""
+    body = {"prompt": "x", "max_tokens": 1}
+    with crossing_server(close_after=KEEPALIVE_EXPIRY_S + 0.2) as server:
+        with httpx.Client(base_url=server.url, trust_env=False) as plain:  # the control: the race is real
+            plain.post("/v1/completions", json=body)
+            time.sleep(IDLE_S)
+            with pytest.raises(httpx.RemoteProtocolError, match="Server disconnected"):
+                plain.post("/v1/completions", json=body)
+        with clients.make_client("decode-0 (crossing)", server.url, {}) as client:
+            assert client.post("/v1/completions", json=body).status_code == 200
+            time.sleep(IDLE_S)
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert (server.answered, server.crossed) == (3, 1)
+
+
+def test_an_async_client_does_not_reuse_an_idle_connection_either() -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+
+    async def two_requests(url: str) -> list[int]:
+        async with clients.make_async_client("decode-0 (crossing)", url, {}) as client:
+            first = await client.post("/v1/completions", json=body)
+            await asyncio.sleep(IDLE_S)
+            second = await client.post("/v1/completions", json=body)
+        return [first.status_code, second.status_code]
+
+    with crossing_server(close_after=KEEPALIVE_EXPIRY_S + 0.2) as server:
+        assert asyncio.run(two_requests(server.url)) == [200, 200]
+        assert server.crossed == 0

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -269,6 +271,25 @@ def test_server_helpers(cluster: PDCluster) -> None:
     assert decode.complete("Red Hat is", max_tokens=2)["usage"]["completion_tokens"] == 2
     assert cluster.chat("hi", max_tokens=2)["choices"][0]["message"]["role"] == "assistant"
     assert decode.reset_prefix_cache() is True
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive(cluster: PDCluster) -> None:
+    """Both engines close a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s unset), which is why the plugin's
+    clients drop theirs after 1 s (config/bounds.py: a CI run met that close with a request)."""
+    decode = cluster.decode[0]
+    with socket.create_connection(("127.0.0.1", decode.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)
+            assert chunk, f"{decode.name} closed the connection before answering: {answer!r}"
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        answered = time.monotonic()
+        while chunk := sock.recv(65536):  # the rest of the answer, then the close; bounded by the 30 s timeout
+            pass
+        idle = time.monotonic() - answered
+    assert 4.0 <= idle <= 15.0, f"{decode.name} closed an idle connection after {idle:.1f} s, not ~5 s"
 
 
 def test_unknown_attention_backend_fails_like_vllm(cluster: PDCluster, pd_cluster_factory: Any) -> None:

@@ -171,6 +171,41 @@ def test_owned_environment_variables_in_a_cluster_spec_are_refused(env: dict[str
             ClusterSpec(**{field: env})  # type: ignore[arg-type]
 
 
+# ------------------------------------------------------------- the servers' keep-alive against the clients' expiry
+# The clients drop idle connections after KEEPALIVE_EXPIRY_S (1 s); a server keep-alive at or under it brings back
+# the race a CI run lost ("Server disconnected without sending a response"). One rule (config/bounds.py), two doors:
+# a ClusterSpec's env and the environment pytest runs in.
+
+KEEPALIVE_REFUSED = [("1", "below 2 s"), ("0", "below 2 s"), ("abc", "digits 0-9"), ("٥", "digits 0-9"),
+                     ("1_0", "digits 0-9"), ("-5", "digits 0-9")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "why"), KEEPALIVE_REFUSED)
+@pytest.mark.parametrize("field", ["env", "prefill_env", "decode_env"])
+def test_a_cluster_spec_keep_alive_that_races_the_clients_is_refused(field: str, value: str, why: str) -> None:
+    with pytest.raises(ClusterSpecError, match=rf"ClusterSpec\.{field}: VLLM_HTTP_TIMEOUT_KEEP_ALIVE=.*{why}"):
+        ClusterSpec(**{field: {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": value}})  # type: ignore[arg-type]
+    assert ClusterSpec(**{field: {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2"}}) is not None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "why"), KEEPALIVE_REFUSED[:3])
+def test_a_keep_alive_the_servers_would_inherit_is_refused_before_any_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str, why: str
+) -> None:
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
+    pytester.makepyfile("def test_never(): raise AssertionError('must not run')")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()[-2000:]
+    err = result.stderr.str()
+    assert f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE={value!r}" in err, err
+    assert why in err, err
+    assert "from the environment pytest runs in" in err, err
+    assert "Traceback" not in err, err
+    # Attach mode starts no server, so the variable is not the plugin's to judge.
+    attached = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pd-proxy-url=http://127.0.0.1:9", "--co")
+    assert attached.ret == pytest.ExitCode.OK, attached.stderr.str()
+
+
 # --------------------------------------------------------------------------- a real cluster: sockets, argv, env
 
 CLUSTER_TESTS = r"""

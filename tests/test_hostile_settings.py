@@ -127,7 +127,7 @@ def test_a_preset_variable_not_in_ascii_digits_stops_the_run(
     ("var", "value"),
     [("PDSERVE_SIM_CRASH_EXIT_CODE", "٣"), ("PDSERVE_SIM_SPAWN_WORKERS", "1_0"),
      ("VLLM_NIXL_SIDE_CHANNEL_PORT", "５６００"), ("PDSERVE_SIM_STARTUP_DELAY", "1_0"),
-     ("PDSERVE_SIM_NONDETERMINISM_RATE", "٠.5")],
+     ("PDSERVE_SIM_NONDETERMINISM_RATE", "٠.5"), ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "５")],
 )  # fmt: skip
 def test_the_simulators_environment_takes_ascii_digits_only(var: str, value: str) -> None:
     """The simulator's knobs come from the environment the plugin hands it: the same digits rule."""

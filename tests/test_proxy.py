@@ -24,6 +24,7 @@ import httpx
 import pytest
 import uvicorn
 from _children import die_with_parent
+from _crossing import crossing_server
 from _ports import free_port
 from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 from starlette.applications import Starlette
@@ -31,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.metrics import parse_metrics
 from pytest_pdserve.proxy import PREFILL_KV_TRANSFER_PARAMS, ProxyConfig, create_app
 from pytest_pdserve.proxy.__main__ import main as proxy_main
@@ -524,3 +526,18 @@ def test_an_upstream_that_trickles_its_answer_gets_a_502_within_the_upstream_tim
     assert resp.json()["error"]["role"] == stalled
     assert "no complete answer within 1s" in resp.json()["error"]["message"]
     assert elapsed < TRICKLE_BYTES * TRICKLE_EVERY_S / 10, elapsed  # the trickle itself would take 120 s
+
+
+def test_the_proxy_does_not_reuse_an_upstream_connection_idle_past_the_expiry() -> None:
+    """The proxy's upstream pool drops idle connections as the plugin's clients do (config/bounds.py): a
+    connection idle past KEEPALIVE_EXPIRY_S may be one the server is closing at that moment."""
+    with crossing_server(close_after=KEEPALIVE_EXPIRY_S + 0.2) as p, crossing_server(KEEPALIVE_EXPIRY_S + 0.2) as d:
+        config = ProxyConfig((p.url,), (d.url,), log=io.StringIO())
+        with ThreadedServer(create_app(config), lifespan="on") as proxy:
+            body = {"prompt": "x", "max_tokens": 1}
+            codes = [httpx.post(proxy.url + "/v1/completions", json=body).status_code]
+            time.sleep(KEEPALIVE_EXPIRY_S + 0.5)  # the idle time is the condition tested
+            codes.append(httpx.post(proxy.url + "/v1/completions", json=body).status_code)
+    assert codes == [200, 200]
+    assert (p.crossed, d.crossed) == (0, 0)
+    assert (p.answered, d.answered) == (2, 2)

@@ -23,7 +23,19 @@ from typing import Any
 
 import httpx
 
-__all__ = ["TOTAL", "DeadlineTransport", "get_within", "http_transport", "ssl_context", "within"]
+from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
+
+__all__ = [
+    "KEEPALIVE_EXPIRY_S",
+    "TOTAL",
+    "DeadlineTransport",
+    "connection_limits",
+    "get_within",
+    "http_transport",
+    "ssl_context",
+    "within",
+]
+
 
 #: The request extension naming the whole exchange's deadline, in seconds.
 TOTAL = "pdserve.total_timeout"
@@ -150,6 +162,12 @@ def ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+def connection_limits() -> httpx.Limits:
+    """httpx's default pool limits, with idle connections dropped after :data:`KEEPALIVE_EXPIRY_S`."""
+    return httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
 def http_transport() -> httpx.BaseTransport:
-    """The plugin's plain transport: shares :func:`ssl_context` and honours a total deadline (:func:`within`)."""
-    return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context()))
+    """The plugin's plain transport: shares :func:`ssl_context`, drops idle connections before a server would
+    (``config/bounds.py``: ``KEEPALIVE_EXPIRY_S``) and honours a total deadline (:func:`within`)."""
+    return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context(), limits=connection_limits()))

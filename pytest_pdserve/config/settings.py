@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_pdserve.common import redaction
+from pytest_pdserve.config.bounds import server_keepalive_problem
 from pytest_pdserve.config.setting_parsers import check_raw
 
 # The table's names are re-exported: settings.SETTINGS, settings.remedy, ... are where callers look.
@@ -303,6 +304,9 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             raise _usage(s, values["simulate_gpus"], sources["simulate_gpus"], why) from None
     resolved, reason, argv = resolve_engine(values["engine"], values["vllm_executable"])
     attach = bool(values["prefill_urls"] or values["decode_urls"] or values["proxy_url"])
+    if not attach and (problem := server_keepalive_problem(env)) is not None:
+        # The servers inherit pytest's environment (ClusterSpec.env is checked by the same rule in spec.py).
+        raise pytest.UsageError(f"pdserve: {problem} (from the environment pytest runs in, which the servers inherit)")
     # An explicitly named executable must exist; an explicit engine=vllm must find vLLM somehow.
     explicit_exe = sources["vllm_executable"] != "default" and values["engine"] != "sim"
     missing_exe = not argv or argv[1:] == VLLM_MODULE_ENTRYPOINT

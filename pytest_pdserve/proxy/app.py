@@ -34,6 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
+
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]
 
 Role = Literal["prefill", "decode"]
@@ -186,12 +188,14 @@ class _Proxy:
 
     @asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        # keepalive_expiry below uvicorn's 5 s keep-alive so we never reuse a socket the
-        # upstream is closing; no timeout because generation can legitimately take minutes.
+        # keepalive_expiry well below the servers' keep-alive so we never reuse a socket the upstream is closing
+        # (config/bounds.py says why); no timeout because generation can legitimately take minutes.
         # A bounded pool: above it requests wait for a connection (no timeout) instead of failing with ConnectError
         # when the process runs out of file descriptors (issue 25 class 6).
         limits = httpx.Limits(
-            max_connections=self.config.max_upstream_connections, max_keepalive_connections=None, keepalive_expiry=2.0
+            max_connections=self.config.max_upstream_connections,
+            max_keepalive_connections=None,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
         async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
             self._client = client

@@ -26,6 +26,7 @@ VLLM_NIXL_SIDE_CHANNEL_HOST            localhost   side-channel bind host, adver
 VLLM_NIXL_SIDE_CHANNEL_PORT            5600        side-channel port (+ DP index 0), ``remote_port``
 VLLM_SERVER_DEV_MODE                   0           1: ``/reset_prefix_cache``, the sleep, pause and weight-version
                                                    routes exist (else 404)
+VLLM_HTTP_TIMEOUT_KEEP_ALIVE           5           seconds an idle HTTP connection is kept open (as vLLM)
 VLLM_ALLOW_RUNTIME_LORA_UPDATING       0           1/true: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
                                                    exist; a loaded adapter is listed by ``/v1/models`` and
                                                    served under its name (as the base model: no weights)

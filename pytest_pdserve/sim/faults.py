@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pytest_pdserve.common.digits import parse_float, parse_int
+from pytest_pdserve.config.bounds import SERVER_KEEPALIVE_ENV
 from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
 
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
@@ -61,6 +62,8 @@ class SimEnv:
     override_block_size: int | None = None
     kv_connector_off: bool = False
     vllm_version: str = DEFAULT_VLLM_VERSION
+    #: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``: seconds before an idle connection is closed (vLLM's default, 5).
+    http_keepalive: int = 5
 
     @property
     def vllm_version_tuple(self) -> tuple[int, int, int]:
@@ -122,6 +125,7 @@ class SimEnv:
         crash_code = integer("PDSERVE_SIM_CRASH_EXIT_CODE", 1, 1, 255)
         side_port = integer("VLLM_NIXL_SIDE_CHANNEL_PORT", 5600, 1, 65535)
         workers = integer("PDSERVE_SIM_SPAWN_WORKERS", 0, 0, 64)
+        keepalive = integer(SERVER_KEEPALIVE_ENV, 5, 0, 86400)
         version = get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
         platform = (get("PDSERVE_SIM_PLATFORM") or ("cuda" if flag("PDSERVE_SIM_GPU") else "cpu")).lower()
         if platform not in ("cpu", "cuda", "rocm"):
@@ -132,7 +136,9 @@ class SimEnv:
             raise SimEnvError(
                 f"PDSERVE_SIM_VLLM_VERSION={version!r} is not accepted: expected a vLLM version like 0.32.0"
             ) from None
-        if crash_code is None or side_port is None or workers is None:  # pragma: no cover - defaults given
+        if (
+            crash_code is None or side_port is None or workers is None or keepalive is None
+        ):  # pragma: no cover - defaults given
             raise AssertionError("integer knobs with defaults cannot be None")
         return cls(
             side_channel_host=environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
@@ -157,6 +163,7 @@ class SimEnv:
             override_block_size=integer("PDSERVE_SIM_OVERRIDE_BLOCK_SIZE", None, 1, 1 << 20),
             kv_connector_off=flag("PDSERVE_SIM_KV_CONNECTOR_OFF"),
             vllm_version=version,
+            http_keepalive=keepalive,
         )
 
 

@@ -313,6 +313,8 @@ async def _serve_async(
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_log_requests,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # As vLLM's API server (entrypoints/launchers/api_server/entry.py): idle connections close after so long.
+        timeout_keep_alive=env.http_keepalive,
         lifespan="on",
     )
     server = _SimServer(config, ignore_sigterm=env.ignore_sigterm)
