@@ -343,3 +343,13 @@ def test_a_servers_rpc_dir_goes_when_it_stops_and_nothing_else_does(tmp_path: Pa
     for path in (tmp_path, other, link):
         remove_rpc_dir(path)
         assert os.path.lexists(path), path
+
+
+def test_the_readiness_poll_starts_fast_and_backs_off_with_the_wait() -> None:
+    """5 ms while a start is young (the simulator's readiness target), then 1/500 of the wait up to 50 ms: a real
+    vLLM start of 40-120 s is not polled 20,000 times (each refused probe costs about 0.1 ms of CPU)."""
+    from pytest_pdserve.running.process import poll_interval
+
+    assert [poll_interval(w) for w in (0.0, 1.0, 2.5)] == [0.005] * 3
+    assert poll_interval(10.0) == pytest.approx(0.02)
+    assert [poll_interval(w) for w in (25.0, 100.0, 1e9)] == [0.05] * 3

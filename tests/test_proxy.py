@@ -3,6 +3,7 @@ fake prefill/decode servers that record what they receive."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import io
@@ -541,3 +542,36 @@ def test_the_proxy_does_not_reuse_an_upstream_connection_idle_past_the_expiry() 
     assert codes == [200, 200]
     assert (p.crossed, d.crossed) == (0, 0)
     assert (p.answered, d.answered) == (2, 2)
+
+
+@pytest.mark.parametrize("fault", ["no-listener", "no-answer"])
+def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """The proxy sends one request over a throwaway loopback server before it serves (app.py: the first proxied
+    request paid ~15 ms of first-use costs inside the cluster's start). Whatever goes wrong there, it serves."""
+    import pytest_pdserve.proxy.app as proxy_app
+
+    if fault == "no-listener":
+
+        async def refuse(*_a: object, **_k: object) -> None:
+            raise OSError(98, "Address already in use")
+
+        monkeypatch.setattr(asyncio, "start_server", refuse)
+    else:  # a listener that never answers: the warm-up's own bound ends it
+        monkeypatch.setattr(proxy_app, "WARM_UP_TIMEOUT_S", 0.2)
+        real_start = asyncio.start_server
+
+        async def silent(_cb: object, *args: Any, **kwargs: Any) -> asyncio.Server:
+            async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await reader.read()  # until the warm-up client gives up and closes
+                writer.close()
+
+            return await real_start(hold, *args, **kwargs)
+
+        monkeypatch.setattr(asyncio, "start_server", silent)
+    fakes = [FakeUpstream("prefill", "p"), FakeUpstream("decode", "d")]
+    with ThreadedServer(fakes[0].app()) as p, ThreadedServer(fakes[1].app()) as d:
+        config = ProxyConfig((p.url,), (d.url,), log=io.StringIO())
+        with ThreadedServer(create_app(config), lifespan="on") as proxy:
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 200
+    assert [len(f.received) for f in fakes] == [1, 1]

@@ -17,6 +17,7 @@ with a JSON error naming the role and URL. One ``httpx.AsyncClient`` is shared b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -391,14 +392,18 @@ async def _warm_up() -> None:
 
     Why: the first proxied request paid about 15 ms more than the next ones (anyio's socket modules imported, its
     getaddrinfo worker thread started, httpcore's first connection), and a cluster's start waits for exactly that
-    request (the P/D-ready round trip). A warm-up that fails costs nothing: the first request then pays as before.
+    request (the P/D-ready round trip). Every step is bounded by WARM_UP_TIMEOUT_S, also against another local
+    process that connects to the throwaway port and holds the connection; a warm-up that fails costs nothing but
+    that bound: the first request then pays as before.
     """
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.readuntil(b"\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WARM_UP_TIMEOUT_S)
             writer.write(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n")
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), WARM_UP_TIMEOUT_S)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            pass
         finally:
             writer.close()
 
@@ -414,7 +419,8 @@ async def _warm_up() -> None:
         pass
     finally:
         server.close()
-        await server.wait_closed()
+        with contextlib.suppress(asyncio.TimeoutError, OSError):
+            await asyncio.wait_for(server.wait_closed(), WARM_UP_TIMEOUT_S)
 
 
 def create_app(config: ProxyConfig) -> Starlette:

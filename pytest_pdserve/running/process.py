@@ -62,10 +62,21 @@ ProgressCallback = Callable[[str, float, str], None]
 DEFAULT_STOP_GRACE = 30.0
 """SIGTERM-to-SIGKILL grace used by the context manager and the atexit safety net's callers."""
 
-#: The readiness poll's sleep: a server is noticed about 3 ms plus one probe after it starts serving (issue 28's
-#: target is 5 ms beyond the P/D round trip); a refused connect costs about 0.1 ms, so polling a starting vLLM
-#: this often costs a few percent of one core.
+#: The readiness poll's sleep at first: a server is noticed about 3 ms plus one probe after it starts serving (issue
+#: 28's target is 5 ms beyond the P/D round trip).
 POLL_INTERVAL_S = 0.005
+#: Later the sleep grows with the wait (1/500 of it, at most MAX_POLL_INTERVAL_S): a refused probe costs about
+#: 0.1 ms of CPU, which every 5 ms over a 40-120 s real-vLLM start on 2 cores is a few percent of a core taken
+#: from the start itself; a notice within 0.2 % of the start's time costs nothing anyone can see.
+POLL_INTERVAL_SHARE = 1 / 500
+MAX_POLL_INTERVAL_S = 0.05
+
+
+def poll_interval(waited: float) -> float:
+    """The readiness poll's sleep after ``waited`` seconds of a start."""
+    return min(MAX_POLL_INTERVAL_S, max(POLL_INTERVAL_S, waited * POLL_INTERVAL_SHARE))
+
+
 _PROGRESS_EVERY = 1.0
 _TAIL_LINES = 50
 
@@ -403,7 +414,8 @@ def wait_all_ready(
                     if now - last_progress[p.name] >= _PROGRESS_EVERY:
                         last_progress[p.name] = now
                         on_progress(p.name, now - p.started_at, p.log_tail(1).strip())
-            time.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - now)))
+            waited = now - min(p.started_at for p in pending)
+            time.sleep(min(poll_interval(waited), max(0.0, deadline - now)))
     return {p.name: p.ready_seconds() for p in procs}
 
 
