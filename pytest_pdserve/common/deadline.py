@@ -26,7 +26,6 @@ import httpx
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 
 __all__ = [
-    "KEEPALIVE_EXPIRY_S",
     "TOTAL",
     "DeadlineTransport",
     "connection_limits",
