@@ -43,7 +43,7 @@ from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner
 from pytest_pdserve.machine.inventory import Inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
-from pytest_pdserve.running import verify
+from pytest_pdserve.running import port_race, verify
 from pytest_pdserve.running.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.running.proctree import tree_pids
 from pytest_pdserve.running.progress import StartProgress
@@ -144,10 +144,19 @@ class ClusterLauncher:
         proxy_port: int | None = None,
         pd_ready_check: bool = True,
     ) -> LaunchedCluster:
-        """Start ``spec``'s servers and proxy and return them running (everything undone on failure)."""
+        """Start ``spec``'s servers and proxy and return them running (everything undone on failure); started again
+        on other ports when another process took a port leased for it (port_race.py)."""
+        return port_race.start_retrying(
+            lambda held: self._launch_once(spec, label, setup, model, make_room, proxy_port, pd_ready_check, held),
+            label=label, fixed_port=proxy_port, report=self.report,
+        )  # fmt: skip
+
+    def _launch_once(
+        self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
+        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease],
+    ) -> LaunchedCluster:  # fmt: skip
         t0 = time.monotonic()
         processes: list[ServerProcess] = []
-        port_leases: list[leases.PortLease] = []
         gpu_plan: GpuPlan | None = None
         watchdog = self.watch()
         try:
