@@ -21,15 +21,13 @@ carry no salt: add ``extra_body={"cache_salt": pd_cache_salt}``. Pytest-free.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
+from pytest_pdserve.common.client_options import OPTIONS, ClientOptions, salt_for, salted
 from pytest_pdserve.common.deadline import TOTAL, connection_limits, http_transport, ssl_context
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
@@ -80,37 +78,8 @@ def body_excerpt(text: str) -> str:
     return text[:BODY_EXCERPT_CHARS]
 
 
-@dataclass
-class ClientOptions:
-    """Process-wide options of the clients (one pytest process = one session)."""
-
-    request_timeout: float = 600.0
-    #: Appended to timeout errors: how to raise the limit (the plugin names its setting's flag, env var, ini key).
-    timeout_remedy: str = ""
-    #: The current test's ``cache_salt``; ``None`` adds none.
-    salt: str | None = None
-
-    def timeout(self) -> httpx.Timeout:
-        return httpx.Timeout(self.request_timeout, connect=min(CONNECT_TIMEOUT, self.request_timeout))
-
-
-OPTIONS = ClientOptions()
-
-
-def salt_for(test_id: str, session_token: str) -> str:
-    """A salt unique to one test of one session, valid for vLLM (1-128 chars, none of ``@ / \\ NUL``)."""
-    digest = hashlib.blake2b(f"{session_token}|{test_id}".encode(), digest_size=16).hexdigest()
-    return f"pdserve-{digest}"
-
-
-@contextlib.contextmanager
-def salted(salt: str | None) -> Iterator[str | None]:
-    """Send requests with *salt* inside the block (``None``: none added), then restore the previous one."""
-    previous, OPTIONS.salt = OPTIONS.salt, salt
-    try:
-        yield salt
-    finally:
-        OPTIONS.salt = previous
+def _timeout() -> httpx.Timeout:
+    return httpx.Timeout(OPTIONS.request_timeout, connect=min(CONNECT_TIMEOUT, OPTIONS.request_timeout))
 
 
 def _with_salt(request: httpx.Request) -> httpx.Request:
@@ -217,7 +186,7 @@ def make_client(
     return httpx.Client(
         base_url=base_url,
         headers=dict(headers),
-        timeout=OPTIONS.timeout(),
+        timeout=_timeout(),
         trust_env=False,
         transport=_Transport(server, inner),
     )
@@ -232,7 +201,7 @@ def make_async_client(
     **kwargs: Any,
 ) -> httpx.AsyncClient:
     """An async client like :func:`make_client`; the caller closes it."""
-    kwargs.setdefault("timeout", OPTIONS.timeout())
+    kwargs.setdefault("timeout", _timeout())
     kwargs.setdefault("transport", _AsyncTransport(server, inner))
     return httpx.AsyncClient(base_url=base_url, headers=dict(headers), trust_env=False, **kwargs)
 

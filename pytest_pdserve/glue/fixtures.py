@@ -367,9 +367,9 @@ def pd_cluster(request: pytest.FixtureRequest) -> PDCluster:
 
 def _configure_clients(config: pytest.Config) -> None:
     """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
-    # Lazy: clients.py imports httpx, about 60 ms of CPU (measured 2026-12-02 after pytest and the plugin), which
-    # collection must not pay; the first test (salted_test) or the first cluster does.
-    from pytest_pdserve import clients
+    # The options alone, not clients.py: that imports httpx, 60-180 ms of CPU (measured 2026-12-02 after pytest and
+    # the plugin), which neither collection nor a session whose tests start no cluster should pay.
+    from pytest_pdserve.common import client_options as clients
 
     if config.stash.get(CLIENTS_CONFIGURED, False):
         return
@@ -400,7 +400,8 @@ def salted_test(item: pytest.Item) -> Iterator[None]:
     if PDSERVE_CONFIG not in config.stash:  # pytest --help & co.: no settings, no tests
         yield
         return
-    from pytest_pdserve import clients  # lazy (httpx): see _configure_clients
+    # Not clients.py: a session whose tests start no cluster never imports httpx (common/client_options.py).
+    from pytest_pdserve.common import client_options as clients
 
     _configure_clients(config)
     salt = None

@@ -6,6 +6,10 @@ the answer says what it is still waiting for, which ends up in the startup-timeo
 
 from __future__ import annotations
 
+import errno
+import socket
+from urllib.parse import urlsplit
+
 import httpx
 
 from pytest_pdserve.common.deadline import get_within, http_transport
@@ -30,6 +34,8 @@ class ReadinessCheck:
         self.models_url = models_url
         self.model_id = model_id
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        parts = urlsplit(health_url)
+        self._address = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
         #: What the last check waited for, in words (``GET http://...: HTTP 503``).
         self.waiting_for = "the process to start"
 
@@ -38,6 +44,11 @@ class ReadinessCheck:
 
         :raises AuthRefused: a request was refused with 401/403.
         """
+        if _refused(self._address):
+            # Most of a start is this answer, and it costs a connect() alone: an HTTP request through the client
+            # (its pool, the deadline's thread) costs about 20 times the CPU, polled every few ms by every server.
+            self.waiting_for = f"GET {self.health_url}: connection refused"
+            return False
         if self._get_ok(client, self.health_url) is None:
             return False
         if self.models_url is None:
@@ -76,6 +87,16 @@ def readiness_client() -> httpx.Client:
     """The client readiness requests go through."""
     # trust_env=False: an HTTP(S)_PROXY in the environment must not intercept 127.0.0.1 checks.
     return httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT, transport=http_transport())
+
+
+def _refused(address: tuple[str, int]) -> bool:
+    """Whether a TCP connection to ``address`` is refused right now: nothing listens there yet. Any other outcome
+    (it connects, a timeout, another error) is left to the HTTP request, which says what happened."""
+    try:
+        with socket.create_connection(address, timeout=REQUEST_TIMEOUT):
+            return False
+    except OSError as exc:
+        return exc.errno == errno.ECONNREFUSED
 
 
 def _short(exc: Exception) -> str:
