@@ -30,21 +30,24 @@ def _venv(tmp_path: Path, dists: dict[str, str], shebang: str | None = None) -> 
 
 
 def _setup(tmp_path: Path, argv: tuple[str, ...]) -> EngineSetup:
-    return engine_setup("vllm", vllm_argv=argv, vllm_executable=argv[0], platform="cpu", basetemp=tmp_path)
+    return engine_setup("vllm", vllm_argv=argv, vllm_executable=argv[0], platform="cpu")
 
 
 def test_sim_engine_runs_this_interpreter(tmp_path: Path) -> None:
-    setup = engine_setup("sim", vllm_argv=(), vllm_executable="vllm", platform="cpu", basetemp=tmp_path)
+    setup = engine_setup("sim", vllm_argv=(), vllm_executable="vllm", platform="cpu")
     assert setup.info.argv_prefix == SIM_ARGV
     assert setup.platform_args == ()
 
 
-def test_vllm_on_cpu_gets_the_version_the_cpu_env_and_float32(tmp_path: Path) -> None:
+def test_vllm_on_cpu_gets_the_version_the_cpu_env_and_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "pdserve-cache"))
     exe = _venv(tmp_path, {"vllm": "0.32.0+cpu"})
     setup = _setup(tmp_path, (str(exe),))
     assert setup.info.version == vllm_compat.Version("0.32.0+cpu")
     assert setup.platform_args == ("--dtype", "float32")
     assert setup.platform_env["OMP_NUM_THREADS"] == "1"
+    # vLLM's cache root is the plugin's, kept across runs (not under pytest's basetemp, which each run replaces).
+    assert setup.platform_env["VLLM_CACHE_ROOT"] == str(tmp_path / "pdserve-cache" / "vllm-cache")
 
 
 def test_unknown_version_is_an_error_not_the_newest(tmp_path: Path) -> None:

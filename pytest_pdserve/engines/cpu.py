@@ -24,15 +24,17 @@ CPU_BLOCK_SIZE = 128
 CPU_DTYPE = "float32"
 
 
-def cpu_server_env(session_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str, str]:
-    """Environment for one CPU ``vllm serve`` whose scratch files belong under ``session_dir``.
+def cpu_server_env(cache_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str, str]:
+    """Environment for one CPU ``vllm serve`` whose cache files belong under ``cache_dir``.
 
     - ``VLLM_CPU_OMP_THREADS_BIND=nobind`` + ``OMP_NUM_THREADS=1``: with NixlConnector loaded, vLLM moves
       the worker's main thread onto the last core of each NUMA node, where the default ``auto`` binding
       already put an OpenMP thread; every parallel region then contends and engine steps go from ~1.6 ms
       to ~230 ms.
     - ``VLLM_CPU_KVCACHE_SPACE``: KV cache size in GiB (integer); the default takes far more memory.
-    - ``VLLM_CACHE_ROOT``: keeps torch.compile artifacts out of the user's ``~/.cache/vllm``.
+    - ``VLLM_CACHE_ROOT``: ``<cache_dir>/vllm-cache``, in the plugin's cache (the caller passes it), kept across
+      runs and out of the user's ``~/.cache/vllm``: vLLM's model class info (else a subprocess per start imports
+      the model to inspect it) and torch.compile artifacts.
     - offline and no-telemetry switches: tests must never reach the network.
     """
     if isinstance(kv_cache_space_gib, bool) or not isinstance(kv_cache_space_gib, int) or kv_cache_space_gib < 1:
@@ -44,7 +46,7 @@ def cpu_server_env(session_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[st
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
-        "VLLM_CACHE_ROOT": str(Path(session_dir) / "vllm-cache"),
+        "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm-cache"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",

@@ -170,11 +170,9 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         attention_backend_source=short_source(cfg.sources["attention_backend"]),
     )
     reuse = reuse_plugin(config)
-    scratch = (reuse.scratch_dir() if reuse is not None else None) or tmp_path_factory.getbasetemp()
     manager = ClusterManager(
         engine_setup=lambda name: engine_setup(
-            name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform,
-            basetemp=scratch,
+            name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform
         ),
         default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
         lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,

@@ -53,10 +53,6 @@ class ReusePlugin:
         ones, and a fixed --basetemp at every start). None: not reusing."""
         return run_log_dir(self.options.directory) if self.options is not None else None
 
-    def scratch_dir(self) -> Path | None:
-        """The servers' scratch (vLLM's cache root): part of their environment, so a reuse run's must not move."""
-        return self.options.directory / "scratch" if self.options is not None else None
-
     def reuser(self) -> KeptClusters | None:
         """The manager's `Reuser` (one per manager); None: not reusing."""
         if self.options is None:
