@@ -11,10 +11,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-import uvicorn
+from pytest_pdserve.common.startup import importing_without_gc
 
-from pytest_pdserve.common.rlimits import raise_nofile_limit
-from pytest_pdserve.proxy.app import UPSTREAM_TIMEOUT, ProxyConfig, create_app
+with importing_without_gc():  # the server stack, imported without the collector (common/startup.py)
+    import uvicorn
+
+    from pytest_pdserve.common.rlimits import raise_nofile_limit
+    from pytest_pdserve.proxy.app import UPSTREAM_TIMEOUT, ProxyConfig, create_app
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -52,8 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     # Lazy: the server stack (starlette, uvicorn, prometheus_client) costs about 280 ms of CPU at import (measured
-    # 2026-12-02), which a bad argument or --help must not wait for.
-    from pytest_pdserve.sim.server import serve
+    # 2026-12-02), which a bad argument or --help must not wait for; imported without the collector (startup.py).
+    from pytest_pdserve.common.startup import importing_without_gc
+
+    with importing_without_gc():
+        from pytest_pdserve.sim.server import serve  # lazy: see above
 
     return serve(serve_args, env)
 

@@ -1,0 +1,69 @@
+"""common/startup.py: the server stack imported without the cyclic collector, which is then back as it was."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from pytest_pdserve.common.startup import importing_without_gc
+
+
+@pytest.fixture
+def gc_restored() -> Iterator[None]:
+    was_on = gc.isenabled()
+    yield
+    gc.unfreeze()
+    (gc.enable if was_on else gc.disable)()
+
+
+@pytest.mark.usefixtures("gc_restored")
+def test_the_collector_is_off_inside_and_back_on_after() -> None:
+    gc.enable()
+    with importing_without_gc():
+        assert not gc.isenabled()
+        made: list[list[int]] = [[] for _ in range(1000)]
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= len(made)  # what the imports made is out of later collections
+
+
+@pytest.mark.usefixtures("gc_restored")
+def test_a_collector_that_was_off_stays_off() -> None:
+    gc.disable()
+    with importing_without_gc():
+        pass
+    assert not gc.isenabled()
+
+
+@pytest.mark.usefixtures("gc_restored")
+def test_the_simulator_serves_with_the_collector_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its entry point imports the server stack without it and turns it back on before serving: a long-running
+    server without it would keep every reference cycle it makes."""
+    import pytest_pdserve.sim.server as server
+    from pytest_pdserve.sim.__main__ import main
+
+    gc.enable()
+    seen: list[bool] = []
+
+    def serve(args: object, env: object) -> int:
+        seen.append(gc.isenabled())
+        return 0
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert main(["serve", "pdserve-sim/tiny-llama", "--port", "8000"]) == 0
+    assert seen == [True]
+
+
+def test_the_proxy_serves_with_the_collector_on() -> None:
+    code = (
+        "import gc, runpy, sys\n"
+        "sys.argv = ['proxy', '--help']\n"
+        "try:\n    runpy.run_module('pytest_pdserve.proxy', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print('gc', gc.isenabled(), gc.get_freeze_count() > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip().endswith("gc True True")
