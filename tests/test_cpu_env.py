@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_pdserve.engines import cpu, tiny_model
+from pytest_pdserve.errors import PathError
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
@@ -51,6 +53,65 @@ def test_cpu_server_env_has_every_setting(tmp_path: Path) -> None:
 def test_cpu_server_env_rejects_bad_kv_space_naming_it(tmp_path: Path, bad: object) -> None:
     with pytest.raises(ValueError, match=rf"kv_cache_space_gib={bad!r}.*whole number of GiB"):
         cpu.cpu_server_env(tmp_path, kv_cache_space_gib=bad)  # type: ignore[arg-type]
+
+
+def test_vllm_cache_is_created_private(tmp_path: Path) -> None:
+    """vLLM loads compiled code from its cache root: a new one is ours alone (0700), and so are the parents made."""
+    env = cpu.cpu_server_env(tmp_path / "new" / "cache")
+    root = Path(env["VLLM_CACHE_ROOT"])
+    assert root == tmp_path / "new" / "cache" / "vllm-cache"
+    for made in (root, root.parent, root.parent.parent):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+    cpu.cpu_server_env(tmp_path / "new" / "cache")  # ours already: used again as it is
+
+
+def _hostile_caches(base: Path) -> dict[str, tuple[Path, str]]:
+    """Cache dirs another user could write, or swap vllm-cache in: {case: (cache dir, what the error says)}."""
+    cases = {}
+    shared = base / "shared-root"
+    (shared / "vllm-cache").mkdir(parents=True)
+    (shared / "vllm-cache").chmod(0o777)
+    cases["vllm-cache writable by others"] = (shared, "is writable by others (mode 0777)")
+    swappable = base / "swappable"
+    swappable.mkdir()
+    swappable.chmod(0o777)  # not sticky: anyone may rename our vllm-cache away and put theirs in its place
+    cases["parent writable by others"] = (swappable, f"is in {swappable}, which is writable by others (mode 0777)")
+    linked = base / "linked"
+    linked.mkdir()
+    (base / "theirs").mkdir()
+    (base / "theirs").chmod(0o757)
+    (linked / "vllm-cache").symlink_to(base / "theirs")  # a planted symlink to a directory others write
+    cases["symlink to a directory others write"] = (linked, "is writable by others (mode 0757)")
+    a_file = base / "a-file"
+    a_file.mkdir()
+    (a_file / "vllm-cache").write_text("")
+    cases["a file"] = (a_file, "is a regular file, not a directory")
+    if os.geteuid() == 0:
+        foreign = base / "foreign"
+        (foreign / "vllm-cache").mkdir(parents=True, mode=0o700)
+        os.chown(foreign / "vllm-cache", 65534, 65534)
+        cases["someone else's"] = (foreign, "belongs to uid 65534, not to us")
+    return cases
+
+
+def test_vllm_cache_others_could_write_is_refused(tmp_path: Path) -> None:
+    cases = _hostile_caches(tmp_path)
+    for case, (cache_dir, why) in cases.items():
+        with pytest.raises(PathError) as info:
+            cpu.cpu_server_env(cache_dir)
+        assert why in str(info.value), case
+        assert "set PDSERVE_CACHE_DIR to a directory of your own" in str(info.value), case
+    # Nothing was changed to make them pass.
+    assert stat.S_IMODE((tmp_path / "shared-root" / "vllm-cache").stat().st_mode) == 0o777
+    assert not (tmp_path / "swappable" / "vllm-cache").is_symlink()
+
+
+def test_vllm_cache_in_a_sticky_shared_dir_is_ours(tmp_path: Path) -> None:
+    """A sticky parent (like /tmp) lets nobody rename our entry: PDSERVE_CACHE_DIR=/tmp/... is fine."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert cpu.cpu_server_env(sticky)["VLLM_CACHE_ROOT"] == str(sticky / "vllm-cache")
 
 
 def test_cpu_server_args_and_block_size() -> None:

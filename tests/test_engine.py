@@ -74,3 +74,23 @@ def test_module_form_reads_the_interpreters_version(tmp_path: Path) -> None:
     setup = _setup(tmp_path, (str(python), "-m", "vllm.entrypoints.cli.main"))
     assert setup.info.version == vllm_compat.Version("0.30.1")
     assert setup.info.python == str(python)
+
+
+def test_a_session_refuses_a_vllm_cache_others_can_write(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The door users meet: PDSERVE_CACHE_DIR set to a directory others may write, a real-vLLM session on CPU.
+    The cluster's test errors, naming the directory and the remedy, before any server starts."""
+    shared = tmp_path / "team-cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(shared))
+    exe = _venv(tmp_path, {"vllm": "0.32.0+cpu"})
+    pytester.makepyfile("def test_one(pd_cluster):\n    pass\n")
+    result = pytester.runpytest_subprocess(f"--pd-vllm-executable={exe}", "--pd-engine=vllm", "-p", "no:randomly")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [f"*vLLM's cache directory {shared}/vllm-cache is in {shared}, which is writable by others (mode 0777)*"]
+    )
+    assert "raise PathError" not in result.stdout.str()  # the message alone, no plugin source (issue 28)
+    assert not (shared / "vllm-cache").exists() or not any((shared / "vllm-cache").iterdir())

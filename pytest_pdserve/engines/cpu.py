@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pytest_pdserve.machine.paths import ensure_private_dir
+
 __all__ = [
     "CPU_ATTENTION_BACKEND",
     "CPU_BLOCK_MULTIPLE",
@@ -34,7 +36,8 @@ def cpu_server_env(cache_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str,
     - ``VLLM_CPU_KVCACHE_SPACE``: KV cache size in GiB (integer); the default takes far more memory.
     - ``VLLM_CACHE_ROOT``: ``<cache_dir>/vllm-cache``, in the plugin's cache (the caller passes it), kept across
       runs and out of the user's ``~/.cache/vllm``: vLLM's model class info (else a subprocess per start imports
-      the model to inspect it) and torch.compile artifacts.
+      the model to inspect it) and torch.compile artifacts. vLLM loads those as code, so it is created here
+      (0700) and refused when another user could write it or swap it (:func:`ensure_private_dir`).
     - offline and no-telemetry switches: tests must never reach the network.
     """
     if isinstance(kv_cache_space_gib, bool) or not isinstance(kv_cache_space_gib, int) or kv_cache_space_gib < 1:
@@ -42,11 +45,12 @@ def cpu_server_env(cache_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str,
             f"kv_cache_space_gib={kv_cache_space_gib!r} is not valid; VLLM_CPU_KVCACHE_SPACE takes a whole "
             "number of GiB >= 1"
         )
+    vllm_cache = ensure_private_dir(Path(cache_dir) / "vllm-cache", "vLLM's cache directory")
     return {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
-        "VLLM_CACHE_ROOT": str(Path(cache_dir) / "vllm-cache"),
+        "VLLM_CACHE_ROOT": str(vllm_cache),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",

@@ -21,7 +21,15 @@ from pathlib import Path
 
 from pytest_pdserve.errors import PathError
 
-__all__ = ["DEFAULT_LEASE_DIR", "LEASE_DIR_MODE", "LOG_DIR_MODE", "check_dir", "ensure_dir"]
+__all__ = [
+    "DEFAULT_LEASE_DIR",
+    "LEASE_DIR_MODE",
+    "LOG_DIR_MODE",
+    "check_dir",
+    "ensure_dir",
+    "ensure_private_dir",
+    "private_dir_problem",
+]
 
 DEFAULT_LEASE_DIR = Path("/tmp/pytest-pdserve/leases")
 """Machine-wide so concurrent runs of different users see each other. Keep it on a local file system:
@@ -115,4 +123,49 @@ def ensure_dir(path: Path, mode: int) -> Path:
             raise PathError(f"cannot set mode {mode:o} on {component}, which pdserve just created: {exc}") from None
     if not _writable(path):
         raise PathError(f"{path} is not writable by uid {os.geteuid()}")
+    return path
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """What makes ``path`` unfit to hold what pdserve trusts (state it acts on, code vLLM loads), in words that
+    follow the path in a message, or None: it must be a directory (a symlink to one is fine), belong to us and
+    be writable by nobody else. The one home of that rule (the reuse dir, vLLM's cache root)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def ensure_private_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (0700) if missing, then refuse it unless :func:`private_dir_problem` finds nothing, in it
+    and in its parent: whoever may write the parent may swap ``path`` for their own directory (a sticky parent,
+    like /tmp, lets nobody rename our entry, so it passes).
+
+    :param what: what the directory is, to open the message ("vLLM's cache directory").
+    :raises PathError: naming the path, what is wrong with it and what to do.
+    """
+    path = Path(path)
+    advice = "`chmod go-w` it or set PDSERVE_CACHE_DIR to a directory of your own"
+    try:
+        ensure_dir(path, 0o700)
+    except PathError as exc:
+        raise PathError(f"{what} {path}: {exc}; {advice}") from None
+    problem = private_dir_problem(path)
+    if problem is None:
+        parent = path.parent
+        with contextlib.suppress(OSError):
+            mode = os.stat(parent).st_mode
+            if stat.S_IMODE(mode) & 0o022 and not mode & stat.S_ISVTX:
+                problem = f"is in {parent}, which is writable by others (mode {stat.S_IMODE(mode):04o})"
+    if problem is not None:
+        raise PathError(
+            f"{what} {path} {problem}: another user could put files there that pdserve or vLLM would trust; {advice}"
+        )
     return path

@@ -21,7 +21,7 @@ from pytest_pdserve.common.logfile import write_replace
 from pytest_pdserve.engines.tiny_model import cache_base
 from pytest_pdserve.errors import PDServeError, ReuseError
 from pytest_pdserve.machine.lockfiles import want
-from pytest_pdserve.machine.paths import ensure_dir
+from pytest_pdserve.machine.paths import ensure_dir, private_dir_problem
 from pytest_pdserve.reuse.keeper import is_wanted
 from pytest_pdserve.reuse.state import STATE_SUFFIX, read_state
 
@@ -103,19 +103,11 @@ def check_reuse_dir(path: Path) -> None:
 
     :raises ReuseError: naming the path and what is wrong with it.
     """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ReuseError(f"reuse directory {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ReuseError(f"reuse directory {path} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ReuseError(f"reuse directory {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
-    if stat.S_IMODE(st.st_mode) & 0o022:
-        raise ReuseError(
-            f"reuse directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): anyone could plant "
-            "a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
-        )
+    problem = private_dir_problem(path)
+    if problem is not None and problem.startswith("is writable by others"):
+        problem += ": anyone could plant a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
+    if problem is not None:
+        raise ReuseError(f"reuse directory {path} {problem}")
     if _marked(path):
         return
     try:
