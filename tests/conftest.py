@@ -35,11 +35,12 @@ PDSERVE_ENV_VARS = (
 
 @pytest.fixture(autouse=True)
 def _inner_sessions_load_no_hypothesis(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inner pytest sessions (pytester, subprocesses) do not load hypothesis's pytest plugin: at its terminal
-    summary it imports all of hypothesis, about 0.25 s of CPU in each of the hundreds of inner sessions this suite
-    runs, and no inner session uses hypothesis. A test that sets PYTEST_ADDOPTS itself replaces this."""
+    """Inner pytest sessions (pytester, subprocesses) do not load hypothesis's or anyio's pytest plugin: at its
+    terminal summary hypothesis imports all of hypothesis, about 0.25 s of CPU, and anyio's imports asyncio and
+    anyio's core, about 0.05 s, in each of the hundreds of inner sessions this suite runs; no inner session uses
+    either. A test that sets PYTEST_ADDOPTS itself replaces this."""
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
-    monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest".strip())
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest -p no:anyio".strip())
 
 
 @pytest.fixture
