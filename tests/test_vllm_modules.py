@@ -8,6 +8,7 @@ $PDSERVE_VLLM_EXECUTABLE points at vLLM for CPU, on real vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_pdserve import cli
 from pytest_pdserve.config import presets
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.glue import export_env
@@ -54,13 +56,15 @@ def vllm_modules() -> Path:
 
 
 def run_module(
-    pytester: pytest.Pytester, modules: Path, module: str, preset: str, engine: str, *args: str
+    pytester: pytest.Pytester, modules: Path, module: str, preset: str | None, engine: str, *args: str
 ) -> pytest.RunResult:
-    """``pytest nixl_integration/<module> --pd-export-env --pd-preset=<preset>`` in a fresh directory."""
+    """``pytest nixl_integration/<module> --pd-export-env --pd-preset=<preset>`` in a fresh directory (no
+    ``--pd-preset`` for None: attach mode, which cannot apply a preset's server settings)."""
     shutil.copytree(modules, pytester.path / "nixl_integration", dirs_exist_ok=True)
     leases = pytester.path / "leases"
+    with_preset = (f"--pd-preset={preset}",) if preset is not None else ()
     return pytester.runpytest_subprocess(
-        f"nixl_integration/{module}", f"--pd-engine={engine}", "--pd-export-env", f"--pd-preset={preset}",
+        f"nixl_integration/{module}", f"--pd-engine={engine}", "--pd-export-env", *with_preset,
         f"--pd-lease-dir={leases}", "-p", "no:cacheprovider", "-rA", *args, timeout=1500,
     )  # fmt: skip
 
@@ -142,16 +146,6 @@ def test_disagg_accuracy_flow_on_the_simulator(pytester: pytest.Pytester, vllm_m
 
 
 # ------------------------------------------------------------------------------------------ real vLLM
-
-
-def test_edge_cases_on_real_vllm(pytester: pytest.Pytester, real_vllm: str, vllm_modules: Path) -> None:
-    exe = real_vllm
-    result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", "vllm",
-                        f"--pd-vllm-executable={exe}")  # fmt: skip
-    result.assert_outcomes(passed=1)
-    assert session_hits(result, "decode-0") > 0
-    result.stdout.fnmatch_lines(["*block size 32 instead of vLLM's default 16: vLLM's CPU backend takes only "
-                                 "multiples of 32*"])  # fmt: skip
 
 
 def test_multi_connector_edge_cases_on_real_vllm(pytester: pytest.Pytester, real_vllm: str, vllm_modules: Path) -> None:
@@ -261,19 +255,53 @@ def test_a_proxy_that_never_calls_prefill_is_caught(pytester: pytest.Pytester) -
     assert result.ret == 1
 
 
-@pytest.mark.parametrize("engine", ["sim", "vllm"])
-def test_vllms_edge_cases_through_a_bypassing_proxy_are_caught(
-    pytester: pytest.Pytester,
-    request: pytest.FixtureRequest,
-    vllm_modules: Path,
-    engine: str,  # noqa: F811
-) -> None:
-    """The preset turns the requirement on; the module itself passes."""
-    extra = (f"--pd-vllm-executable={request.getfixturevalue('real_vllm')}",) if engine == "vllm" else ()
-    result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", engine, *BYPASS_ARGS, *extra)
+def test_vllms_edge_cases_through_a_bypassing_proxy_are_caught(pytester: pytest.Pytester, vllm_modules: Path) -> None:
+    """The preset turns the requirement on; the module itself passes. (On real vLLM: the test below.)"""
+    result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", "sim", *BYPASS_ARGS)
     result.assert_outcomes(passed=1)
     assert _moved(result, "nixl_integration/test_edge_cases.py") == (0, 0)
     result.stdout.fnmatch_lines(["*no KV moved from prefill to decode in nixl_integration/test_edge_cases.py*"
                                  "on under --pd-preset*"])  # fmt: skip
     assert result.ret == 1
     shutil.rmtree(pytester.path / "nixl_integration")
+
+
+@pytest.mark.parametrize("engine", ["sim", "vllm"])
+def test_vllms_edge_cases_then_the_same_pair_behind_a_bypassing_proxy(
+    pytester: pytest.Pytester, request: pytest.FixtureRequest, vllm_modules: Path, tmp_path: Path, engine: str
+) -> None:
+    """vLLM's test_edge_cases through the plugin's proxy passes, decode's prefix cache serves its repeats and KV
+    moves from prefill to decode. The same two servers, kept (``--pd-reuse``) and then attached
+    (``--pd-prefill-url``/``--pd-decode-url``) behind a proxy that never calls prefill: the module passes again, and
+    only ``--pd-require-kv-transfer`` fails the session. One pair for both sessions: a real start costs ~40 s of
+    CI's two cores, and the second session checks the counters, not the start."""
+    exe = (f"--pd-vllm-executable={request.getfixturevalue('real_vllm')}",) if engine == "vllm" else ()
+    module = "nixl_integration/test_edge_cases.py"
+    reuse_dir = tmp_path / "reuse"
+    keep = ("--pd-reuse", "--pd-reuse-mode=force", f"--pd-reuse-dir={reuse_dir}")  # force: CI sets CI
+    try:
+        result = run_module(pytester, vllm_modules, "test_edge_cases.py", "vllm-edge-case", engine, *exe, *keep)
+        result.assert_outcomes(passed=1)
+        assert result.ret == 0
+        assert session_hits(result, "decode-0") > 0
+        tokens, nixl = _moved(result, module)
+        assert tokens > 0, "the plugin's proxy moved no KV: the bypass below would prove nothing"
+        assert nixl > 0
+        if engine == "vllm":
+            result.stdout.fnmatch_lines(["*block size 32 instead of vLLM's default 16: vLLM's CPU backend takes "
+                                         "only multiples of 32*"])  # fmt: skip
+        [state] = [json.loads(p.read_text()) for p in reuse_dir.glob("*.json")]
+        urls = [f"--pd-{s['role']}-url={s['url']}" for s in state["servers"]]
+        assert len(urls) == 2, urls
+        bypassed = run_module(
+            pytester, vllm_modules, "test_edge_cases.py", None, engine, "--pd-require-kv-transfer", *urls, *BYPASS_ARGS
+        )  # fmt: skip
+        bypassed.stdout.fnmatch_lines(["*pdserve: cluster attached (attached, 1P x 1D)*"])  # no server started
+        bypassed.assert_outcomes(passed=1)  # the answers are right: only the transfer counters tell
+        assert _moved(bypassed, module) == (0, 0)
+        bypassed.stdout.fnmatch_lines([f"*no KV moved from prefill to decode in {module}*failing the session "
+                                       "(--pd-require-kv-transfer)*"])  # fmt: skip
+        assert bypassed.ret == 1
+    finally:
+        assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
+    assert list(reuse_dir.glob("*.json")) == []
