@@ -1,11 +1,14 @@
-"""common/startup.py: the server stack imported without the cyclic collector, which is then back as it was."""
+"""common/startup.py: the server stack imported without the cyclic collector, which is then back as it was, and
+httpx without its command-line client."""
 
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,41 @@ def test_the_proxy_serves_with_the_collector_on() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip().endswith("gc True True")
+
+
+def _proxy_help_then(probe: str) -> str:
+    """What ``probe`` prints in a process that ran ``python -m pytest_pdserve.proxy --help`` (its imports, no serve)."""
+    code = (
+        "import gc, runpy, sys\n"
+        "sys.argv = ['proxy', '--help']\n"
+        "try:\n    runpy.run_module('pytest_pdserve.proxy', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        f"{probe}\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+def test_the_proxy_imports_httpx_without_its_command_line_client() -> None:
+    """httpx's client pulls in rich and pygments (~45 ms of CPU per proxy start); the proxy never runs it. Its
+    package must not import the server stack before ``__main__`` does (it did, so neither this nor the collector
+    trick applied)."""
+    out = _proxy_help_then(
+        "print('httpx' in sys.modules, sys.modules.get('httpx._main', 0) is None, 'rich' in sys.modules)"
+    )
+    assert out.strip().endswith("True True False"), out
+
+
+def test_an_httpx_that_needs_its_client_is_imported_whole(tmp_path: Path) -> None:
+    fake = tmp_path / "httpx"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("from ._main import main\nClient = object\n")  # no fallback, unlike 0.28
+    (fake / "_main.py").write_text("def main():\n    return 'cli'\n")
+    code = (
+        "from pytest_pdserve.common.startup import import_httpx_without_its_cli\n"
+        "import_httpx_without_its_cli()\n"
+        "import httpx\n"
+        "print(httpx.__file__.startswith(%r), httpx.main())" % str(tmp_path)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True)
+    assert out.stdout.split() == ["True", "cli"], out.stderr

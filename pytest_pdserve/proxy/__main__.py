@@ -11,9 +11,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pytest_pdserve.common.startup import importing_without_gc
+from pytest_pdserve.common.startup import import_httpx_without_its_cli, importing_without_gc
 
 with importing_without_gc():  # the server stack, imported without the collector (common/startup.py)
+    import_httpx_without_its_cli()
     import uvicorn
 
     from pytest_pdserve.common.rlimits import raise_nofile_limit
