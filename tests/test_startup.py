@@ -103,7 +103,7 @@ def test_an_httpx_that_needs_its_client_is_imported_whole(tmp_path: Path) -> Non
         "from pytest_pdserve.common.startup import import_httpx_without_its_cli\n"
         "import_httpx_without_its_cli()\n"
         "import httpx\n"
-        "print(httpx.__file__.startswith(%r), httpx.main())" % str(tmp_path)
+        f"print(httpx.__file__.startswith({str(tmp_path)!r}), httpx.main())"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True)

@@ -40,7 +40,7 @@ def import_httpx_without_its_cli() -> None:
     """Import httpx, skipping its command-line client; an httpx that cannot do without it is imported whole."""
     if "httpx" in sys.modules:
         return
-    sys.modules.setdefault("httpx._main", None)  # type: ignore[assignment]  # None: "import fails", by the spec
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]  # None means "import fails", by the spec
     try:
         import httpx  # noqa: F401  # here, not at the top: the stub above must be in place first
     except ImportError:
