@@ -127,15 +127,19 @@ def heavy_stream(sim_factory: Factory) -> Iterator[tuple[SimServer, threading.Th
 def test_the_event_loop_answers_during_a_long_request(heavy_stream: tuple[SimServer, threading.Thread]) -> None:
     server, thread = heavy_stream
     latencies = []
-    deadline = time.monotonic() + 60
+    polled_from = time.monotonic()
+    deadline = polled_from + 60
     while thread.is_alive() and time.monotonic() < deadline:
         started = time.monotonic()
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         latencies.append(time.monotonic() - started)
-    # A blocked loop answers at most once while the request runs (2.9 s stall measured before the per-token
-    # yields); now /health answers throughout (0.37 s worst measured at load average 15 on 2 cores).
+    ran = time.monotonic() - polled_from
+    # A blocked loop answers at most once while the request runs: before the per-token yields one /health waited
+    # 2.9 s of a ~3 s request. Now it answers throughout: 20 answers in 1.5 s, the longest 0.09 s (quiet machine).
     assert len(latencies) >= 3, latencies
-    assert max(latencies) < 3.0, latencies
+    # A share of the request, not seconds: load stretches both alike (a fresh-clone CI run saw one 3.07 s answer
+    # where the bound was 3 s, 2026-12-03).
+    assert max(latencies) < 0.75 * ran, (ran, latencies)
 
 
 def test_sigterm_stops_a_busy_server_within_the_grace(heavy_stream: tuple[SimServer, threading.Thread]) -> None:
