@@ -258,7 +258,7 @@ def _low() -> int:
 
 #: How wide a window a test's span is looked for in. Ports here are bound by whatever else runs (the real-vLLM
 #: tier's ZeroMQ and NIXL sockets, other sessions' servers): a test that demands one exact span fails when any of
-#: its ports is taken (CI, 2026-12-02: "no 4 adjacent free ports in 26240-26243"), so each span is looked for in a
+#: its ports is taken (a red CI run: "no 4 adjacent free ports in 26240-26243"), so each span is looked for in a
 #: window and every later check is made relative to where it landed.
 SPAN_WINDOW = 200
 
