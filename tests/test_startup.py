@@ -98,7 +98,10 @@ def test_the_proxy_package_leaves_the_server_stack_to_its_main() -> None:
     """``python -m pytest_pdserve.proxy`` imports the package first: had it imported the app (httpx, starlette,
     uvicorn), ``__main__``'s no-collector block and the httpx stub would come too late, as they did until
     2026-12-03 (the collector test above passed all the same: something was still frozen)."""
-    code = "import sys, pytest_pdserve.proxy\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'httpx', 'starlette', 'uvicorn'}))"
+    code = (
+        "import sys, pytest_pdserve.proxy\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'httpx', 'starlette', 'uvicorn'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]", out
     from pytest_pdserve.proxy import ProxyConfig, prefill_body  # the public names still resolve, lazily
