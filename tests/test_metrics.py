@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,6 +244,42 @@ def test_wait_settled_times_out_when_counters_keep_moving(counter: tuple[Counter
 
     with pytest.raises(MetricsSettleTimeout, match=r"kept changing .*vllm:generation_tokens_total"):
         wait_settled(busy, timeout=0.2, interval=0.01)
+
+
+def test_wait_settled_on_a_scrape_slower_than_the_timeout_takes_its_confirming_polls(
+    counter: tuple[CounterServer, httpx.Client],
+) -> None:
+    # A loaded CI machine (2026-12-03): each scrape of real vLLM took seconds, so only two polls fit in
+    # the 5 s timeout and unchanged counters were reported as "kept changing ... (no net change)".
+    # The sleep stands for the slow server; it is what is under test, not a wait for a condition.
+    server, client = counter
+    server.value = 7
+    calls = 0
+
+    def slow() -> MetricsSnapshot:
+        nonlocal calls
+        calls += 1
+        time.sleep(0.04)
+        return scrape(client)
+
+    snap = wait_settled(slow, timeout=0.05, interval=0.001)
+    assert snap.generation_tokens() == 7
+    assert calls == 3  # the first poll, then two unchanged ones, two of them past the deadline
+
+
+def test_wait_settled_on_a_slow_scrape_still_fails_a_counter_that_moves_past_the_deadline(
+    counter: tuple[CounterServer, httpx.Client],
+) -> None:
+    server, client = counter
+
+    def slow_and_moving() -> MetricsSnapshot:
+        time.sleep(0.04)
+        snapshot = scrape(client)
+        server.value += 1  # moves between every pair of polls
+        return snapshot
+
+    with pytest.raises(MetricsSettleTimeout, match=r"kept changing .*vllm:generation_tokens_total"):
+        wait_settled(slow_and_moving, timeout=0.05, interval=0.001)
 
 
 def test_wait_settled_times_out_on_unmet_condition(counter: tuple[CounterServer, httpx.Client]) -> None:
