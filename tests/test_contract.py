@@ -115,6 +115,48 @@ def test_first_request_is_pd_and_no_engine_dies(cluster: PDCluster) -> None:
             assert "dtype=torch.float32" in log, f"{server.name} does not serve float32 (cpu.py)"
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of ``pids`` (all their threads), from /proc; a pid that has exited counts 0."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+IDLE_WINDOW_S = 2.0
+IDLE_CPU_LIMIT_S = 1.0  # measured on 2 cores, 2026-12-03: 0.4 with the CPU tweaks plugin, 1.47 without
+
+
+def test_servers_go_quiet_after_a_request(cluster: PDCluster) -> None:
+    """After a P/D request is answered, the servers' processes use (almost) no CPU.
+
+    vLLM's message-queue readers spin on sched_yield for 1 s after every read (``SpinCondition.busy_loop_s``): on
+    2 cores each worker of a real pair took a whole core for that second after every request, ~2 CPU-s a request,
+    taken from everything else on the machine (CI's simulator tier among it). The CPU tweaks plugin makes each spin
+    sleep (``VLLM_CPU_SHM_SPIN_SLEEP_US``). The window is a measurement over time, not a wait for a condition.
+    """
+    table = proc_table()
+    pids: list[int] = []
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.process is not None
+        assert server.process.pid is not None
+        pids += [server.process.pid, *descendants(server.process.pid, table)]
+    cluster.complete(prompt_with_tokens(cluster, 200, seed=8), max_tokens=4)
+    wait_settled(cluster.decode[0].metrics)
+    before, t0 = _cpu_seconds(pids), time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    used, seconds = _cpu_seconds(pids) - before, time.monotonic() - t0
+    assert used < IDLE_CPU_LIMIT_S, (
+        f"{len(pids)} server processes used {used:.2f} CPU-s in the {seconds:.1f} s after a request (limit "
+        f"{IDLE_CPU_LIMIT_S}): something spins while idle (vLLM without the CPU tweaks plugin: 1.47 CPU-s on 2 cores)"
+    )
+
+
 def test_no_server_process_is_pinned_to_one_core(cluster: PDCluster) -> None:
     """Every process and thread of every server may run on every core this test may use.
 

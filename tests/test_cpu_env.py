@@ -202,6 +202,74 @@ def test_plugin_skips_only_the_nixl_workers_core_pin(pin_env: str | None, expect
     assert out.stdout.strip() == expected
 
 
+_SHM_PROBE = r"""
+import logging, os, sys, time, types
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+NAME = "vllm.distributed.device_communicators.shm_broadcast"
+SOURCE = (  # the shape of vLLM 0.32's module: SpinCondition's wait calls the module's sched_yield
+    "import os\n"
+    "def sched_yield():\n"
+    "    os.sched_yield()\n"
+    "class SpinCondition:\n"
+    "    def wait(self):\n"
+    "        sched_yield()\n"
+)
+import vllm_nixl_cpu_tweaks as t
+if sys.argv[2] == "loaded-first":  # a worker: multiproc_executor imports the queue before plugins load
+    module = types.ModuleType(NAME)
+    exec(SOURCE, module.__dict__)
+    sys.modules[NAME] = module
+    t.register(); t.register()  # idempotent: one wrapper
+else:  # EngineCore, API server: the plugin loads first and its import hook patches the module as it loads
+    t.register()
+    root = sys.argv[3]
+    parts = NAME.split(".")
+    for i in range(1, len(parts)):
+        os.makedirs(os.path.join(root, *parts[:i]), exist_ok=True)
+        open(os.path.join(root, *parts[:i], "__init__.py"), "w").close()
+    with open(os.path.join(root, *parts[:-1], parts[-1] + ".py"), "w") as f:
+        f.write(SOURCE)
+    sys.path.insert(0, root)
+import importlib
+module = importlib.import_module(NAME)
+condition = module.SpinCondition()
+t0 = time.monotonic()
+for _ in range(50):
+    condition.wait()
+print(round((time.monotonic() - t0) / 50 * 1e6))
+"""
+
+
+@pytest.mark.parametrize("order", ["loaded-first", "plugin-first"])
+@pytest.mark.parametrize(
+    ("env", "sleeps_us", "warned"),
+    [(None, 200, False), ("1000", 1000, False), ("0", 0, False), ("soon", 200, True), ("-5", 200, True),
+     ("1e9", 200, True)],
+)  # fmt: skip
+def test_plugin_makes_message_queue_spins_sleep_instead_of_yield(
+    tmp_path: Path, order: str, env: str | None, sleeps_us: int, warned: bool
+) -> None:
+    """vLLM's shared-memory queue spins on sched_yield (a reader for 1 s after each read); the plugin makes each
+    spin sleep ``VLLM_CPU_SHM_SPIN_SLEEP_US`` (default 200 us; 0 leaves vLLM's yield) whichever loads first, and a
+    bad value says so and falls back to the default. Real vLLM's idle CPU is checked by test_contract's
+    ``test_servers_go_quiet_after_a_request``."""
+    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
+    environ = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
+    environ.pop("VLLM_CPU_SHM_SPIN_SLEEP_US", None)
+    if env is not None:
+        environ["VLLM_CPU_SHM_SPIN_SLEEP_US"] = env
+    out = subprocess.run([sys.executable, "-c", _SHM_PROBE, str(src), order, str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    per_spin_us = int(out.stdout.strip())
+    if sleeps_us:
+        assert per_spin_us >= sleeps_us, per_spin_us  # a sleep is never shorter than asked
+    else:
+        assert per_spin_us < 100, per_spin_us  # os.sched_yield: about a microsecond
+    assert ("VLLM_CPU_SHM_SPIN_SLEEP_US=" in out.stderr) == warned, out.stderr
+
+
 def test_cpu_module_is_light() -> None:
     """cpu, vllm_compat and tiny_model must import without pytest, torch or vllm."""
     code = (

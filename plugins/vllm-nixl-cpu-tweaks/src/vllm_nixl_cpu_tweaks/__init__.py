@@ -28,6 +28,17 @@ progress thread) on one core while the others idle. Measured on 2 cores: P/D req
 (decode's ``postXfer`` held the UCX lock in ``sendmsg`` while its progress thread spun on the lock), the
 prefill's 30 s KV lease expired, and decode answered HTTP 500. :func:`keep_cpu_affinity` skips that one call;
 ``VLLM_NIXL_CPU_PIN_KV_CORE=1`` keeps vLLM's pin.
+
+Message-queue spin: a reader of vLLM's shared-memory message queue (each worker waiting for the next step,
+EngineCore waiting for the workers' output) spins on ``sched_yield`` for 1 s after each read before it parks on
+the queue's notify socket (``SpinCondition.busy_loop_s``, not settable in vLLM 0.32), and a writer waiting for its
+readers spins too. With more vLLM processes than cores that time is taken from the processes doing the work:
+measured on 2 cores, each idle worker of a P/D pair used a whole core for about 1 s after every request (~2 CPU-s
+per request for the pair, and CI's real-vLLM servers are up beside the simulator tier). Parking at once
+(``busy_loop_s = 0``) was tried first and deadlocked vLLM 0.32 (EngineCore waiting for a worker's answer, the
+worker waiting for the next step, both in ``poll``, for minutes). :func:`polite_shm_spin` keeps vLLM's protocol
+and timing and only makes each spin sleep ``VLLM_CPU_SHM_SPIN_SLEEP_US`` (default 200 us) instead of
+``sched_yield``: a waiting process then costs a few per cent of a core, and a step is seen at most that much later.
 """
 
 from __future__ import annotations
@@ -39,11 +50,20 @@ import logging
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["KEEP_ENV", "PIN_ENV", "keep_cpu_affinity", "register", "request_amx_permission"]
+__all__ = [
+    "KEEP_ENV",
+    "PIN_ENV",
+    "SPIN_SLEEP_ENV",
+    "keep_cpu_affinity",
+    "polite_shm_spin",
+    "register",
+    "request_amx_permission",
+]
 
 KEEP_ENV = "VLLM_NIXL_KEEP_PROG_THREAD"
 #: ``1`` keeps vLLM's pin of the NIXL worker to the last core of each NUMA node (see the module docstring).
@@ -59,6 +79,11 @@ _PATCHED_FLAG = "_vllm_nixl_cpu_tweaks_patched"
 #: NIXL's progress thread sleeps up to this long between polls when idle (its default, 0, means spin).
 DELAY_ENV = "VLLM_NIXL_PROG_THREAD_DELAY_US"
 DEFAULT_DELAY_US = 1000
+
+#: Microseconds each spin of vLLM's shared-memory message queue sleeps instead of ``sched_yield`` (0: vLLM's own).
+SPIN_SLEEP_ENV = "VLLM_CPU_SHM_SPIN_SLEEP_US"
+DEFAULT_SPIN_SLEEP_US = 200
+_SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 # A child of vLLM's "vllm" logger, so the line appears in the server log with vLLM's format.
 logger = logging.getLogger("vllm.plugins.nixl_cpu_tweaks")
@@ -136,10 +161,62 @@ def keep_cpu_affinity() -> bool:
     return True
 
 
+def _spin_sleep_us() -> int:
+    raw = os.environ.get(SPIN_SLEEP_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SPIN_SLEEP_US
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 100_000:
+        logger.warning(
+            "%s=%r is not a whole number of microseconds in [0, 100000]; using %d",
+            SPIN_SLEEP_ENV, raw, DEFAULT_SPIN_SLEEP_US,
+        )  # fmt: skip
+        return DEFAULT_SPIN_SLEEP_US
+    return value
+
+
+def _patch_shm_module(module: ModuleType) -> None:
+    real = getattr(module, "sched_yield", None)
+    if not callable(real) or getattr(real, _WRAPPED_FLAG, False):
+        return
+    if not isinstance(getattr(module, "SpinCondition", None), type):  # not the queue this was measured on
+        logger.warning("vLLM's message queue has no SpinCondition; its spin left as is")
+        return
+    micros = _spin_sleep_us()
+    if micros == 0:
+        return
+    seconds = micros / 1e6
+
+    def sched_yield() -> None:
+        time.sleep(seconds)  # releases the GIL and the core; the caller rechecks its flag as after a yield
+
+    setattr(sched_yield, _WRAPPED_FLAG, True)
+    module.sched_yield = sched_yield
+    logger.info("shared-memory message-queue spins sleep %d us instead of sched_yield (%s)", micros, SPIN_SLEEP_ENV)
+
+
+def polite_shm_spin() -> None:
+    """Make vLLM's shared-memory message queue sleep ``VLLM_CPU_SHM_SPIN_SLEEP_US`` per spin instead of yielding:
+    now if the module is loaded (a worker imports it before plugins load), else when it loads."""
+    module = sys.modules.get(_SHM_MODULE)
+    if module is not None:
+        _patch_shm_module(module)
+    _install_import_hook()
+
+
+def _install_import_hook() -> None:
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; idempotent (vLLM may call it more than once)."""
     request_amx_permission()
     keep_cpu_affinity()
+    polite_shm_spin()
     if os.environ.get(KEEP_ENV) == "1":
         return
     # vLLM sets this only when NIXL is not imported yet; setting it here too covers anything that imports
@@ -149,8 +226,7 @@ def register() -> None:
         module = sys.modules.get(name)
         if module is not None:
             _patch_module(module)
-    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    _install_import_hook()
 
 
 def _delay_us() -> int:
@@ -206,19 +282,22 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._wrapped.exec_module(module)
-        _patch_module(module)
+        if module.__name__ == _SHM_MODULE:
+            _patch_shm_module(module)
+        elif os.environ.get(KEEP_ENV) != "1":
+            _patch_module(module)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, ... used by tracebacks and tools
         return getattr(self._wrapped, name)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds NIXL's API modules with the other finders and wraps their loader."""
+    """Finds NIXL's API modules and vLLM's message-queue module with the other finders and wraps their loader."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _API_MODULES:
+        if fullname not in _API_MODULES and fullname != _SHM_MODULE:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
