@@ -420,11 +420,12 @@ def wait_settled(
     # vLLM can take seconds, and values that were unchanged at the deadline have not "kept changing";
     # they only lacked the confirming polls, so those are taken before judging (CI, 2026-12-03).
     max_polls = int(timeout / interval) + 2 * stable_for + 2
-    for _ in range(max_polls):
+    for polls in range(max_polls):
         condition = until is None or until(snapshot)
         if condition and stable >= stable_for:
             return snapshot
-        if time.monotonic() >= deadline and not (condition and stable > 0):
+        # At least one poll after the first: a single snapshot shows neither stability nor change.
+        if time.monotonic() >= deadline and polls > 0 and not (condition and stable > 0):
             break
         time.sleep(interval)
         snapshot = scrape()
