@@ -8,6 +8,9 @@ timeout forever. The trickling servers here are 127.0.0.1 threads; each call mus
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -135,3 +138,72 @@ def test_a_planted_entry_that_leaves_enough_gpus_is_only_skipped(pytester: pytes
         "--pd-engine=sim", "--pd-simulate-gpus=3", f"--pd-lease-dir={leases}", "-p", "no:cacheprovider", timeout=120
     )
     result.assert_outcomes(passed=1)
+
+
+def test_deadlines_hold_in_a_forked_child_and_side_by_side() -> None:
+    """One alarm thread serves every request of a process (deadline.py's ``_Alarms``): a forked child starts without
+    the parent's thread and must still cut a trickle, and two requests waiting at once are each cut at their own
+    deadline, the later one not held up by the earlier. (Trickled headers: only the alarm's cut ends such a read.)"""
+    with trickler(headers_too=True) as url:
+        with contextlib.suppress(httpx.ReadTimeout):
+            get_within(None, f"{url}/health", 0.2)  # the parent's alarm thread now runs
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only when its own deadline cut the trickle in time
+            code = 1
+            signal.alarm(15)  # a child whose cut never comes dies of SIGALRM instead of waiting out the trickle
+            try:
+                t0 = time.monotonic()
+                try:  # 2 s: past the trickle's 0.5 s gaps, so httpx's own read timeout cannot end it first
+                    get_within(None, f"{url}/health", 2.0)
+                except httpx.ReadTimeout:
+                    code = 0 if time.monotonic() - t0 < 10 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a forked child's request was not cut at its deadline"
+        took: dict[float, float] = {}
+
+        def one(total: float) -> None:
+            t0 = time.monotonic()
+            with contextlib.suppress(httpx.ReadTimeout):
+                get_within(None, f"{url}/health", total)
+            took[total] = time.monotonic() - t0
+
+        threads = [threading.Thread(target=one, args=(total,), daemon=True) for total in (3.0, 0.3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert set(took) == {0.3, 3.0}, took
+    assert took[0.3] < took[3.0], took  # the shorter deadline fired first, though it was set second
+    assert took[3.0] >= 3.0, took  # and the longer one was not cut early
+
+
+def test_answered_requests_do_not_pile_up_on_the_alarm_heap(tmp_path: object) -> None:
+    from pytest_pdserve.common import deadline
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/health"
+        for _ in range(600):  # each waits on the heap for its 300 s deadline once answered
+            assert get_within(None, url, 300.0).status_code == 200
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        listener.close()
+    assert len(deadline._ALARMS._heap) <= 2 * deadline._COMPACT_AT  # noqa: SLF001 (the thing under test)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import os
 import socket
 import ssl
 import threading
@@ -81,6 +83,10 @@ class _Cutter:
         """The answer is complete: a timer firing now must not cut a connection the pool may hand out again."""
         with self._lock:
             self._done = True
+            self._socks.clear()  # it may wait on the alarm heap until its deadline: hold no sockets meanwhile
+
+    def is_done(self) -> bool:
+        return self._done
 
     def fire(self) -> None:
         with self._lock:
@@ -105,6 +111,62 @@ class _Cutter:
         return trace
 
 
+class _Alarms:
+    """One thread per process that fires every pending request's cutter at its deadline.
+
+    A ``threading.Timer`` per request cost a thread start and its join, about 0.35 ms a request (measured: 0.54 ms
+    per keep-alive GET without a deadline, 0.91 ms with), which the readiness poll and every scrape paid. Here a
+    request only pushes its deadline on a heap; the thread sleeps until the earliest one. Fork-safe: a forked child
+    starts with no thread and no alarms (the parent's requests are not its own).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, _Cutter]] = []
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def set(self, seconds: float, cutter: _Cutter) -> None:
+        """Fire ``cutter`` in ``seconds`` unless it is done by then (a done cutter's fire does nothing)."""
+        with self._cond:
+            self._count += 1
+            if len(self._heap) > _COMPACT_AT:  # answered requests wait for their deadline to be popped: drop them
+                self._heap = [entry for entry in self._heap if not entry[2].is_done()]
+                heapq.heapify(self._heap)
+            earliest = not self._heap or time.monotonic() + seconds < self._heap[0][0]
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._count, cutter))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pdserve-deadlines", daemon=True)
+                self._thread.start()
+            elif earliest:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][2].is_done():  # answered in time: nothing to cut
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                cutter = heapq.heappop(self._heap)[2]
+            cutter.fire()  # outside the lock: shutting a socket down must not hold up the next request's set()
+
+    def reset_in_child(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap = []
+        self._thread = None
+
+
+_COMPACT_AT = 256
+_ALARMS = _Alarms()
+os.register_at_fork(after_in_child=_ALARMS.reset_in_child)
+
+
 class DeadlineTransport(httpx.BaseTransport):
     """Passes requests to ``inner``; one carrying :data:`TOTAL` is answered in full within it, or raises
     ``httpx.ReadTimeout`` (the body is read here, so the caller gets a complete response or none)."""
@@ -119,9 +181,7 @@ class DeadlineTransport(httpx.BaseTransport):
         deadline = time.monotonic() + float(total)
         cutter = _Cutter()
         request.extensions["trace"] = cutter.trace(request.extensions.get("trace"))
-        timer = threading.Timer(float(total), cutter.fire)
-        timer.daemon = True
-        timer.start()
+        _ALARMS.set(float(total), cutter)
 
         def late() -> httpx.ReadTimeout:
             return httpx.ReadTimeout(f"no complete answer within {float(total):g}s", request=request)
@@ -144,7 +204,6 @@ class DeadlineTransport(httpx.BaseTransport):
             raise
         finally:
             cutter.done()
-            timer.cancel()
         return httpx.Response(
             response.status_code, headers=response.headers, content=b"".join(chunks), request=request,
             extensions={k: v for k, v in response.extensions.items() if k != "network_stream"},

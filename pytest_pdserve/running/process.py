@@ -5,7 +5,8 @@ The contract (mirakuru's executor contract, tightened for minute-long GPU startu
 * ``start()`` refuses to start when something already answers on the health port (:class:`PortInUse`),
   then spawns ``argv`` (never via a shell) with ``start_new_session=True``, stdin from /dev/null and
   stdout+stderr appended to a log file. A pipe would block a chatty server once nobody reads it.
-* ``wait_ready()`` / :func:`wait_all_ready` poll every 10 ms against a ``time.monotonic()`` deadline:
+* ``wait_ready()`` / :func:`wait_all_ready` poll every 5 ms (sooner right after a server logs: log_wakeup.py)
+  against a ``time.monotonic()`` deadline:
   process alive (any exit, even 0, raises :class:`ServerExitedEarly` at once with the log tail), then
   ``GET /health`` is 200, then ``GET /v1/models`` lists ``model_id``. On timeout the process group is
   killed *first*, then :class:`ServerStartupTimeout` is raised.
@@ -41,6 +42,7 @@ from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.running.hints import AUTH_HINT, hint_for
+from pytest_pdserve.running.log_wakeup import LogWakeup
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
 from pytest_pdserve.running.readiness import ReadinessCheck, readiness_client
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
@@ -70,6 +72,13 @@ POLL_INTERVAL_S = 0.005
 #: from the start itself; a notice within 0.2 % of the start's time costs nothing anyone can see.
 POLL_INTERVAL_SHARE = 1 / 500
 MAX_POLL_INTERVAL_S = 0.05
+
+
+#: After a server wrote to its log (log_wakeup.py), the poll probes every millisecond for a short while: uvicorn logs
+#: "Application startup complete." just before it listens, so the server is noticed within about a millisecond after it
+#: serves. A chatty log costs at most one probe (about 0.02 ms of CPU when refused) per FAST_POLL_S.
+FAST_POLL_S = 0.0005
+FAST_WINDOW_S = 0.02
 
 
 def poll_interval(waited: float) -> float:
@@ -401,7 +410,8 @@ def wait_all_ready(
     """
     procs = list(processes)
     last_progress = {p.name: time.monotonic() for p in procs}
-    with readiness_client() as client:
+    fast_until = 0.0
+    with readiness_client() as client, LogWakeup(p.log_path for p in procs) as wakeup:
         for _ in range(100_000_000):  # bounded by the deadline; the count only guards the loop
             pending = [p for p in procs if not p.poll_ready(client)]
             if not pending:
@@ -415,7 +425,11 @@ def wait_all_ready(
                         last_progress[p.name] = now
                         on_progress(p.name, now - p.started_at, p.log_tail(1).strip())
             waited = now - min(p.started_at for p in pending)
-            time.sleep(min(poll_interval(waited), max(0.0, deadline - now)))
+            interval = FAST_POLL_S if now < fast_until else poll_interval(waited)
+            if wakeup.sleep(min(interval, max(0.0, deadline - now))):
+                # A log line: probe soon and often for a while; at least FAST_POLL_S apart, whatever the log does.
+                fast_until = time.monotonic() + FAST_WINDOW_S
+                time.sleep(FAST_POLL_S)
     return {p.name: p.ready_seconds() for p in procs}
 
 
