@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 
 import httpx
 import pytest
@@ -147,7 +148,9 @@ def test_deadlines_hold_in_a_forked_child_and_side_by_side() -> None:
     with trickler(headers_too=True) as url:
         with contextlib.suppress(httpx.ReadTimeout):
             get_within(None, f"{url}/health", 0.2)  # the parent's alarm thread now runs
-        pid = os.fork()
+        with warnings.catch_warnings():  # 3.12+ warns of fork() in a threaded process; the child only makes a request
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the child: exit 0 only when its own deadline cut the trickle in time
             code = 1
             signal.alarm(15)  # a child whose cut never comes dies of SIGALRM instead of waiting out the trickle
@@ -179,7 +182,7 @@ def test_deadlines_hold_in_a_forked_child_and_side_by_side() -> None:
     assert took[3.0] >= 3.0, took  # and the longer one was not cut early
 
 
-def test_answered_requests_do_not_pile_up_on_the_alarm_heap(tmp_path: object) -> None:
+def test_answered_requests_do_not_pile_up_on_the_alarm_heap() -> None:
     from pytest_pdserve.common import deadline
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -207,3 +210,21 @@ def test_answered_requests_do_not_pile_up_on_the_alarm_heap(tmp_path: object) ->
         thread.join(timeout=10)
         listener.close()
     assert len(deadline._ALARMS._heap) <= 2 * deadline._COMPACT_AT  # noqa: SLF001 (the thing under test)
+
+
+def test_a_dead_alarm_thread_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one alarm thread serves every later deadline: if it is ever gone, the next request starts another."""
+    from pytest_pdserve.common import deadline
+
+    alarms = deadline._Alarms()  # noqa: SLF001 (the thing under test)
+    ended = threading.Thread(target=lambda: None)  # stands for an alarm thread that died
+    ended.start()
+    ended.join()
+    alarms._thread = ended  # noqa: SLF001
+    monkeypatch.setattr(deadline, "_ALARMS", alarms)
+    with trickler(headers_too=True) as url:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match="no complete answer within 2s"):
+            get_within(None, f"{url}/health", 2.0)  # only a live alarm cuts trickled headers
+        assert time.monotonic() - t0 < 30
+    assert alarms._thread is not ended  # noqa: SLF001

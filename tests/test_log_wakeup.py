@@ -7,6 +7,8 @@ these tests check the mechanism and its fallbacks, with bounds far from any timi
 from __future__ import annotations
 
 import ctypes
+import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -115,3 +117,28 @@ def test_the_poll_probes_soon_after_a_server_logs(tmp_path: Path, monkeypatch: p
     assert time.monotonic() - t0 < 20, "the poll slept its interval out: the log line did not wake it"
     assert len(probes) >= 2
     thread.join(10)
+
+
+def test_an_inotify_fd_above_fd_setsize_still_wakes(tmp_path: Path) -> None:
+    """select() refuses fds above 1024; a session with many open files (its limit raised by common/rlimits.py) gets
+    such an fd for its inotify instance, and the poll must neither crash nor lose the wake."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        log = tmp_path / "decode-0.log"
+        log.write_text("")
+        go = threading.Event()
+        with LogWakeup([log]) as wakeup:
+            assert wakeup.active
+            assert wakeup._fd is not None  # noqa: SLF001 (the case under test)
+            assert wakeup._fd > 1024  # noqa: SLF001
+            thread = _write_soon(log, go)
+            go.set()
+            assert wakeup.sleep(60) is True
+            thread.join(10)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import heapq
+import logging
 import os
 import socket
 import ssl
@@ -37,6 +38,8 @@ __all__ = [
     "within",
 ]
 
+
+log = logging.getLogger(__name__)
 
 #: The request extension naming the whole exchange's deadline, in seconds.
 TOTAL = "pdserve.total_timeout"
@@ -135,7 +138,7 @@ class _Alarms:
                 heapq.heapify(self._heap)
             earliest = not self._heap or time.monotonic() + seconds < self._heap[0][0]
             heapq.heappush(self._heap, (time.monotonic() + seconds, self._count, cutter))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # first use, or (never seen) the thread died
                 self._thread = threading.Thread(target=self._run, name="pdserve-deadlines", daemon=True)
                 self._thread.start()
             elif earliest:
@@ -154,7 +157,10 @@ class _Alarms:
                     self._cond.wait(wait)
                     continue
                 cutter = heapq.heappop(self._heap)[2]
-            cutter.fire()  # outside the lock: shutting a socket down must not hold up the next request's set()
+            try:  # outside the lock: shutting a socket down must not hold up the next request's set()
+                cutter.fire()
+            except Exception:  # the thread serves every later deadline: one failed cut must not end it
+                log.exception("cutting a request at its deadline failed")
 
     def reset_in_child(self) -> None:
         self._cond = threading.Condition(threading.Lock())

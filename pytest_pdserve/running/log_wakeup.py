@@ -31,6 +31,7 @@ class LogWakeup:
 
     def __init__(self, paths: Iterable[Path]) -> None:
         self._fd: int | None = None
+        self._poll: select.poll | None = None
         try:
             import ctypes  # lazily: only a session that starts servers pays its import
 
@@ -44,6 +45,10 @@ class LogWakeup:
                     watched += 1
             if watched:
                 self._fd = fd
+                # poll, not select: select refuses an fd above FD_SETSIZE (1024), which a session with its open-files
+                # limit raised (common/rlimits.py) and many clients can hand out.
+                self._poll = select.poll()
+                self._poll.register(fd, select.POLLIN)
             else:
                 os.close(fd)
         except (OSError, AttributeError):  # no libc with inotify here: plain sleeps
@@ -56,11 +61,13 @@ class LogWakeup:
 
     def sleep(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True when it ended early because a watched log was written."""
-        if self._fd is None:
-            time.sleep(seconds)
+        if self._fd is None or seconds < 0.001:
+            # poll counts in whole milliseconds (rounded up): a shorter sleep is a plain one, and the poll's fast
+            # window, which sleeps 0.5 ms, probes that often anyway.
+            time.sleep(max(0.0, seconds))
             return False
-        readable, _, _ = select.select([self._fd], [], [], max(0.0, seconds))
-        if not readable:
+        assert self._poll is not None
+        if not self._poll.poll(seconds * 1000):
             return False
         with contextlib.suppress(BlockingIOError, InterruptedError):
             for _ in range(64):  # bounded: drain what queued up (events are small; 64 reads is plenty)

@@ -74,7 +74,7 @@ POLL_INTERVAL_SHARE = 1 / 500
 MAX_POLL_INTERVAL_S = 0.05
 
 
-#: After a server wrote to its log (log_wakeup.py), the poll probes every millisecond for a short while: uvicorn logs
+#: After a server wrote to its log (log_wakeup.py), the poll probes every FAST_POLL_S for FAST_WINDOW_S: uvicorn logs
 #: "Application startup complete." just before it listens, so the server is noticed within about a millisecond after it
 #: serves. A chatty log costs at most one probe (about 0.02 ms of CPU when refused) per FAST_POLL_S.
 FAST_POLL_S = 0.0005
