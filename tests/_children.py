@@ -24,3 +24,15 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """``preexec_fn``: SIGKILL this child when the thread that started it exits."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def as_a_terminal_job() -> None:
+    """``preexec_fn`` for an inner pytest that a test Ctrl-Cs: :func:`die_with_parent`, and SIGINT back to its default.
+
+    A shell that starts a job in the background (``.ci/run &``, a CI runner's non-interactive shell) sets SIGINT to
+    ignored, every process below inherits that, and Python installs its KeyboardInterrupt handler only when SIGINT
+    is not ignored: the inner pytest then sleeps through the Ctrl-C (test_ctrl_c_stops_servers_and_keeps_logs hung
+    30 s, 2026-12-04). A terminal's foreground job has SIGINT at its default, which is what these tests are about.
+    """
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _children import die_with_parent
+from _children import as_a_terminal_job
 
 from pytest_pdserve.config.commands import VLLM_PORT_WINDOW
 
@@ -35,10 +35,15 @@ GONE_WITHIN_S = 30.0
 #: The inner sessions' conftest: ``pdinfo(cluster, **extra)`` writes what a cluster got to $PDINFO_DIR as one
 #: JSON file, and ``pytest_sessionfinish`` writes ``sessionfinish-<pid>`` there with the time it ran.
 INNER_CONFTEST = r"""
-import json, os, time, uuid
+import faulthandler, json, os, signal, time, uuid
 from pathlib import Path
 
 import pytest
+
+# Inner.popen asks a session that outlived its test for every thread's stack (SIGUSR2) before it kills it.
+faulthandler.register(
+    signal.SIGUSR2, file=open(Path(os.environ["PDINFO_DIR"]) / f"stacks-{os.getpid()}.txt", "w"), all_threads=True
+)
 
 
 def _environ(pid):
@@ -183,14 +188,27 @@ class Inner:
                 stdout=out,  # type: ignore[arg-type]  # pytest's stub says TextIO; any file object works
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=as_a_terminal_job,
             )
         try:
             yield proc
         finally:
             if proc.poll() is None:
+                self._print_stacks(proc)
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+    def _print_stacks(self, proc: subprocess.Popen[bytes]) -> None:
+        """Into the failing test's report: where each thread of a still running inner session is (the conftest's
+        faulthandler writes them on SIGUSR2), and what the session wrote."""
+        stacks = self.info_dir / f"stacks-{proc.pid}.txt"
+        with contextlib.suppress(OSError, AssertionError):
+            os.kill(proc.pid, signal.SIGUSR2)
+            wait_for(lambda: stacks.stat().st_size > 0, 5, "the inner session's stacks")
+        with contextlib.suppress(OSError, AssertionError):
+            print(f"--- the inner pytest (pid {proc.pid}) was still running; its threads:\n{stacks.read_text()}")
+        with contextlib.suppress(OSError):
+            print(f"--- its output:\n{self.output()}")
 
     def output(self) -> str:
         """What a ``popen`` inner pytest wrote (stdout and stderr)."""

@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, MARK_ENV, Inner, cluster_resources, live_procs, unheld_locks
@@ -81,6 +82,9 @@ def test_ctrl_c_stops_servers_and_keeps_logs(inner: Inner) -> None:
     inner.pytester.makepyfile(UP_AND_WAIT)
     with inner.popen("--pd-shutdown-timeout=1") as proc:
         info = inner.wait_info()
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
+        assert not ignored & 1 << signal.SIGINT - 1, "the inner pytest ignores SIGINT: no Ctrl-C could reach it"
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the foreground group
         proc.wait(30)

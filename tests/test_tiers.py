@@ -73,3 +73,14 @@ def test_the_simulator_tier_is_everything_else(suite: pytest.Pytester) -> None:
     gpu = {nodeid for nodeid, marks in all_items.items() if "gpu" in marks}
     assert gpu == {nodeid for nodeid in all_items if nodeid.startswith("tests/gpu/")}
     assert gpu
+
+
+def test_inner_sessions_load_neither_hypothesis_nor_anyio(pytester: pytest.Pytester) -> None:
+    """tests/conftest.py keeps both plugins out of every inner session (about 0.5 s of CPU each); pytester unsets
+    PYTEST_ADDOPTS when it is set up, which undid that for every pytester session until 2026-12-04."""
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess()
+    [plugins] = [line for line in result.outlines if line.startswith("plugins:")]
+    assert "pdserve" in plugins
+    assert "hypothesis" not in plugins, plugins
+    assert "anyio" not in plugins, plugins
