@@ -6,13 +6,14 @@ The checks themselves, against real simulator clusters, are tests/test_measureme
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from pytest_pdserve.errors import EffectiveConfigError, NotPDReady
-from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsSnapshot
+from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, REQUEST_SUCCESS, MetricsSnapshot
 from pytest_pdserve.running import verify
 from pytest_pdserve.running.verify import Mismatch, ObservedConfig
 
@@ -152,3 +153,54 @@ def test_a_fresh_start_scrapes_decode_only_after_the_request(monkeypatch: pytest
     with pytest.raises(NotPDReady, match="moved no KV"):  # counters read first: unchanged, so no KV moved
         verify.pd_round_trip(cluster, timeout=0.0)
     assert events[:2] == ["scrape", "request"]
+
+
+def _decode_counters(success: float, external: float, nixl: float | None) -> MetricsSnapshot:
+    counters = {
+        (REQUEST_SUCCESS, frozenset({("finished_reason", "length")})): success,
+        (PROMPT_TOKENS_BY_SOURCE, frozenset({("source", "external_kv_transfer")})): external,
+    }
+    if nixl is not None:
+        counters[(NIXL_BYTES_SUM, frozenset())] = nixl
+    return MetricsSnapshot(counters)
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "verdict"),
+    [
+        # The decode finished the request with no KV (a failed pull, recomputed): the verdict at the first scrape.
+        ([_decode_counters(1, 0, 0)], "decode-0 finished it with no external_kv_transfer tokens"),
+        # Not finished yet in the metrics (the answer comes before the record): wait, then the finish decides.
+        ([_decode_counters(0, 0, None), _decode_counters(1, 0, 0)], "finished it with no external_kv_transfer"),
+        # Tokens moved, NIXL bytes not reported yet: wait for them (ready at the second scrape).
+        ([_decode_counters(1, 25, None), _decode_counters(1, 25, 1024)], None),
+    ],
+)  # fmt: skip
+def test_the_round_trip_fails_as_soon_as_a_decode_finished_without_kv(
+    monkeypatch: pytest.MonkeyPatch, scrapes: list[MetricsSnapshot], verdict: str | None
+) -> None:
+    """Not after its 30 s timeout (test_measurements' no-pull cluster waited them out): vLLM records a request's
+    prompt tokens by source no later than its request_success, so once that went up the counters are final."""
+    seen: list[MetricsSnapshot] = []
+
+    class Decode:
+        name, url = "decode-0", "http://127.0.0.1:9"
+
+        def metrics(self) -> MetricsSnapshot:
+            seen.append(scrapes[min(len(seen), len(scrapes) - 1)])
+            return seen[-1]
+
+    class Proxy:
+        def complete_within(self, total: float, prompt: str, **body: Any) -> dict[str, Any]:
+            return {}
+
+    cluster: Any = SimpleNamespace(decode=(Decode(),), proxy=Proxy(), model="m", prefill=())
+    monkeypatch.setattr(verify, "_ready_prompt", lambda cluster, seed: "a prompt")
+    t0 = time.monotonic()
+    if verdict is None:
+        verify.pd_round_trip(cluster, fresh=True, timeout=30)
+    else:
+        with pytest.raises(NotPDReady, match=verdict):
+            verify.pd_round_trip(cluster, fresh=True, timeout=30)
+    assert time.monotonic() - t0 < 10, "it waited for the timeout"
+    assert len(seen) == len(scrapes)

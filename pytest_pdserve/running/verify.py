@@ -46,7 +46,13 @@ from pytest_pdserve.assertions import Check, format_checks
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.errors import EffectiveConfigError, NotPDReady
-from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, MetricsScrapeError, MetricsSnapshot
+from pytest_pdserve.metrics import (
+    NIXL_BYTES_SUM,
+    PROMPT_TOKENS_BY_SOURCE,
+    REQUEST_SUCCESS,
+    MetricsScrapeError,
+    MetricsSnapshot,
+)
 from pytest_pdserve.prompts import count_tokens, prompt_with_tokens, words
 from pytest_pdserve.running.hints import hint_for
 
@@ -279,6 +285,29 @@ def _transfer_rows(name: str, before: MetricsSnapshot, after: MetricsSnapshot) -
     return rows
 
 
+def _finished_without_kv(
+    cluster: PDCluster, before: Mapping[str, MetricsSnapshot], after: Mapping[str, MetricsSnapshot]
+) -> set[str]:
+    """The decode servers that finished a request since ``before`` without any external_kv_transfer tokens.
+
+    vLLM's metrics show a request some time after its answer (the output handler answers, then records), but they
+    record a request's prompt tokens by source no later than its ``request_success``: in PrometheusStatLogger.record
+    the by-source counters of an iteration are incremented before that iteration's finished requests are counted,
+    and a request's prompt is counted at its first output, which is never after its finish. So a decode whose
+    ``request_success`` went up while its external_kv_transfer tokens did not has served the round trip's request
+    without KV (a failed pull that ``kv_load_failure_policy=recompute`` recomputed): no later scrape can change that,
+    and the round trip fails now instead of after its timeout. Only the NIXL byte counter, reported apart from the
+    request, may still be on its way, and a decode whose tokens moved keeps waiting for it."""
+    source = {"source": "external_kv_transfer"}
+    return {
+        d.name
+        for d in cluster.decode
+        if (after[d.name].get(REQUEST_SUCCESS) or 0.0) > (before[d.name].get(REQUEST_SUCCESS) or 0.0)
+        and (after[d.name].get(PROMPT_TOKENS_BY_SOURCE, **source) or 0.0)
+        <= (before[d.name].get(PROMPT_TOKENS_BY_SOURCE, **source) or 0.0)
+    }
+
+
 def _hints(cluster: PDCluster) -> str:
     """What the servers' logs say went wrong (hints.py), one line per server with a known signature."""
     lines = []
@@ -332,12 +361,16 @@ def pd_round_trip(
             moved = {r.server for r in rows if r.ok} - {r.server for r in rows if not r.ok}
             if moved - ready or time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
                 break
+            if _finished_without_kv(cluster, before, after) - ready:
+                break  # the verdict is in: waiting out the timeout would show the same counters
             time.sleep(0.005)
         if not moved - ready:
+            early = sorted(_finished_without_kv(cluster, before, after) - ready)
+            when = f" ({', '.join(early)} finished it with no external_kv_transfer tokens)" if early else ""
             raise NotPDReady(
                 "proxy",
                 f"the cluster answers HTTP but is not P/D-ready: a request through the proxy moved no KV into"
-                f" a decode server within {timeout:g} s\n{format_checks(rows)}",
+                f" a decode server{when or f' within {timeout:g} s'}\n{format_checks(rows)}",
             )
         ready |= moved
     return time.monotonic() - t0
