@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 
 from pytest_pdserve.common.client_options import OPTIONS, ClientOptions, salt_for, salted
-from pytest_pdserve.common.deadline import TOTAL, connection_limits, http_transport, ssl_context
+from pytest_pdserve.common.deadline import TOTAL, connection_limits, http_transport
+from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
 __all__ = [

@@ -13,12 +13,10 @@ client the plugin builds (readiness, health probes, each server's ``client``) ho
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import logging
 import os
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "connection_limits",
     "get_within",
     "http_transport",
-    "ssl_context",
     "within",
 ]
 
@@ -217,13 +215,6 @@ class DeadlineTransport(httpx.BaseTransport):
 
     def close(self) -> None:
         self._inner.close()
-
-
-@functools.lru_cache(maxsize=1)
-def ssl_context() -> ssl.SSLContext:
-    """One verifying SSL context for every client of this process: building one loads the CA bundle (~25 ms),
-    which each new ``httpx`` transport would otherwise pay again (attaching a kept cluster makes a dozen)."""
-    return httpx.create_ssl_context()
 
 
 def connection_limits() -> httpx.Limits:

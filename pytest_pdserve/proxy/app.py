@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]
@@ -200,7 +201,7 @@ class _Proxy:
             max_keepalive_connections=None,
             keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
-        async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False, verify=ssl_context()) as client:
             await _warm_up()
             self._client = client
             try:
@@ -413,7 +414,7 @@ async def _warm_up() -> None:
         return
     try:
         port = server.sockets[0].getsockname()[1]
-        async with httpx.AsyncClient(trust_env=False, timeout=WARM_UP_TIMEOUT_S) as warm:
+        async with httpx.AsyncClient(trust_env=False, timeout=WARM_UP_TIMEOUT_S, verify=ssl_context()) as warm:
             await warm.post(f"http://127.0.0.1:{port}/warm-up", json={})
     except (httpx.HTTPError, OSError):
         pass
