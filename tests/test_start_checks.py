@@ -10,11 +10,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from pytest_pdserve.errors import EffectiveConfigError, NotPDReady
 from pytest_pdserve.metrics import NIXL_BYTES_SUM, PROMPT_TOKENS_BY_SOURCE, REQUEST_SUCCESS, MetricsSnapshot
-from pytest_pdserve.running import verify
+from pytest_pdserve.running import readiness, verify
 from pytest_pdserve.running.verify import Mismatch, ObservedConfig
 
 WAIT_S = 30.0  # only a serial implementation waits this long (and then fails)
@@ -25,7 +26,7 @@ CLUSTER: Any = SimpleNamespace()
 def test_verification_and_the_round_trip_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     verifying, tripping = threading.Event(), threading.Event()
 
-    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+    def fake_verify(cluster: Any, *, max_model_len: int | None, at_start: bool = False) -> dict[str, ObservedConfig]:
         verifying.set()
         assert tripping.wait(WAIT_S), "the round trip had not begun while the configuration was read back"
         return {}
@@ -46,7 +47,7 @@ def test_a_mismatch_is_raised_and_stops_the_round_trip(monkeypatch: pytest.Monke
     cancelled = threading.Event()
     mismatch = Mismatch("decode-0", "block size", 16, 32, "vllm:cache_config_info")
 
-    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+    def fake_verify(cluster: Any, *, max_model_len: int | None, at_start: bool = False) -> dict[str, ObservedConfig]:
         raise EffectiveConfigError([mismatch])
 
     def fake_trip(
@@ -67,7 +68,7 @@ def test_a_mismatch_is_raised_and_stops_the_round_trip(monkeypatch: pytest.Monke
 def test_without_the_ready_check_only_the_read_back_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
-    def fake_verify(cluster: Any, *, max_model_len: int | None) -> dict[str, ObservedConfig]:
+    def fake_verify(cluster: Any, *, max_model_len: int | None, at_start: bool = False) -> dict[str, ObservedConfig]:
         calls.append("verify")
         return {}
 
@@ -84,7 +85,7 @@ def test_without_the_ready_check_only_the_read_back_runs(monkeypatch: pytest.Mon
 def test_every_server_is_read_back_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     started = {"prefill-0": threading.Event(), "decode-0": threading.Event()}
 
-    def fake_read(server: Any) -> ObservedConfig:
+    def fake_read(server: Any, *, at_start: bool = False) -> ObservedConfig:
         started[server.name].set()
         other = next(e for name, e in started.items() if name != server.name)
         assert other.wait(WAIT_S), f"{server.name}: the other server's read-back had not begun"
@@ -204,3 +205,53 @@ def test_the_round_trip_fails_as_soon_as_a_decode_finished_without_kv(
             verify.pd_round_trip(cluster, fresh=True, timeout=30)
     assert time.monotonic() - t0 < 10, "it waited for the timeout"
     assert len(seen) == len(scrapes)
+
+
+def _read_back_server(asked: list[str]) -> Any:
+    """A server whose every GET is recorded in ``asked``; its process's readiness check saw ``ready-model``."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served-now", "max_model_len": 64}]})
+        return httpx.Response(404)
+
+    client = httpx.Client(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(answer))
+
+    def no_metrics() -> MetricsSnapshot:
+        raise httpx.ConnectError("no metrics here")
+
+    process = SimpleNamespace(models_answer={"data": [{"id": "ready-model", "max_model_len": 32}]})
+    return SimpleNamespace(name="decode-0", client=client, process=process, metrics=no_metrics, read_log=lambda _: "")
+
+
+def test_the_start_read_back_takes_the_model_list_from_the_readiness_check() -> None:
+    asked: list[str] = []
+    observed = verify.read_observed(_read_back_server(asked), at_start=True)
+    assert "/v1/models" not in asked, "the read-back asked again for the model list the readiness check had"
+    assert observed.served_models == ("ready-model",)
+    assert observed.max_model_len == 32
+
+
+def test_a_later_read_back_asks_the_server_again() -> None:
+    # Adopting a kept cluster (reuse/adopt.py) checks the model list a test may have changed since the start.
+    asked: list[str] = []
+    observed = verify.read_observed(_read_back_server(asked))
+    assert "/v1/models" in asked
+    assert observed.served_models == ("served-now",)
+
+
+def test_the_readiness_check_keeps_the_model_list_it_found_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = {"data": [{"id": "m", "max_model_len": 32}]}
+    lists = iter([{"data": []}, body])  # not ready (the model is not listed yet), then ready
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=next(lists) if request.url.path == "/v1/models" else {})
+
+    monkeypatch.setattr(readiness, "_refused", lambda address: False)
+    check = readiness.ReadinessCheck("http://127.0.0.1:9/health", "http://127.0.0.1:9/v1/models", "m", None)
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        assert not check.check(client)
+        assert check.models_answer is None, "kept the list of a check that did not find the server ready"
+        assert check.check(client)
+    assert check.models_answer == body

@@ -301,6 +301,13 @@ class ServerProcess:
         wait_all_ready([self], deadline, on_progress)
         return self.ready_seconds()
 
+    @property
+    def models_answer(self) -> object:
+        """The ``/v1/models`` body of the readiness check that found this server ready (None before, or without a
+        models check). One process serves one model list for its life, so the start's read-back takes it from here
+        instead of asking again while the P/D-ready round trip runs beside it."""
+        return self._readiness.models_answer if self._ready_at is not None else None
+
     def ready_seconds(self) -> float:
         """Seconds from start() to the moment readiness was noticed (raises if not ready yet)."""
         if self._ready_at is None:

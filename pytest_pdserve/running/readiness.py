@@ -38,6 +38,8 @@ class ReadinessCheck:
         self._address = (parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
         #: What the last check waited for, in words (``GET http://...: HTTP 503``).
         self.waiting_for = "the process to start"
+        #: The model list of the check that found the server ready (the start's read-back uses it: verify.py).
+        self.models_answer: object = None
 
     def check(self, client: httpx.Client) -> bool:
         """One round of requests; True when every condition holds.
@@ -56,16 +58,18 @@ class ReadinessCheck:
         r = self._get_ok(client, self.models_url)
         if r is None:
             return False
-        if self.model_id is None:
-            return True
         try:
-            ids = [m.get("id") for m in r.json().get("data", [])]
-        except (ValueError, AttributeError):
+            body = r.json()
+            ids = [m.get("id") for m in body.get("data", [])]
+        except (ValueError, AttributeError, TypeError):
+            if self.model_id is None:
+                return True
             self.waiting_for = f"GET {self.models_url}: not an OpenAI model list: {r.text[:200]!r}"
             return False
-        if self.model_id not in ids:
+        if self.model_id is not None and self.model_id not in ids:
             self.waiting_for = f"model {self.model_id!r} in GET {self.models_url} (it lists {ids})"
             return False
+        self.models_answer = body
         return True
 
     def _get_ok(self, client: httpx.Client, url: str) -> httpx.Response | None:

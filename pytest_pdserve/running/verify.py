@@ -29,6 +29,7 @@ Pytest-free.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -147,13 +148,18 @@ def _backend_from_log(text: str) -> str | None:
     return None
 
 
-def read_observed(server: ServerHandle) -> ObservedConfig:
-    """Read what *server* runs from its metrics, ``/v1/models``, ``/version`` and start-up log."""
+def read_observed(server: ServerHandle, *, at_start: bool = False) -> ObservedConfig:
+    """Read what *server* runs from its metrics, ``/v1/models``, ``/version`` and start-up log.
+
+    :param at_start: right after this process was found ready: its model list is the readiness check's answer
+        (``ServerProcess.models_answer``), not asked again beside the P/D-ready round trip. Never for a kept cluster
+        (reuse/adopt.py): a test may have changed its model list since, and that is what adopting checks."""
     try:
         snapshot: MetricsSnapshot | None = server.metrics()
     except (MetricsScrapeError, httpx.HTTPError):
         snapshot = None
-    models = _get_json(server.client, "/v1/models")
+    answered = server.process.models_answer if at_start and server.process is not None else None
+    models = answered if answered is not None else _get_json(server.client, "/v1/models")
     version = _get_json(server.client, "/version")
     weights = _get_json(server.client, "/weight_info")
     data = models.get("data") if isinstance(models, Mapping) else None
@@ -219,17 +225,26 @@ def _mismatches(
     return found
 
 
-def verify_cluster(cluster: PDCluster, *, max_model_len: int | None = None) -> dict[str, ObservedConfig]:
+def verify_cluster(
+    cluster: PDCluster, *, max_model_len: int | None = None, at_start: bool = False
+) -> dict[str, ObservedConfig]:
     """Read what every prefill and decode server really runs and compare it with what was asked.
 
     On success ``cluster.observed`` holds it, so ``cluster.attention_backend`` is the backend the servers run (where
     ``auto`` was asked: the one vLLM picked). :raises EffectiveConfigError: naming each server and both values.
+    :param at_start: as :func:`read_observed`'s.
     """
     __tracebackhide__ = True
     servers = (*cluster.prefill, *cluster.decode)
     # One thread per server: each read-back is a few requests that wait on that server alone.
     with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="pdserve-verify") as pool:
-        observed = dict(zip((s.name for s in servers), pool.map(read_observed, servers), strict=True))
+        observed = dict(
+            zip(
+                (s.name for s in servers),
+                pool.map(functools.partial(read_observed, at_start=at_start), servers),
+                strict=True,
+            )
+        )
     problems = [m for s in servers for m in _mismatches(cluster, s, observed[s.name], max_model_len)]
     if problems:
         first = next(s for s in servers if s.name == problems[0].server)
@@ -387,13 +402,13 @@ def check_started(cluster: PDCluster, *, max_model_len: int | None, pd_ready: bo
     """
     __tracebackhide__ = True
     if not pd_ready:
-        verify_cluster(cluster, max_model_len=max_model_len)
+        verify_cluster(cluster, max_model_len=max_model_len, at_start=True)
         return None
     cancel = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-pd-ready")
     trip = pool.submit(pd_round_trip, cluster, cancel=cancel, fresh=True)
     try:
-        verify_cluster(cluster, max_model_len=max_model_len)
+        verify_cluster(cluster, max_model_len=max_model_len, at_start=True)
     except BaseException:
         # The caller stops the servers next, which ends a request still in flight; do not wait for it here.
         cancel.set()
