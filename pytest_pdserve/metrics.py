@@ -1,6 +1,7 @@
 """Scrape a vLLM-style ``/metrics`` endpoint and compare snapshots.
 
-Parsing uses :func:`prometheus_client.parser.text_string_to_metric_families`, never regexes:
+Parsing gives what :func:`prometheus_client.parser.text_string_to_metric_families` gives (a faster reader of the
+subset vLLM writes first, ``common/exposition.py``, checked against it), never a ``startswith`` match:
 samples are keyed by their **exact** sample name plus their label set, so
 ``vllm:prefix_cache_hits_total`` never matches ``vllm:prefix_cache_hits_created`` (the
 ``startswith`` bug of vLLM's own tests).
@@ -31,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pytest_pdserve.clients import body_excerpt, request_failed
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.common.digits import is_int
+from pytest_pdserve.common.exposition import parse_samples
 
 # Re-exported: scrape / wait_settled raise them and `pytest_pdserve.metrics` is public (README); they live in
 # errors.py with every other exception.
@@ -337,12 +339,17 @@ def parse_metrics(text: str, *, source: str = "<text>", strict: bool = True) -> 
     :raises MetricsScrapeError: when *text* is not valid exposition text (naming *source*).
     """
     samples: dict[SampleKey, float] = {}
+    fast = parse_samples(text)
+    if fast is not None:  # what prometheus_client would give, ~10x sooner (common/exposition.py)
+        for name, labels, value in fast:
+            samples[(name, labels)] = value
+        return MetricsSnapshot(samples=samples, source=source, strict=strict)
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 key = (sample.name, frozenset(sample.labels.items()))
                 samples[key] = float(sample.value)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: an integer of over 308 digits, as float()
         head = text[:200].replace("\n", "\\n")
         raise MetricsScrapeError(
             f"{source} did not return Prometheus text exposition ({exc}); it starts with {head!r}"

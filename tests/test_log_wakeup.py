@@ -51,6 +51,46 @@ def test_a_write_to_a_watched_log_ends_the_sleep(tmp_path: Path) -> None:
     assert not wakeup.active  # closed
 
 
+def _is_inotify(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    except OSError:
+        return False
+
+
+def test_close_leaves_the_kernels_wait_to_another_thread_and_the_fd_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing an inotify fd with watches waits for an SRCU grace period (5-15 ms on the CI machine): close() must not
+    pay it on the caller's thread, which is the start's critical path, and the fd must still end up closed."""
+    log = tmp_path / "decode-0.log"
+    log.write_text("")
+    closed_on: list[int] = []
+    real_close = os.close
+
+    def recording_close(fd: int) -> None:
+        if fd == watched:
+            closed_on.append(threading.get_ident())
+        real_close(fd)
+
+    wakeup = LogWakeup([log])
+    assert wakeup.active
+    watched = wakeup._fd  # noqa: SLF001 (the fd under test)
+    assert watched is not None
+    assert _is_inotify(watched)
+    monkeypatch.setattr(os, "close", recording_close)
+    wakeup.close()
+    assert not wakeup.active
+    for _ in range(1000):  # bounded: 10 s, polled every 10 ms
+        if closed_on:
+            break
+        time.sleep(0.01)
+    assert closed_on, "the inotify fd was never closed"
+    assert closed_on[0] != threading.get_ident(), "close() closed the inotify fd on the caller's thread"
+    wakeup.close()  # idempotent: nothing left to close
+    assert len(closed_on) == 1
+
+
 def test_without_inotify_the_sleep_is_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No inotify (another OS, or fs.inotify.max_user_instances used up): the poll sleeps as before."""
 
