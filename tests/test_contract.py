@@ -139,7 +139,14 @@ def test_servers_go_quiet_after_a_request(cluster: PDCluster) -> None:
     2 cores each worker of a real pair took a whole core for that second after every request, ~2 CPU-s a request,
     taken from everything else on the machine (CI's simulator tier among it). The CPU tweaks plugin makes each spin
     sleep (``VLLM_CPU_SHM_SPIN_SLEEP_US``). The window is a measurement over time, not a wait for a condition.
+    That plugin is installed with vLLM for CPU only (scripts/install-vllm-cpu.sh): vLLM on a GPU spins as vLLM does
+    (an H200 run of 2026-12-04 failed here), so the claim is the simulator's everywhere and real vLLM's on CPU.
     """
+    if cluster.engine == "vllm" and cluster.platform != "cpu":
+        pytest.skip(
+            f"vLLM on {cluster.platform} spins its message queue for 1 s after every read, by design; the CPU tweaks"
+            " plugin that makes it sleep is installed with vLLM for CPU only (scripts/install-vllm-cpu.sh)"
+        )
     table = proc_table()
     pids: list[int] = []
     for server in (*cluster.prefill, *cluster.decode):
