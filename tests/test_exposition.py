@@ -89,7 +89,8 @@ def test_explicit_cases(text: str, expected: list[tuple[str, frozenset[tuple[str
         'm{a="1",a="2"} 1\n',  # refused by the reference
         "m 1_000\n",  # refused by the reference
         "m 1" + "0" * 400 + "\n",  # the reference's int() -> float() overflows
-        'm{__name__="x"} 1\n',  # the reference renames the sample
+        'm{__name__="x"} 1\n',  # a name given twice: refused by the reference
+        '{__name__="x"} 1\n',  # the name given as a label: the reference reads sample x
         'm {a="1"} 1\n',  # spaces the exposition never writes
         "m\t1\n",
         "# some comment\nm 1\n",
