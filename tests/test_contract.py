@@ -196,6 +196,52 @@ def test_no_server_process_is_pinned_to_one_core(cluster: PDCluster) -> None:
     assert checked >= len(cluster.prefill) + len(cluster.decode)
 
 
+def _exe_mapping(pid: int) -> str | None:
+    """Where ``pid``'s executable is mapped (the first line of /proc/<pid>/maps that names it), or None if gone."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+            return next((line.split()[0] for line in f if line.rstrip().endswith(" " + exe)), None)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_vllm_for_cpu_forks_its_engine_core_and_worker(cluster: PDCluster) -> None:
+    """On CPU the plugin sets ``VLLM_WORKER_MULTIPROC_METHOD=fork`` and the CPU tweaks plugin makes vLLM keep it, so
+    EngineCore and its worker are forks, not fresh interpreters importing torch and vLLM again (a server ready in
+    19 s instead of 50 s on 2 cores). A fork has its parent's address space, so its python executable is mapped
+    where the API server's is; an exec'd (spawned) one is mapped afresh, at a random address (ASLR). The simulator
+    has no such processes."""
+    if cluster.engine != "vllm":
+        pytest.skip("the simulator serves from one process: there is no EngineCore or worker to start")
+    if cluster.platform != "cpu":
+        pytest.skip(
+            f"vLLM on {cluster.platform} starts its processes as vLLM chooses; the plugin sets fork on CPU only"
+        )
+    with open("/proc/sys/kernel/randomize_va_space", encoding="ascii") as f:
+        if f.read().strip() == "0":
+            pytest.skip("address space randomisation is off here, so a spawned process would map python alike too")
+    table = proc_table()
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.process is not None and server.process.pid is not None
+        api_mapping = _exe_mapping(server.process.pid)
+        assert api_mapping is not None, server.name
+        vllm_children = {}
+        for pid in descendants(server.process.pid, table):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    title = f.read().split(b"\0")[0].decode(errors="replace")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if title.startswith("VLLM::"):
+                vllm_children[title] = pid
+        assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(vllm_children), f"{server.name}: {vllm_children}"
+        for title, pid in vllm_children.items():
+            assert _exe_mapping(pid) == api_mapping, f"{server.name}: {title} (pid {pid}) was spawned, not forked"
+        assert server.log_path is not None
+        assert "EngineCore and workers start by fork" in server.log_path.read_text(errors="replace"), server.name
+
+
 def test_routes(cluster: PDCluster) -> None:
     for server in (*cluster.prefill, *cluster.decode):
         assert server.client.get("/health").status_code == 200

@@ -41,6 +41,7 @@ def test_cpu_server_env_has_every_setting(tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -268,6 +269,61 @@ def test_plugin_makes_message_queue_spins_sleep_instead_of_yield(
     # Each of the five spins sleeps the microseconds asked, or (0) yields as vLLM's own does.
     assert out.stdout.split() == [str(sleeps_us) if sleeps_us else "yield"] * 5, out.stdout
     assert ("VLLM_CPU_SHM_SPIN_SLEEP_US=" in out.stderr) == warned, out.stderr
+
+
+_START_METHOD_PROBE = r"""
+import logging, os, sys, types
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+NAME = "vllm.platforms.cpu"
+SOURCE = (  # the shape of vLLM 0.32's CpuPlatform: its config check sets spawn whatever was asked
+    "import os\n"
+    "class CpuPlatform:\n"
+    "    @classmethod\n"
+    "    def check_and_update_config(cls, vllm_config):\n"
+    "        os.environ['VLLM_WORKER_MULTIPROC_METHOD'] = 'spawn'\n"
+)
+import vllm_nixl_cpu_tweaks as t
+if sys.argv[2] == "loaded-first":
+    module = types.ModuleType(NAME)
+    exec(SOURCE, module.__dict__)
+    sys.modules[NAME] = module
+    t.register(); t.register()  # idempotent: one wrapper
+else:
+    t.register()
+    root = sys.argv[3]
+    parts = NAME.split(".")
+    for i in range(1, len(parts)):
+        os.makedirs(os.path.join(root, *parts[:i]), exist_ok=True)
+        open(os.path.join(root, *parts[:i], "__init__.py"), "w").close()
+    with open(os.path.join(root, *parts[:-1], parts[-1] + ".py"), "w") as f:
+        f.write(SOURCE)
+    sys.path.insert(0, root)
+import importlib
+module = importlib.import_module(NAME)
+module.CpuPlatform.check_and_update_config(None)
+module.CpuPlatform.check_and_update_config(None)  # a second config (vLLM makes more than one): still kept
+print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
+"""
+
+
+@pytest.mark.parametrize("order", ["loaded-first", "plugin-first"])
+@pytest.mark.parametrize(("asked", "kept"), [("fork", "fork"), ("spawn", "spawn"), (None, "spawn"), ("Fork", "spawn")])
+def test_plugin_keeps_an_explicit_fork_start_method(tmp_path: Path, order: str, asked: str | None, kept: str) -> None:
+    """vLLM for CPU sets spawn in its platform's config check whatever was asked; with the CPU tweaks plugin an
+    explicit ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (vLLM's own spelling, nothing else) is kept and said once, and
+    anything else is left to vLLM. Real vLLM's forked EngineCore and worker: test_contract's
+    ``test_vllm_for_cpu_forks_its_engine_core_and_worker``."""
+    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
+    environ = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
+    environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    if asked is not None:
+        environ["VLLM_WORKER_MULTIPROC_METHOD"] = asked
+    out = subprocess.run([sys.executable, "-c", _START_METHOD_PROBE, str(src), order, str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [kept], out.stdout
+    assert out.stderr.count("start by fork") == (1 if kept == "fork" else 0), out.stderr
 
 
 def test_cpu_module_is_light() -> None:

@@ -38,6 +38,11 @@ def cpu_server_env(cache_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str,
       runs and out of the user's ``~/.cache/vllm``: vLLM's model class info (else a subprocess per start imports
       the model to inspect it) and torch.compile artifacts. vLLM loads those as code, so it is created here
       (0700) and refused when another user could write it or swap it (:func:`ensure_private_dir`).
+    - ``VLLM_WORKER_MULTIPROC_METHOD=fork``: EngineCore and the worker forked from the process before them
+      instead of spawned, each of which imports torch and vLLM again: a tiny-model server ready in 19 s with
+      18 s of CPU instead of 50 s and 45 s on 2 cores (docs/vllm-cpu.md). vLLM for CPU overrides the variable
+      to ``spawn`` unless the CPU tweaks plugin (``plugins/vllm-nixl-cpu-tweaks``) is installed, so without it
+      this changes nothing; a cluster's ``env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}`` restores vLLM's.
     - offline and no-telemetry switches: tests must never reach the network.
     """
     if isinstance(kv_cache_space_gib, bool) or not isinstance(kv_cache_space_gib, int) or kv_cache_space_gib < 1:
@@ -51,6 +56,7 @@ def cpu_server_env(cache_dir: Path, *, kv_cache_space_gib: int = 1) -> dict[str,
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib),
         "VLLM_CACHE_ROOT": str(vllm_cache),
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
