@@ -223,7 +223,8 @@ def test_vllm_for_cpu_forks_its_engine_core_and_worker(cluster: PDCluster) -> No
             pytest.skip("address space randomisation is off here, so a spawned process would map python alike too")
     table = proc_table()
     for server in (*cluster.prefill, *cluster.decode):
-        assert server.process is not None and server.process.pid is not None
+        assert server.process is not None
+        assert server.process.pid is not None
         api_mapping = _exe_mapping(server.process.pid)
         assert api_mapping is not None, server.name
         vllm_children = {}
