@@ -55,6 +55,19 @@ def test_edge_case_preset_runs_at_vllms_default_block_size_and_says_what_cpu_cha
     assert cuda.spec.gpu_memory_utilization == 0.2
 
 
+def test_xpu_disagg_preset_spawns_as_its_script_does_except_on_cpu_where_it_says_it_forks() -> None:
+    """The script's VLLM_WORKER_MULTIPROC_METHOD=spawn is XPU's need; on CPU the preset leaves it to pdserve's CPU
+    env (fork: docs/vllm-cpu.md, "The start method") and names the change."""
+    for engine, platform in (("vllm", "cuda"), ("vllm", "xpu"), ("sim", "cpu")):
+        result = presets.resolve("vllm-xpu-disagg", spec_type=ClusterSpec, environ={}, engine=engine, platform=platform)
+        assert dict(result.spec.env)["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn", (engine, platform)
+        assert not any("start method" in note for note in result.notes)
+    cpu = presets.resolve("vllm-xpu-disagg", spec_type=ClusterSpec, environ={}, engine="vllm", platform="cpu")
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in dict(cpu.spec.env)
+    assert dict(cpu.spec.env)["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "200"  # the rest of the script's env stays
+    assert "start method fork (pdserve's CPU start) instead of the script's spawn, which XPU needs" in cpu.notes
+
+
 def test_fit_cpu_block_size_rounds_up_to_a_multiple_of_32() -> None:
     assert [fit_cpu_block_size(n) for n in (1, 16, 32, 33, 64, 100, 128)] == [32, 32, 32, 64, 64, 128, 128]
 
