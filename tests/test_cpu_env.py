@@ -203,7 +203,34 @@ def test_plugin_skips_only_the_nixl_workers_core_pin(pin_env: str | None, expect
     assert out.stdout.strip() == expected
 
 
-_SHM_PROBE = r"""
+#: The end of a probe that defines NAME and SOURCE: the module made from SOURCE, loaded before the plugin registers
+#: ("loaded-first": a worker, whose multiproc_executor imports vLLM's modules before plugins load; registered twice,
+#: which must leave one wrapper) or imported from files after it ("plugin-first": EngineCore and the API server, where
+#: the plugin's import hook patches the module as it loads).
+_LOAD_FAKE_MODULE = r"""
+import importlib
+import vllm_nixl_cpu_tweaks as t
+if sys.argv[2] == "loaded-first":
+    module = types.ModuleType(NAME)
+    exec(SOURCE, module.__dict__)
+    sys.modules[NAME] = module
+    t.register(); t.register()
+else:
+    t.register()
+    root = sys.argv[3]
+    parts = NAME.split(".")
+    for i in range(1, len(parts)):
+        os.makedirs(os.path.join(root, *parts[:i]), exist_ok=True)
+        open(os.path.join(root, *parts[:i], "__init__.py"), "w").close()
+    with open(os.path.join(root, *parts[:-1], parts[-1] + ".py"), "w") as f:
+        f.write(SOURCE)
+    sys.path.insert(0, root)
+module = importlib.import_module(NAME)
+"""
+
+
+_SHM_PROBE = (
+    r"""
 import logging, os, sys, time, types
 sys.path.insert(0, sys.argv[1])
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -216,24 +243,9 @@ SOURCE = (  # the shape of vLLM 0.32's module: SpinCondition's wait calls the mo
     "    def wait(self):\n"
     "        sched_yield()\n"
 )
-import vllm_nixl_cpu_tweaks as t
-if sys.argv[2] == "loaded-first":  # a worker: multiproc_executor imports the queue before plugins load
-    module = types.ModuleType(NAME)
-    exec(SOURCE, module.__dict__)
-    sys.modules[NAME] = module
-    t.register(); t.register()  # idempotent: one wrapper
-else:  # EngineCore, API server: the plugin loads first and its import hook patches the module as it loads
-    t.register()
-    root = sys.argv[3]
-    parts = NAME.split(".")
-    for i in range(1, len(parts)):
-        os.makedirs(os.path.join(root, *parts[:i]), exist_ok=True)
-        open(os.path.join(root, *parts[:i], "__init__.py"), "w").close()
-    with open(os.path.join(root, *parts[:-1], parts[-1] + ".py"), "w") as f:
-        f.write(SOURCE)
-    sys.path.insert(0, root)
-import importlib
-module = importlib.import_module(NAME)
+"""
+    + _LOAD_FAKE_MODULE
+    + r"""
 condition = module.SpinCondition()
 # What each spin calls, recorded instead of timed: on a loaded machine a sched_yield itself takes milliseconds.
 calls = []
@@ -243,6 +255,7 @@ for _ in range(5):
     condition.wait()
 print(" ".join(map(str, calls)))
 """
+)
 
 
 @pytest.mark.parametrize("order", ["loaded-first", "plugin-first"])
@@ -271,7 +284,8 @@ def test_plugin_makes_message_queue_spins_sleep_instead_of_yield(
     assert ("VLLM_CPU_SHM_SPIN_SLEEP_US=" in out.stderr) == warned, out.stderr
 
 
-_START_METHOD_PROBE = r"""
+_START_METHOD_PROBE = (
+    r"""
 import logging, os, sys, types
 sys.path.insert(0, sys.argv[1])
 logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -283,28 +297,14 @@ SOURCE = (  # the shape of vLLM 0.32's CpuPlatform: its config check sets spawn 
     "    def check_and_update_config(cls, vllm_config):\n"
     "        os.environ['VLLM_WORKER_MULTIPROC_METHOD'] = 'spawn'\n"
 )
-import vllm_nixl_cpu_tweaks as t
-if sys.argv[2] == "loaded-first":
-    module = types.ModuleType(NAME)
-    exec(SOURCE, module.__dict__)
-    sys.modules[NAME] = module
-    t.register(); t.register()  # idempotent: one wrapper
-else:
-    t.register()
-    root = sys.argv[3]
-    parts = NAME.split(".")
-    for i in range(1, len(parts)):
-        os.makedirs(os.path.join(root, *parts[:i]), exist_ok=True)
-        open(os.path.join(root, *parts[:i], "__init__.py"), "w").close()
-    with open(os.path.join(root, *parts[:-1], parts[-1] + ".py"), "w") as f:
-        f.write(SOURCE)
-    sys.path.insert(0, root)
-import importlib
-module = importlib.import_module(NAME)
+"""
+    + _LOAD_FAKE_MODULE
+    + r"""
 module.CpuPlatform.check_and_update_config(None)
 module.CpuPlatform.check_and_update_config(None)  # a second config (vLLM makes more than one): still kept
 print(os.environ["VLLM_WORKER_MULTIPROC_METHOD"])
 """
+)
 
 
 @pytest.mark.parametrize("order", ["loaded-first", "plugin-first"])
