@@ -229,6 +229,22 @@ module = importlib.import_module(NAME)
 """
 
 
+def _run_probe(
+    probe: str, order: str, tmp_path: Path, variable: str, value: str | None
+) -> subprocess.CompletedProcess[str]:
+    """Run a tweaks probe (``order``: see :data:`_LOAD_FAKE_MODULE`) with ``variable`` set to ``value`` (None:
+    unset) and NIXL left alone; fails with the probe's stderr unless it exits 0."""
+    environ = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
+    environ.pop(variable, None)
+    if value is not None:
+        environ[variable] = value
+    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
+    out = subprocess.run([sys.executable, "-c", probe, str(src), order, str(tmp_path / "root")],
+                         capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 _SHM_PROBE = (
     r"""
 import logging, os, sys, time, types
@@ -271,14 +287,7 @@ def test_plugin_makes_message_queue_spins_sleep_instead_of_yield(
     spin sleep ``VLLM_CPU_SHM_SPIN_SLEEP_US`` (default 200 us; 0 leaves vLLM's yield) whichever loads first, and a
     bad value says so and falls back to the default. Real vLLM's idle CPU is checked by test_contract's
     ``test_servers_go_quiet_after_a_request``."""
-    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
-    environ = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
-    environ.pop("VLLM_CPU_SHM_SPIN_SLEEP_US", None)
-    if env is not None:
-        environ["VLLM_CPU_SHM_SPIN_SLEEP_US"] = env
-    out = subprocess.run([sys.executable, "-c", _SHM_PROBE, str(src), order, str(tmp_path / "root")],
-                         capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_probe(_SHM_PROBE, order, tmp_path, "VLLM_CPU_SHM_SPIN_SLEEP_US", env)
     # Each of the five spins sleeps the microseconds asked, or (0) yields as vLLM's own does.
     assert out.stdout.split() == [str(sleeps_us) if sleeps_us else "yield"] * 5, out.stdout
     assert ("VLLM_CPU_SHM_SPIN_SLEEP_US=" in out.stderr) == warned, out.stderr
@@ -314,14 +323,7 @@ def test_plugin_keeps_an_explicit_fork_start_method(tmp_path: Path, order: str, 
     explicit ``VLLM_WORKER_MULTIPROC_METHOD=fork`` (vLLM's own spelling, nothing else) is kept and said once, and
     anything else is left to vLLM. Real vLLM's forked EngineCore and worker: test_contract's
     ``test_vllm_for_cpu_forks_its_engine_core_and_worker``."""
-    src = REPO / "plugins" / "vllm-nixl-cpu-tweaks" / "src"
-    environ = dict(os.environ, VLLM_NIXL_KEEP_PROG_THREAD="1")
-    environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-    if asked is not None:
-        environ["VLLM_WORKER_MULTIPROC_METHOD"] = asked
-    out = subprocess.run([sys.executable, "-c", _START_METHOD_PROBE, str(src), order, str(tmp_path / "root")],
-                         capture_output=True, text=True, timeout=60, env=environ)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_probe(_START_METHOD_PROBE, order, tmp_path, "VLLM_WORKER_MULTIPROC_METHOD", asked)
     assert out.stdout.split() == [kept], out.stdout
     assert out.stderr.count("start by fork") == (1 if kept == "fork" else 0), out.stderr
 

@@ -42,12 +42,14 @@ and timing and only makes each spin sleep ``VLLM_CPU_SHM_SPIN_SLEEP_US`` (defaul
 
 Start method: vLLM for CPU sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` in ``CpuPlatform.check_and_update_config``
 whatever the user chose, so EngineCore and each worker are fresh interpreters that import torch and vLLM again
-(12-15 s of CPU each on 2 cores; a server is three such imports). vLLM's own default elsewhere is ``fork``, and
-vLLM for CPU spawns so that the ``LD_PRELOAD`` it sets (PyTorch's libgomp, tcmalloc) reaches the children, which
-matters for thread binding and speed, not for what the server answers. :func:`honour_fork_start_method` makes the
-CPU platform keep an explicit ``VLLM_WORKER_MULTIPROC_METHOD=fork``: EngineCore is then a fork of the API server
-and the worker a fork of EngineCore. Measured on 2 cores (tiny Llama, ``--enforce-eager``, one thread): a server
-ready in 19 s with 18 s of CPU, against 50 s and 45 s spawned. Unset, or ``spawn``, keeps vLLM's spawn.
+(12-15 s of CPU each on 2 cores; a server is three such imports). ``vllm serve`` elsewhere honours an explicit
+value (it sets ``spawn`` only when the variable is unset: ``cli_env_setup``). vLLM gives no reason at the CPU
+override; one thing spawn does there is carry the ``LD_PRELOAD`` set just after it (PyTorch's libgomp, tcmalloc)
+into the children, which is about thread binding and speed, not what the server answers.
+:func:`honour_fork_start_method` makes the CPU platform keep an explicit ``VLLM_WORKER_MULTIPROC_METHOD=fork``:
+EngineCore is then a fork of the API server and the worker a fork of EngineCore. Measured on 2 cores (tiny Llama,
+``--enforce-eager``, one thread): a server ready in 19 s with 18 s of CPU, against 50 s and 45 s spawned. Unset, or
+``spawn``, keeps vLLM's spawn.
 """
 
 from __future__ import annotations
