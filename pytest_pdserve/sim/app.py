@@ -330,11 +330,20 @@ async def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> d
         if pos % YIELD_EVERY == YIELD_EVERY - 1:
             await asyncio.sleep(0)
         text = engine.token_text(tid)
-        top = _top(engine, gen, pos, count)
+        # The entries are keyed by text, and two alternatives can decode alike (byte-level pieces of a character
+        # all read "\ufffd"). vLLM rewrites such a piece from the sampled context (v1/engine/logprobs.py,
+        # _verify_tokens), and its keys stayed distinct in every differential run; the simulator cannot, so it
+        # draws twice as many alternatives and keeps the first ``count`` whose text is new.
+        top = _top(engine, gen, pos, 2 * max(count, 1))
         offsets.append(offset)
         tokens.append(text)
         lps.append(top[0][1])
-        tops.append({engine.token_text(t): lp for t, lp in top[: max(count, 1)]})
+        entries: dict[str, float] = {}
+        for t, lp in top:
+            if len(entries) == max(count, 1):
+                break
+            entries.setdefault(engine.token_text(t), lp)
+        tops.append(entries)
         offset += len(text)
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 

@@ -158,3 +158,16 @@ def test_a_chat_template_without_jinja2_is_refused_at_start(sim_factory: Factory
     server: SimServer = sim_factory(model=str(checkpoint), env={"PYTHONPATH": str(hidden.parent)})
     assert server.wait_exit() == 1
     assert f"its chat template {checkpoint / 'chat_template.jinja'} needs the optional 'jinja2' package" in server.log()
+
+
+def test_completion_top_logprobs_have_as_many_entries_as_asked(sim_factory: Factory, tiny_llama_dir: Path) -> None:
+    """Completion ``top_logprobs`` entries are keyed by token text, and byte-level pieces of one character all
+    decode to U+FFFD: two such alternatives would make one entry. vLLM rewrites them from the context and gave
+    ``logprobs`` entries at every position in every differential run (tests/test_differential.py's
+    ``logprobs.shape``); the simulator keeps alternatives whose text is new."""
+    server: SimServer = sim_factory("--max-model-len", "512", model=str(tiny_llama_dir)).wait_ready()
+    counts = []
+    for seed in range(40):
+        body = server.complete("Hello world", max_tokens=16, logprobs=5, seed=seed, temperature=1.0).json()
+        counts += [len(top) for top in body["choices"][0]["logprobs"]["top_logprobs"]]
+    assert counts and set(counts) == {5}, sorted(set(counts))
