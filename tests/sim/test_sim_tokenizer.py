@@ -170,4 +170,5 @@ def test_completion_top_logprobs_have_as_many_entries_as_asked(sim_factory: Fact
     for seed in range(40):
         body = server.complete("Hello world", max_tokens=16, logprobs=5, seed=seed, temperature=1.0).json()
         counts += [len(top) for top in body["choices"][0]["logprobs"]["top_logprobs"]]
-    assert counts and set(counts) == {5}, sorted(set(counts))
+    assert len(counts) == 40 * 16
+    assert set(counts) == {5}, sorted(set(counts))
