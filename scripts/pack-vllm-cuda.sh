@@ -3,10 +3,12 @@
 #
 #   scripts/pack-vllm-cuda.sh [OUT_DIR]        (default .gpu-vllm/, gitignored)
 #
-# Writes OUT_DIR/vllm-cuda.tar.xz.partNN (each at most PDSERVE_PACK_PART_BYTES, default 60,000,000: a device call
-# carries at most 64 MiB with the checkout), OUT_DIR/SHA256SUMS and OUT_DIR/MANIFEST (vLLM version, the torch it
-# pins, the xz level, sizes). scripts/gpu-proof.sh --engine=vllm joins and verifies them on the device, checks the
-# torch pin against the device's torch, and installs offline.
+# Writes OUT_DIR/vllm-cuda.tar.xz.partNN, OUT_DIR/SHA256SUMS and OUT_DIR/MANIFEST (vLLM version, the torch it pins,
+# the xz level, sizes). The parts are as few as PDSERVE_PACK_PART_MAX bytes each allow (default 55,000,000) and of
+# equal size: a device call carries at most 64 MiB (67,108,864 bytes) with the checkout, so each part leaves 12 MB
+# for the checkout and whatever else a call carries, and a pack a few MB larger than the last one still stages in
+# as many calls (MANIFEST's parts= says how many). scripts/gpu-proof.sh --engine=vllm joins and verifies them on
+# the device, checks the torch pin against the device's torch, and installs offline.
 #
 # The wheels are constraints/vllm-cuda.txt: every package vLLM needs that the device image lacks, exact versions
 # (scripts/lock-vllm-cuda.sh refreshes it from vLLM's metadata without downloading vLLM). Pruned after install,
@@ -18,10 +20,10 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/.gpu-vllm}
 level=${PDSERVE_PACK_XZ_LEVEL:-6}
-part_bytes=${PDSERVE_PACK_PART_BYTES:-60000000}
+part_max=${PDSERVE_PACK_PART_MAX:-55000000}
 lock=$repo/constraints/vllm-cuda.txt
 case $level in [0-9]) ;; *) echo "pack-vllm-cuda: PDSERVE_PACK_XZ_LEVEL must be one digit 0-9, got '$level'" >&2; exit 2;; esac
-case $part_bytes in ''|*[!0-9]*) echo "pack-vllm-cuda: PDSERVE_PACK_PART_BYTES must be ASCII digits, got '$part_bytes'" >&2; exit 2;; esac
+case $part_max in ''|*[!0-9]*) echo "pack-vllm-cuda: PDSERVE_PACK_PART_MAX must be ASCII digits, got '$part_max'" >&2; exit 2;; esac
 [ -f "$lock" ] || { echo "pack-vllm-cuda: $lock is missing (scripts/lock-vllm-cuda.sh writes it)" >&2; exit 2; }
 command -v xz >/dev/null || { echo "pack-vllm-cuda: needs xz (apt-get install xz-utils)" >&2; exit 2; }
 
@@ -38,8 +40,9 @@ echo "pack-vllm-cuda: $(ls "$work/wheels" | wc -l) wheels, $(du -sm "$work/wheel
 rm -rf "$work/site"
 python3 -m pip install -q --no-deps --no-compile --no-index --target "$work/site" "${target[@]}" "$work/wheels"/*.whl
 site=$work/site
-# Pruned (each is large and unused on an H200 with this project's tiny models):
-#  - nixl_ep_cu13: NIXL's expert-parallel kernels; NixlConnector uses the nixl_cu13 agent only.
+# Pruned (each is large and unused on an H100/H200 with this project's tiny models):
+#  - nixl_ep_cu13: NIXL's expert-parallel kernels; NixlConnector uses the nixl_cu13 agent only. nixl's __init__
+#    still tries it and logs one harmless ImportError line per start (docs/hardware.md, "What a user sees").
 #  - vllm_flash_attn/_vllm_fa2_C: FlashAttention 2; on SM90 vLLM picks FA3 (_vllm_fa3_C stays).
 #  - _moe_C_stable_libtorch: fused-MoE ops; the tiny Llama and the tiny NemotronH have no experts.
 #  - vllm-rs: a Rust front-end binary that `vllm serve` does not start.
@@ -57,9 +60,10 @@ rm -f "$out"/vllm-cuda.tar.xz.part* "$out/SHA256SUMS" "$out/MANIFEST"
 t1=$SECONDS
 tar -C "$site" -cf - . | xz "-$level" -T2 -c >"$work/vllm-cuda.tar.xz"
 xz_s=$((SECONDS - t1))
-split -b "$part_bytes" -d -a 2 "$work/vllm-cuda.tar.xz" "$out/vllm-cuda.tar.xz.part"
-(cd "$out" && sha256sum vllm-cuda.tar.xz.part* >SHA256SUMS)
 packed=$(stat -c %s "$work/vllm-cuda.tar.xz")
+nparts=$(( (packed + part_max - 1) / part_max ))
+split -n "$nparts" -d -a 2 "$work/vllm-cuda.tar.xz" "$out/vllm-cuda.tar.xz.part"
+(cd "$out" && sha256sum vllm-cuda.tar.xz.part* >SHA256SUMS)
 {
   echo "vllm=$vllm_version"
   echo "torch=$torch_pin"
@@ -67,7 +71,8 @@ packed=$(stat -c %s "$work/vllm-cuda.tar.xz")
   echo "unpacked_mb=$unpacked_mb"
   echo "packed_bytes=$packed"
   echo "xz_seconds=$xz_s"
-  echo "parts=$(ls "$out"/vllm-cuda.tar.xz.part* | wc -l)"
+  echo "parts=$nparts"
+  echo "part_bytes=$(stat -c %s "$out/vllm-cuda.tar.xz.part00")"
   echo "packed_utc=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$out/MANIFEST"
 cat "$out/MANIFEST"
