@@ -27,6 +27,7 @@ GPU-seconds held). Runs on the device, in the vLLM venv (scripts/gpu-proof.sh --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -38,7 +39,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 REPO = Path(__file__).resolve().parent.parent
 #: module -> (script, test module, preset, tiny model kind)
@@ -57,6 +58,19 @@ PKILL_SHIM = """#!/bin/sh
 # bench_bash_vs_plugin_gpu.py: the script's pkill, kept to the script's own session.
 exec /usr/bin/pkill -s "$(ps -o sid= -p $$ | tr -d ' ')" "$@"
 """
+CURL_SHIM = """#!{python}
+# bench_bash_vs_plugin_gpu.py: `curl -s URL` for the scripts' wait loops, where the machine has no curl.
+import sys, urllib.error, urllib.request
+url = [a for a in sys.argv[1:] if not a.startswith("-")][-1]
+try:
+    urllib.request.urlopen(url if "://" in url else "http://" + url, timeout=5)
+except urllib.error.HTTPError:
+    pass
+except OSError:
+    sys.exit(7)
+"""
+#: The scripts' first line after both wait_for_server loops: the proxy's start (an echo, or `set -x`'s trace).
+PROXY_START = re.compile(r"Starting proxy server|\+ python3? .*toy_proxy")
 READY = re.compile(r"pdserve: cluster \S+ .*ready in ([\d.]+)s")
 
 
@@ -113,10 +127,8 @@ def wait_gpu_free(timeout: float = 90.0) -> list[int]:
     while (pids := compute_pids()) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     return pids
 
 
@@ -130,7 +142,7 @@ def pump(stream: IO[str], log: IO[str], t0: float, side: Side) -> None:
             side.verdict_s, side.verdict = round(now, 2), m.group(1).strip("= ")
         if side.ready_s is None and (m := READY.search(text)):
             side.ready_s = float(m.group(1))
-        if side.way == "bash" and side.ready_s is None and re.search(r"Starting proxy server|\+ python3? .*toy_proxy", text):
+        if side.way == "bash" and side.ready_s is None and PROXY_START.search(text):
             side.ready_s = round(now, 2)  # both wait_for_server loops are done: the servers answer
 
 
@@ -225,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     shims.mkdir(parents=True, exist_ok=True)
     (shims / "pkill").write_text(PKILL_SHIM, encoding="utf-8")
     (shims / "pkill").chmod(0o755)
+    shim_notes = []
+    if shutil.which("curl") is None:
+        # The scripts wait with `until curl -s localhost:PORT/v1/completions; do sleep 1; done`: without curl that
+        # loop never ends. The stand-in answers as `curl -s` does: 0 on any HTTP answer, 7 when nothing listens.
+        (shims / "curl").write_text(CURL_SHIM.format(python=sys.executable), encoding="utf-8")
+        (shims / "curl").chmod(0o755)
+        shim_notes.append("curl: a stand-in (this machine has none)")
     base_env = dict(os.environ, PATH=f"{shims}:{venv_bin}:{os.environ.get('PATH', '')}")
     for var in ("MODEL", "MODEL_NAMES", "GPU_MEMORY_UTILIZATION", "KV_CACHE_MEMORY_BYTES", "ATTENTION_BACKEND",
                 "PREFILL_GPU_ID", "DECODE_GPU_ID", "CUDA_VISIBLE_DEVICES"):  # fmt: skip
@@ -239,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         bash_env |= {"MODEL_NAMES": model, "KV_CACHE_MEMORY_BYTES": multi_kv_bytes()}
     root = args.work / f"vllm-{args.module}"
     dest, edits = prepare_script(args.modules, root, script, model if args.module == "edge" else None)
-    bash = Side(args.module, "bash", f"bash {script}", edits=edits, env=bash_env)
+    bash = Side(args.module, "bash", f"bash {script}", edits=edits + shim_notes, env=bash_env)
     print(f"{script}: edits {edits}; env {bash_env}", flush=True)
     wait_gpu_free()
     budget = args.budget - (time.monotonic() - t_all)

@@ -14,12 +14,13 @@
 # (scripts/lock-vllm-cuda.sh refreshes it from vLLM's metadata without downloading vLLM). Pruned after install,
 # each for a reason written below; what is left unpacks to ~660 MB.
 #
-# Compression: PDSERVE_PACK_XZ_LEVEL (default 6). Measured on 2 cores (docs/hardware.md): xz -9 took ~18 minutes
-# for 120 MB; -6 is the default because it is several times faster for a few MB more.
+# Compression: PDSERVE_PACK_XZ_LEVEL (default 1). Measured on the shared 2 cores (docs/hardware.md): xz -1 packed
+# 155 MB in 11 minutes at a load average of 25-30, where -6 wrote about 1 MB a minute (it would have taken two hours
+# for ~140 MB, the same three parts); on a quiet machine -6 takes ~4 minutes. Both unpack in seconds on the device.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$repo/.gpu-vllm}
-level=${PDSERVE_PACK_XZ_LEVEL:-6}
+level=${PDSERVE_PACK_XZ_LEVEL:-1}
 part_max=${PDSERVE_PACK_PART_MAX:-55000000}
 lock=$repo/constraints/vllm-cuda.txt
 case $level in [0-9]) ;; *) echo "pack-vllm-cuda: PDSERVE_PACK_XZ_LEVEL must be one digit 0-9, got '$level'" >&2; exit 2;; esac
@@ -41,12 +42,13 @@ rm -rf "$work/site"
 python3 -m pip install -q --no-deps --no-compile --no-index --target "$work/site" "${target[@]}" "$work/wheels"/*.whl
 site=$work/site
 # Pruned (each is large and unused on an H100/H200 with this project's tiny models):
-#  - nixl_ep_cu13: NIXL's expert-parallel kernels; NixlConnector uses the nixl_cu13 agent only. nixl's __init__
-#    still tries it and logs one harmless ImportError line per start (docs/hardware.md, "What a user sees").
+#  - nixl_ep and nixl_ep_cu13: NIXL's expert-parallel kernels and their dispatcher; NixlConnector uses the
+#    nixl_cu13 agent only. Both go: with the dispatcher alone, vLLM's has_nixl_ep() imports it at every start and
+#    logs "Module nixl_ep was found but failed to import" with an ImportError's traceback.
 #  - vllm_flash_attn/_vllm_fa2_C: FlashAttention 2; on SM90 vLLM picks FA3 (_vllm_fa3_C stays).
 #  - _moe_C_stable_libtorch: fused-MoE ops; the tiny Llama and the tiny NemotronH have no experts.
 #  - vllm-rs: a Rust front-end binary that `vllm serve` does not start.
-rm -rf "$site/nixl_ep_cu13" "$site"/nixl_ep_cu13* "$site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" \
+rm -rf "$site/nixl_ep" "$site/nixl_ep_cu13" "$site"/nixl_ep_cu13* "$site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" \
        "$site/vllm/_moe_C_stable_libtorch.abi3.so" "$site/vllm/vllm-rs"
 find "$site" -name __pycache__ -prune -exec rm -rf {} +
 unpacked_mb=$(du -sm "$site" | cut -f1)
