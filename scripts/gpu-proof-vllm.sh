@@ -139,7 +139,8 @@ for s in $suites; do
         where=$repo ATTENTION_BACKEND=$backend run_suite "determinism-$backend" tests/gpu/vllm/test_determinism_matrix.py \
           "${common[@]}"
       done ;;
-    vs-edge|vs-mamba|vs-multi) VLLM_KV_CACHE_LAYOUT=$layout versus "${s#vs-}" ;;
+    vs-edge|vs-mamba) versus "${s#vs-}" ;;
+    vs-multi) VLLM_KV_CACHE_LAYOUT=$layout versus multi ;;
   esac
 done
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader >"$out/apps-after.txt" 2>&1
@@ -159,4 +160,5 @@ rm -f "$out/apps-after.txt"
 # At most 8 files come back: every suite log in one, every server log and the JIT build logs in one tarball.
 for f in "$out"/*.log; do { echo "##### $(basename "$f")"; cat "$f"; } >>"$out/suites.log.tmp"; rm -f "$f"; done
 [ -f "$out/suites.log.tmp" ] && mv "$out/suites.log.tmp" "$out/suites.log" && xz -9 -f "$out/suites.log"
-tar -cJf "$out/server-logs.tar.xz" -C "$stage" logs $(cd "$stage" && find cache/.cache/flashinfer -name '.ninja_log' -o -name '*.log' 2>/dev/null) 2>/dev/null || true
+tar -cJf "$out/server-logs.tar.xz" -C "$stage" "logs/$(basename "$logs")" \
+  $(cd "$stage" && find cache/.cache/flashinfer \( -name .ninja_log -o -name '*.log' \) 2>/dev/null) 2>/dev/null || true
