@@ -261,7 +261,7 @@ def keep(
 def _read_line_within(stream: IO[bytes], timeout: float) -> str:
     deadline = time.monotonic() + timeout
     buf = b""
-    while b"\n" not in buf and time.monotonic() < deadline:
+    while b"\n" not in buf and len(buf) < protocol.MAX_LINE and time.monotonic() < deadline:  # bounded: time, size
         ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             break

@@ -356,15 +356,28 @@ class ClusterLauncher:
         port_leases: list[leases.PortLease],
         t0: float,
     ) -> ServerHandle:
-        """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
-        watchdog = self.watch()
-        proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
-        assert proxy.process is not None
-        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
-        watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, StartProgress(self.report, self.terminal))
-        proxy.ready_seconds = ready["proxy"]
-        return proxy
+        """Start the proxy alone and wait for it (attach mode, where the servers are already up); started again on
+        another port when another process took the one leased for it, by the same rule as a cluster's servers
+        (port_race.py). What it started and leased is appended to ``processes`` / ``port_leases`` once it runs."""
+
+        def once(held: list[leases.PortLease]) -> ServerHandle:
+            started: list[ServerProcess] = []
+            try:
+                watchdog = self.watch()
+                proxy = self._prepare_proxy(label, handles, watchdog, started, held)
+                assert proxy.process is not None
+                proxy.process.start([fd for lease in held for fd in lease.fds])
+                watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
+                progress = StartProgress(self.report, self.terminal)
+                proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, progress)["proxy"]
+            except BaseException:
+                self.cleanup(label, started, None, held)  # each attempt undoes its own (port_race's contract)
+                raise
+            processes.extend(started)
+            port_leases.extend(held)
+            return proxy
+
+        return port_race.start_retrying(once, label=label, fixed_port=None, report=self.report)
 
     # ------------------------------------------------------------------ stop
 
