@@ -42,7 +42,7 @@ __all__ = [
     "ClusterUnavailable",
     "EffectiveConfigError",
     "EngineVersionUnknown",
-    "EnvironmentChanged",
+    "EnvironmentRefused",
     "ExtraArgsError",
     "InventoryError",
     "LeaseTimeout",
@@ -226,9 +226,10 @@ class ResponseTooLarge(PDServeError):
         )
 
 
-class EnvironmentChanged(PDServeError):
-    """A variable pdserve read when pytest configured (a setting, a GPU visibility variable) has another value when
-    a cluster starts (``config/settings.py``: ``env_drift``); the message names each one and both values."""
+class EnvironmentRefused(PDServeError):
+    """The environment a cluster would start with is refused (``running/start_env.py``): a variable pdserve read
+    when pytest configured (a setting, a GPU visibility variable) has another value now, or one the servers would
+    inherit breaks the plugin's clients (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` below 2 s). The message names each."""
 
 
 class NotOwner(PDServeError):

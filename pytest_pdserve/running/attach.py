@@ -42,10 +42,13 @@ _SERVER_SETTINGS = (
 )  # fmt: skip
 
 
-def start_attached(cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults) -> LaunchedCluster:
+def start_attached(
+    cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults, environ: Mapping[str, str]
+) -> LaunchedCluster:
     """Check every attached URL, then use the given proxy or start the built-in one in front of the servers.
 
-    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``).
+    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``);
+    ``environ`` is what the built-in proxy inherits (``start_env.start_environ``).
     """
     __tracebackhide__ = True
     t0 = time.monotonic()
@@ -62,7 +65,7 @@ def start_attached(cfg: Any, launcher: ClusterLauncher, defaults: SessionDefault
         # The servers answered: only now start a proxy in front of them (it leases its own port only).
         try:
             servers = [*cluster.prefill, *cluster.decode]
-            cluster.set_proxy(launcher.start_proxy("attached", servers, processes, port_leases, t0))
+            cluster.set_proxy(launcher.start_proxy("attached", servers, processes, port_leases, t0, environ))
         except BaseException:
             launcher.cleanup("attached", processes, None, port_leases)
             raise

@@ -27,6 +27,7 @@ from pytest_pdserve.machine.inventory import Inventory
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.running.attach import attach_mismatch, start_attached
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster, Reporter
+from pytest_pdserve.running.start_env import Drift, start_environ
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["ClusterManager", "Reuser"]
@@ -44,8 +45,10 @@ class Reuser(Protocol):
         model: str,
         placement: Mapping[str, object],
         launcher: ClusterLauncher,
+        environ: Mapping[str, str],
     ) -> LaunchedCluster | None:
-        """A kept cluster for ``spec``, claimed and checked; None: the manager starts a fresh one."""
+        """A kept cluster for ``spec`` whose fingerprint (``environ``: what a fresh one's servers would inherit) is
+        this one's, claimed and checked; None: the manager starts a fresh one (with ``environ``)."""
         ...
 
     def stop(self, running: LaunchedCluster) -> bool:
@@ -85,6 +88,7 @@ class ClusterManager:
         reporter: Reporter | None = None,
         reuser: Reuser | None = None,
         terminal: bool = True,
+        env_drift: Drift | None = None,
     ) -> None:
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
@@ -118,6 +122,8 @@ class ClusterManager:
         self.reuser = reuser
         #: Specs someone other than the fixtures asked for (see :meth:`get`): never stopped before the end.
         self.pinned: set[ClusterSpec] = set()
+        #: What changed since pytest configured (``settings.env_drift``), checked at every start (start_env.py).
+        self.env_drift = env_drift
 
     # ------------------------------------------------------------------ public
 
@@ -139,8 +145,10 @@ class ClusterManager:
             if spec in self._failed:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
+            # Not remembered as the spec's failure: the environment may be put back (a monkeypatch undone).
+            environ = start_environ(self.env_drift, own_servers=True)
             try:
-                running = self._find_or_start(spec)
+                running = self._find_or_start(spec, environ)
             except ClusterUnavailable:
                 raise
             except Exception as exc:
@@ -169,8 +177,9 @@ class ClusterManager:
                 # shared exception object from growing one more chain of frames per test.
                 raise failed.with_traceback(None)
             if key not in self._running:
+                environ = start_environ(self.env_drift, own_servers=False)
                 try:
-                    self._running[key] = start_attached(cfg, self.launcher, self.defaults)
+                    self._running[key] = start_attached(cfg, self.launcher, self.defaults, environ)
                 except Exception as exc:
                     self._failed[key] = exc
                     raise
@@ -253,15 +262,16 @@ class ClusterManager:
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
             self.stop(victim.cluster.spec, why="its GPUs were needed for another spec")
 
-    def _find_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
-        """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one."""
+    def _find_or_start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
+        """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one; both judged by, and
+        a fresh one started with, the one ``environ`` (start_env.py)."""
         if self.reuser is not None:
             setup = self.engine_for(spec)
             model = self._resolve_model(spec, setup)
-            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher)
+            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher, environ)
             if found is not None:
                 return found
-        return self._start(spec)
+        return self._start(spec, environ)
 
     def _placement(self, spec: ClusterSpec) -> dict[str, object]:
         """Where a cluster's servers run, as far as settings decide it (part of its reuse fingerprint)."""
@@ -271,12 +281,13 @@ class ClusterManager:
             "share_gpus": self.gpus.share_gpus, "proxy_port": self.proxy_ports.get(spec),
         }  # fmt: skip
 
-    def _start(self, spec: ClusterSpec) -> LaunchedCluster:
+    def _start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
         self._counter += 1
         setup = self.engine_for(spec)
         return self.launcher.launch(
             spec, f"{spec.name}-{self._counter}", setup, self._resolve_model(spec, setup),
-            make_room=self._make_room, proxy_port=self.proxy_ports.get(spec), pd_ready_check=self.pd_ready_check,
+            make_room=self._make_room, environ=environ, proxy_port=self.proxy_ports.get(spec),
+            pd_ready_check=self.pd_ready_check,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ stop
