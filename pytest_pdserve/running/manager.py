@@ -7,6 +7,10 @@ when a new spec needs their GPUs, and stops everything at the end. Starting one 
 after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s; ``--pd-reuse`` (kept
 clusters) is a `Reuser`'s, given by the reuse plugin (`reuse/handover.py`). The objects handed to tests
 (`PDCluster`, `ServerHandle`) live in `cluster.py`.
+
+The manager belongs to the pytest process that made it (``common/owner.py``): in a forked child its stops are
+no-ops (the fixtures' finalizers, ``pytest_unconfigure``, the last-user stops, the hand-over to a keeper all go
+through them) and a start is refused; a running cluster is still handed out, for the child to send requests to.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_pdserve.cluster import PDCluster
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.config.commands import SessionDefaults
 from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS, EngineSetup
 from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
@@ -124,6 +129,8 @@ class ClusterManager:
         self.pinned: set[ClusterSpec] = set()
         #: What changed since pytest configured (``settings.env_drift``), checked at every start (start_env.py).
         self.env_drift = env_drift
+        #: The process whose clusters these are: the only one that starts or stops them (common/owner.py).
+        self.owner = Owner()
 
     # ------------------------------------------------------------------ public
 
@@ -145,6 +152,7 @@ class ClusterManager:
             if spec in self._failed:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
+            self.owner.refuse(f"start cluster {spec.name}")  # not remembered: the parent may still start it
             # Not remembered as the spec's failure: the environment may be put back (a monkeypatch undone).
             environ = start_environ(self.env_drift, own_servers=True)
             try:
@@ -177,6 +185,7 @@ class ClusterManager:
                 # shared exception object from growing one more chain of frames per test.
                 raise failed.with_traceback(None)
             if key not in self._running:
+                self.owner.refuse("attach to the deployment and start its proxy")
                 environ = start_environ(self.env_drift, own_servers=False)
                 try:
                     self._running[key] = start_attached(cfg, self.launcher, self.defaults, environ)
@@ -195,7 +204,10 @@ class ClusterManager:
         return cluster
 
     def ensure_watchdog(self) -> None:
-        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token)."""
+        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token); not in a
+        forked child (they are the parent's)."""
+        if not self.owner.here:
+            return
         with self._lock:
             if self._running:
                 self.launcher.watch()
@@ -212,7 +224,10 @@ class ClusterManager:
     def stop(self, spec: ClusterSpec, why: str = "pd_cluster_factory.stop") -> PDCluster | None:
         """Stop one cluster (no-op if it is not running); returns the stopped cluster. Every ``on_stop`` listener
         hears of it, so whoever handed it out forgets it (a later ``get`` of the same spec starts a fresh one):
-        the one rule for both doors, an explicit stop and making room for another spec."""
+        the one rule for both doors, an explicit stop and making room for another spec. A no-op in a forked child
+        (common/owner.py)."""
+        if not self.owner.here:
+            return None
         with self._lock:
             running = self._running.pop(spec, None)
         if running is None:
@@ -225,7 +240,10 @@ class ClusterManager:
         return running.cluster
 
     def stop_all(self) -> None:
-        """Stop every cluster (a reuser keeps or hands back what it can), then the watchdog. Safe to call twice."""
+        """Stop every cluster (a reuser keeps or hands back what it can), then the watchdog. Safe to call twice; a
+        no-op in a forked child, whose fixtures and ``pytest_unconfigure`` call it too (common/owner.py)."""
+        if not self.owner.here:
+            return
         with self._lock:
             items = list(self._running.values())
             self._running.clear()
