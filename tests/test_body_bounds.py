@@ -9,6 +9,7 @@ the attach check from argv, env and ini) and the built-in proxy's buffers agains
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
@@ -67,6 +68,20 @@ def test_a_stream_through_a_plugin_client_is_bounded(endless_metrics: Hostile) -
         with pytest.raises(ResponseTooLarge, match="sent more than"):
             for _ in response.iter_bytes():
                 pass
+    _bounded(endless_metrics, "/metrics")
+
+
+def test_an_async_client_handed_out_is_bounded(endless_metrics: Hostile) -> None:
+    """``ServerHandle.async_client()``: the same bound as the sync clients."""
+    server = ServerHandle("decode", 0, endless_metrics.url, None)
+
+    async def read() -> None:
+        async with server.async_client() as client:
+            response = await client.get("/metrics")
+            raise AssertionError(f"read {len(response.content)} bytes whole")
+
+    with pytest.raises(ResponseTooLarge, match="sent more than"):
+        asyncio.run(read())
     _bounded(endless_metrics, "/metrics")
 
 

@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -45,6 +45,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "TOTAL",
     "DeadlineTransport",
+    "bound_async",
     "connection_limits",
     "get_within",
     "http_transport",
@@ -288,6 +289,43 @@ class _BoundedStream(httpx.SyncByteStream):
 
     def close(self) -> None:
         self._inner.close()
+
+
+async def bound_async(
+    request: httpx.Request, send: Callable[[httpx.Request], Awaitable[httpx.Response]]
+) -> httpx.Response:
+    """The same bound for the async clients the plugin hands out (``clients.make_async_client``): ``send(request)``
+    asking for no encoding, its answer refused unread or counted as it is read."""
+    limit = int(request.extensions.get(MAX_BODY, MAX_BODY_BYTES))
+    request.headers["accept-encoding"] = "identity"
+    response = await send(request)
+    try:
+        refuse_unbounded(response.headers, str(request.url), limit)
+    except ResponseTooLarge:
+        await response.aclose()
+        raise
+    response.stream = _AsyncBoundedStream(response.stream, limit, str(request.url))  # type: ignore[arg-type]
+    return response
+
+
+class _AsyncBoundedStream(httpx.AsyncByteStream):
+    """The async twin of :class:`_BoundedStream`."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, limit: int, url: str) -> None:
+        self._inner = inner
+        self._limit = limit
+        self._url = url
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise ResponseTooLarge(self._url, self._limit)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def connection_limits() -> httpx.Limits:

@@ -152,8 +152,9 @@ class ClusterManager:
             if spec in self._failed:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
-            self.owner.refuse(f"start cluster {spec.name}")  # not remembered: the parent may still start it
-            # Not remembered as the spec's failure: the environment may be put back (a monkeypatch undone).
+            # Neither refusal is remembered as the spec's failure: the parent may still start it, and the environment
+            # may be put back (a monkeypatch undone).
+            self.owner.refuse(f"start cluster {spec.name}")
             environ = start_environ(self.env_drift, own_servers=True)
             try:
                 running = self._find_or_start(spec, environ)
