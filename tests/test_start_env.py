@@ -11,6 +11,7 @@ a cluster with another environment). Inner sessions run the simulator, as users 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,10 +94,24 @@ def test_a_setting_changed_late_is_refused_naming_it(inner: Inner, door: str) ->
     inner.assert_nothing_left()
 
 
-def test_a_setting_given_on_the_command_line_is_not_held(inner: Inner) -> None:
-    """The command line beats the variable at configure and now: its late change changes nothing."""
+@pytest.mark.parametrize("via", ["argv", "PYTEST_ADDOPTS", "ini"])
+def test_precedence_decides_what_is_held(inner: Inner, monkeypatch: pytest.MonkeyPatch, via: str) -> None:
+    """The command line (argv or PYTEST_ADDOPTS) beats the variable at configure and now: its late change changes
+    nothing. An ini key loses to the variable: the late value would win, so it is refused like an unset one."""
     _plant(inner, "subdir-conftest", "PDSERVE_SEED", "7")
-    inner.run("--pd-seed=3").assert_outcomes(passed=1)
+    args: list[str] = []
+    if via == "argv":
+        args = ["--pd-seed=3"]
+    elif via == "PYTEST_ADDOPTS":
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{os.environ.get('PYTEST_ADDOPTS', '')} --pd-seed=3")
+    else:
+        (inner.pytester.path / "pytest.ini").write_text("[pytest]\npdserve_seed = 3\n")
+    result = inner.run(*args)
+    if via == "ini":
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines(["*PDSERVE_SEED='7' now, unset when pytest configured (setting seed;*"])
+    else:
+        result.assert_outcomes(passed=1)
 
 
 def test_a_variable_put_back_before_the_start_is_no_change(inner: Inner) -> None:
