@@ -23,10 +23,11 @@ __all__ = ["inner", "reuse_dir"]  # fixtures, imported from _reuse
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-#: Each door sets ``{name}={value}`` after the plugin configured; the inner test then needs a cluster.
+#: Each door sets the variables (``{sets}``: one ``os.environ[name] = value`` line each, at the door's indentation)
+#: after the plugin configured; the inner test then needs a cluster.
 DOORS = {
     "subdir-conftest": {
-        "sub/conftest.py": "import os\nos.environ[{name!r}] = {value!r}\n",
+        "sub/conftest.py": "import os\n{sets}\n",
         "sub/test_it.py": "def test_it(pd_cluster):\n    pass\n",
     },
     "fixture": {
@@ -36,7 +37,7 @@ import pytest
 
 @pytest.fixture
 def late(request):
-    os.environ[{name!r}] = {value!r}
+    {sets}
     return request.getfixturevalue("pd_cluster")
 
 def test_it(late):
@@ -45,52 +46,49 @@ def test_it(late):
     },
     "monkeypatch": {
         "test_it.py": """
+import os
+
 def test_it(monkeypatch, pd_cluster_factory):
-    monkeypatch.setenv({name!r}, {value!r})
+    {sets}
     pd_cluster_factory()
 """,
     },
     "later-plugin-configure": {
-        "conftest.py": "import os\n\ndef pytest_configure(config):\n    os.environ[{name!r}] = {value!r}\n",
+        "conftest.py": "import os\n\ndef pytest_configure(config):\n    {sets}\n",
         "test_it.py": "def test_it(pd_cluster):\n    pass\n",
     },
 }
 
 
-def _plant(inner: Inner, door: str, name: str, value: str) -> None:
+def _plant(inner: Inner, door: str, variables: dict[str, str]) -> None:
     for rel, text in DOORS[door].items():
         path = inner.pytester.path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        source = text.format(name=name, value=value)
+        indent = text[: text.find("{sets}")].rsplit("\n", 1)[-1] if "{sets}" in text else ""
+        setter = "monkeypatch.setenv({!r}, {!r})" if door == "monkeypatch" else "os.environ[{!r}] = {!r}"
+        sets = f"\n{indent}".join(setter.format(name, value) for name, value in variables.items())
+        source = text.format(sets=sets)
         if rel == "conftest.py":  # beside the inner sessions' own helper conftest
             source = path.read_text() + "\n" + source
         path.write_text(source)
 
 
 @pytest.mark.parametrize("door", DOORS)
-def test_a_keepalive_set_late_is_refused_before_any_server_starts(inner: Inner, door: str) -> None:
-    _plant(inner, door, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")
+def test_a_late_keepalive_and_a_late_setting_are_refused_before_any_server_starts(inner: Inner, door: str) -> None:
+    """Both rules through each door, in one session: VLLM_HTTP_TIMEOUT_KEEP_ALIVE=1 (the servers would inherit it)
+    and PDSERVE_SEED (a setting resolved at configure, which the header, the servers' flags and a fingerprint use,
+    whose variable now says otherwise), each named with its value, rather than silently used by some and not
+    others."""
+    _plant(inner, door, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "1", "PDSERVE_SEED": "7"})
     result = inner.run("-p", "no:randomly")
     result.assert_outcomes(**({"failed": 1} if door == "monkeypatch" else {"errors": 1}))
     result.stdout.fnmatch_lines(
-        ["*EnvironmentRefused: pdserve: a cluster cannot start: VLLM_HTTP_TIMEOUT_KEEP_ALIVE='1' is below 2 s*"
-         "(in the environment the servers would inherit, as it is now)*"]
+        ["*EnvironmentRefused: pdserve: a cluster cannot start: the environment changed after pytest configured: "
+         "PDSERVE_SEED='7' now, unset when pytest configured (setting seed; also --pd-seed / ini pdserve_seed)*"
+         "; and VLLM_HTTP_TIMEOUT_KEEP_ALIVE='1' is below 2 s*(in the environment the servers would inherit, as it "
+         "is now)*"]
     )  # fmt: skip
     assert not list(inner.log_dir.rglob("*-prefill-0.log")), "a server was started"
-    inner.assert_nothing_left()
-
-
-@pytest.mark.parametrize("door", DOORS)
-def test_a_setting_changed_late_is_refused_naming_it(inner: Inner, door: str) -> None:
-    """A setting resolved at configure (the header, the servers' flags, a fingerprint use it) whose variable now
-    says otherwise: refused, both values named, rather than silently used by some and not others."""
-    _plant(inner, door, "PDSERVE_SEED", "7")
-    result = inner.run()
-    result.assert_outcomes(**({"failed": 1} if door == "monkeypatch" else {"errors": 1}))
-    result.stdout.fnmatch_lines(
-        ["*the environment changed after pytest configured: PDSERVE_SEED='7' now, unset when pytest configured "
-         "(setting seed; also --pd-seed / ini pdserve_seed)*"]
-    )  # fmt: skip
     inner.assert_nothing_left()
 
 
@@ -98,7 +96,7 @@ def test_a_setting_changed_late_is_refused_naming_it(inner: Inner, door: str) ->
 def test_precedence_decides_what_is_held(inner: Inner, monkeypatch: pytest.MonkeyPatch, via: str) -> None:
     """The command line (argv or PYTEST_ADDOPTS) beats the variable at configure and now: its late change changes
     nothing. An ini key loses to the variable: the late value would win, so it is refused like an unset one."""
-    _plant(inner, "subdir-conftest", "PDSERVE_SEED", "7")
+    _plant(inner, "subdir-conftest", {"PDSERVE_SEED": "7"})
     args: list[str] = []
     if via == "argv":
         args = ["--pd-seed=3"]
@@ -157,7 +155,7 @@ def test_it(late):
 
 def test_attach_mode_holds_its_settings_too(inner: Inner) -> None:
     """Attach mode starts no server (no keep-alive rule) but resolves its settings at configure all the same."""
-    _plant(inner, "subdir-conftest", "PDSERVE_MODEL", "another-model")
+    _plant(inner, "subdir-conftest", {"PDSERVE_MODEL": "another-model"})
     with hostile_server({}) as deployment:
         result = inner.run(f"--pd-prefill-url={deployment.url}", f"--pd-decode-url={deployment.url}")
     result.assert_outcomes(errors=1)
