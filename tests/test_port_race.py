@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _pdsession import Inner
+from _hostile import hostile_server
+from _pdsession import Inner, unheld_locks
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly
 from pytest_pdserve.machine.port_leases import acquire_ports
@@ -109,6 +110,28 @@ def test_a_squatter_on_every_attempt_fails_after_the_last(inner: Inner) -> None:
     result.stdout.fnmatch_lines(["*(attempt 3 of 3)*", "*Address already in use*"])
     assert "attempt 4" not in result.stdout.str()
     inner.assert_nothing_left()
+
+
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound"])
+def test_attach_modes_proxy_is_leased_again_as_the_servers_are(inner: Inner, listen: bool) -> None:
+    """Issue 43, class 6: the retry wrapped a cluster's servers but not attach mode's built-in proxy (PortInUse on
+    a single squat). One rule for every listener pdserve starts on a leased port."""
+    inner.pytester.makepyfile(
+        """
+        def test_up(pd_cluster):
+            print("PROXY", pd_cluster.proxy.port)
+            assert pd_cluster.client.get("/health").status_code == 200
+        """
+    )
+    with hostile_server({}) as deployment, Squatter(inner.lease_dir, "attached proxy", listen=listen) as squatter:
+        result = inner.run("-s", f"--pd-prefill-url={deployment.url}", f"--pd-decode-url={deployment.url}")
+    assert squatter.ports, f"the squatter never took the proxy's port: the test proved nothing\n{result.stdout}"
+    [taken] = squatter.ports
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*attached: proxy: port {taken}, leased by pdserve, was taken*(attempt 2 of 3)*"])
+    assert f"PROXY {taken}" not in result.stdout.str()
+    inner.assert_nothing_left()
+    unheld_locks(inner.lease_dir)
 
 
 # ------------------------------------------------------------------------------------ the rule, unit by unit

@@ -19,7 +19,7 @@ import pytest
 
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, env_drift, short_source
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
@@ -181,6 +181,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         share_gpus=cfg.share_gpus, port_range=cfg.port_range,
         reporter=make_reporter(config, logs / "pdserve.log"), terminal=writes_to_terminal(config),
         reuser=reuse.reuser() if reuse is not None else None,
+        env_drift=lambda environ: env_drift(cfg, environ),  # a cluster's environment is read at its start
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
     return manager

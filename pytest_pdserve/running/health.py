@@ -240,7 +240,7 @@ def _read_tail(path: Path | None, max_bytes: int = 256 * 1024) -> str:
         with path.open("rb") as fh:
             size = fh.seek(0, 2)
             fh.seek(max(0, size - max_bytes))
-            return fh.read().decode("utf-8", "replace")
+            return fh.read(max_bytes).decode("utf-8", "replace")  # bounded even if the log grows meanwhile
     except OSError:
         return ""
 

@@ -141,19 +141,24 @@ class ClusterLauncher:
         model: str,
         *,
         make_room: Callable[[int], None],
+        environ: Mapping[str, str],
         proxy_port: int | None = None,
         pd_ready_check: bool = True,
     ) -> LaunchedCluster:
         """Start ``spec``'s servers and proxy and return them running (everything undone on failure); started again
-        on other ports when another process took a port leased for it (port_race.py)."""
+        on other ports when another process took a port leased for it (port_race.py).
+
+        :param environ: what every process of the cluster inherits (``start_env.start_environ``'s one copy)."""
         return port_race.start_retrying(
-            lambda held: self._launch_once(spec, label, setup, model, make_room, proxy_port, pd_ready_check, held),
+            lambda held: self._launch_once(
+                spec, label, setup, model, make_room, proxy_port, pd_ready_check, held, environ
+            ),
             label=label, fixed_port=proxy_port, report=self.report,
         )  # fmt: skip
 
     def _launch_once(
         self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
-        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease],
+        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease], environ: Mapping[str, str],
     ) -> LaunchedCluster:  # fmt: skip
         t0 = time.monotonic()
         processes: list[ServerProcess] = []
@@ -180,12 +185,14 @@ class ClusterLauncher:
                     defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
                     platform_args=setup.platform_args,
                 )  # fmt: skip
-                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
+                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name, environ))
                 assert handles[-1].process is not None
                 processes.append(handles[-1].process)
             # The proxy starts together with the servers (it needs only their URLs), so its own start-up
             # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
-            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases, hold=False, port=proxy_port)
+            proxy = self._prepare_proxy(
+                label, handles, watchdog, processes, port_leases, environ, hold=False, port=proxy_port
+            )
             holds += [(f"{label}-ports-{lease.base}", lease.fds) for lease in port_leases]
 
             def hold_leases() -> None:
@@ -228,6 +235,7 @@ class ClusterLauncher:
         model: str,
         positions: Sequence[int],
         engine: str,
+        environ: Mapping[str, str],
     ) -> ServerHandle:
         """One server's process (not started) and handle; its log starts with the env delta it runs with."""
         log_path = self.log_path(f"{label}-{cmd.name}.log")
@@ -238,7 +246,7 @@ class ClusterLauncher:
         except OSError as exc:
             raise PDServeError(f"{cmd.name}: cannot write its log {log_path}: {exc.strerror or exc}") from None
         url = f"http://127.0.0.1:{ports.http}"
-        env = child_env(cmd.env)
+        env = child_env(cmd.env, environ)
         rpc_dir = None
         if engine == "vllm" and RPC_BASE_ENV not in env:  # its IPC sockets in a directory of its own (rpc_dirs.py)
             rpc_dir = make_rpc_dir()
@@ -317,6 +325,7 @@ class ClusterLauncher:
         watchdog: Watchdog,
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
+        environ: Mapping[str, str],
         hold: bool = True,
         port: int | None = None,
     ) -> ServerHandle:
@@ -342,7 +351,7 @@ class ClusterLauncher:
         url = f"http://127.0.0.1:{port}"
         log_path = self.log_path(f"{label}-proxy.log")
         proc = ServerProcess(
-            "proxy", cmd.argv, child_env(cmd.env), log_path, health_url=f"{url}{cmd.health_path}",
+            "proxy", cmd.argv, child_env(cmd.env, environ), log_path, health_url=f"{url}{cmd.health_path}",
             api_key=self.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
@@ -355,16 +364,30 @@ class ClusterLauncher:
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
         t0: float,
+        environ: Mapping[str, str],
     ) -> ServerHandle:
-        """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
-        watchdog = self.watch()
-        proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
-        assert proxy.process is not None
-        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
-        watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, StartProgress(self.report, self.terminal))
-        proxy.ready_seconds = ready["proxy"]
-        return proxy
+        """Start the proxy alone and wait for it (attach mode, where the servers are already up); started again on
+        another port when another process took the one leased for it, by the same rule as a cluster's servers
+        (port_race.py). What it started and leased is appended to ``processes`` / ``port_leases`` once it runs."""
+
+        def once(held: list[leases.PortLease]) -> ServerHandle:
+            started: list[ServerProcess] = []
+            try:
+                watchdog = self.watch()
+                proxy = self._prepare_proxy(label, handles, watchdog, started, held, environ)
+                assert proxy.process is not None
+                proxy.process.start([fd for lease in held for fd in lease.fds])
+                watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
+                progress = StartProgress(self.report, self.terminal)
+                proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, progress)["proxy"]
+            except BaseException:
+                self.cleanup(label, started, None, held)  # each attempt undoes its own (port_race's contract)
+                raise
+            processes.extend(started)
+            port_leases.extend(held)
+            return proxy
+
+        return port_race.start_retrying(once, label=label, fixed_port=None, report=self.report)
 
     # ------------------------------------------------------------------ stop
 
@@ -427,9 +450,11 @@ class ClusterLauncher:
                     log.debug("watchdog drop %s failed", name, exc_info=True)
 
 
-def child_env(delta: Mapping[str, str | None]) -> dict[str, str]:
-    """This process's environment with a server's ``delta`` applied (``None`` removes a variable)."""
-    env = dict(os.environ)
+def child_env(delta: Mapping[str, str | None], environ: Mapping[str, str]) -> dict[str, str]:
+    """A server's (or the proxy's) whole environment: ``environ``, the copy taken when its cluster's start was
+    decided (``start_env.start_environ``: what was checked and fingerprinted), with the server's ``delta`` applied
+    (``None`` removes a variable). Never ``os.environ`` as it is now (issue 43, class 2)."""
+    env = dict(environ)
     for key, value in delta.items():
         if value is None:
             env.pop(key, None)

@@ -12,7 +12,9 @@ The contract (mirakuru's executor contract, tightened for minute-long GPU startu
   killed *first*, then :class:`ServerStartupTimeout` is raised.
 * ``stop(grace)`` SIGTERMs the process group, waits, SIGKILLs, then sweeps descendants that left the
   group (vLLM's EngineCore and workers can outlive a killed API server). They are found by env token
-  and by ppid chain, never by name. Idempotent; every step best effort and logged.
+  and by ppid chain, never by name. Idempotent; every step best effort and logged. Only the process that made
+  the ``ServerProcess`` stops it: in a forked child (``common/owner.py``) ``stop`` and the atexit net do nothing,
+  and the exit status is not guessed (``returncode`` is None: only the parent can wait for it).
 
 The env of every server carries ``PDSERVE_RUN_TOKEN=<run_token>`` (what the watchdog sweeps if pytest
 dies) and a per-server ``PDSERVE_SERVER_TOKEN`` (what ``stop()`` sweeps, so stopping the prefill server
@@ -39,11 +41,19 @@ from urllib.parse import urlsplit
 import httpx
 
 from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.running.hints import AUTH_HINT, hint_for
 from pytest_pdserve.running.log_wakeup import LogWakeup
-from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
+from pytest_pdserve.running.proctree import (
+    RUN_TOKEN_ENV,
+    SERVER_TOKEN_ENV,
+    descendants,
+    proc_table,
+    read_stat,
+    terminate,
+)
 from pytest_pdserve.running.readiness import ReadinessCheck, readiness_client
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 
@@ -90,6 +100,7 @@ _PROGRESS_EVERY = 1.0
 _TAIL_LINES = 50
 
 _live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_live.clear)  # a forked child's atexit net has nothing of its own to stop
 
 
 def new_run_token() -> str:
@@ -181,6 +192,8 @@ class ServerProcess:
         self._started_at = 0.0
         self._ready_at: float | None = None
         self._stop_report: StopReport | None = None
+        #: Who may stop it (and wait for its exit status): the process that made it, never a forked child.
+        self.owner = Owner()
 
     # ---------------------------------------------------------------- state
 
@@ -196,13 +209,21 @@ class ServerProcess:
 
     @property
     def returncode(self) -> int | None:
-        """Exit status once it exited (negative = killed by that signal), else None."""
-        return self._popen.poll() if self._popen is not None else None
+        """Exit status once it exited (negative = killed by that signal), else None; None in a forked child, which
+        cannot wait for it (``Popen.poll`` there says 0 for a server that runs)."""
+        if self._popen is None or not self.owner.here:
+            return None
+        return self._popen.poll()
 
     @property
     def alive(self) -> bool:
-        """Started and not exited."""
-        return self._popen is not None and self._popen.poll() is None
+        """Started and not exited (in a forked child: its process is there and not a zombie)."""
+        if self._popen is None:
+            return False
+        if not self.owner.here:
+            stat = read_stat(self._popen.pid)
+            return stat is not None and stat.live
+        return self._popen.poll() is None
 
     @property
     def started_at(self) -> float:
@@ -333,6 +354,9 @@ class ServerProcess:
         """
         if self._stop_report is not None:
             return self._stop_report
+        if not self.owner.here:  # a forked child's copy: the server is its parent's to stop (common/owner.py)
+            why = f"not stopped: pid {os.getpid()} did not start it (pid {self.owner.pid} did)"
+            return StopReport(self.name, self.pid, None, False, 0.0, False, (), (), 0.0, (why,))
         t0 = time.monotonic()
         if self._popen is None:
             remove_rpc_dir(self.rpc_dir)  # made for a server that never started
