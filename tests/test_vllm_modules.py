@@ -143,6 +143,32 @@ def test_multi_connector_edge_cases_on_the_simulator(pytester: pytest.Pytester, 
                                  "OffloadingConnector[]], block size 128*"])  # fmt: skip
 
 
+MIGRATING = REPO / "docs" / "migrating.md"
+
+
+def _pipeline_steps(text: str) -> list[tuple[str, str]]:
+    """``(label, its text)`` of every step of a Buildkite pipeline file that is not commented out, a ``mirror:``'s
+    own label included (it is a step of its own on other hardware)."""
+    found = list(re.finditer(r'^\s*(?:- )?label: "([^"]+)"', text, re.M))
+    return [(m.group(1), text[m.start() : found[i + 1].start() if i + 1 < len(found) else len(text)])
+            for i, m in enumerate(found)]  # fmt: skip
+
+
+def test_every_pd_step_of_vllms_ci_has_its_pytest_command_in_docs_migrating(vllm_modules: Path) -> None:
+    """docs/migrating.md maps every step of vLLM's disaggregated.yaml and every MI300 P/D entry of test-amd.yaml (the
+    fetched version's own files) to a pytest command, or says why not yet, in a row naming the step's label."""
+    pipelines = vllm_modules.parent / "buildkite"
+    steps = [label for label, _ in _pipeline_steps((pipelines / "disaggregated.yaml").read_text())]
+    steps += [label for label, block in _pipeline_steps((pipelines / "test-amd.yaml").read_text())
+              if "(MI300)" in label and re.search(r"kv_connector/nixl(_push)?_integration", block)]  # fmt: skip
+    assert len(steps) >= 9 + 20, steps  # 0.34.0: 24 steps and mirrors, 9 MI300 entries
+    rows = [line for line in MIGRATING.read_text().splitlines() if line.startswith("| `")]
+    missing = [label for label in steps
+               if not any(line.startswith(f"| `{label}` |") and ("pytest" in line or "not yet" in line)
+                          for line in rows)]  # fmt: skip
+    assert not missing, f"docs/migrating.md has no row for: {missing}"
+
+
 DISAGG_FLOW = """
 import os, subprocess, sys
 from pathlib import Path
