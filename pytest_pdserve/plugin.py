@@ -27,8 +27,8 @@ from pytest_pdserve.glue import export_env, kv_moved, last_user, logs
 from pytest_pdserve.glue.fixtures import (
     CURRENT_ITEM,
     MANAGER,
-    ensure_watchdog,
     end_faults,
+    ensure_watchdog,
     fail_if_cluster_died,
     get_manager,
     pd_cache_salt,

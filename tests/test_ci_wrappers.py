@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
 #: amd_ci_fast_exit.py of vLLM 0.34.0 (.buildkite/scripts/hardware_ci/), its exit path as it is; without the native
 #: fault reporter it loads from the CI image (a C library; vLLM's own plugin runs without it where it is missing).
-FAST_EXIT = '''
+FAST_EXIT = """
 import atexit, os, sys
 import pytest
 
@@ -58,7 +58,7 @@ def pytest_unconfigure(config):
           flush=True)
     sys.stdout.flush()
     os._exit(status)
-'''
+"""
 
 #: run-amd-test.sh's PYTEST_ADDOPTS, as it builds it (its defaults; the pipeline may override the two timeouts).
 AMD_ADDOPTS = (
@@ -130,9 +130,7 @@ def test_stuck(pd_cluster):
 """
 
 
-def test_timeout_method_thread_and_faulthandler_timeout(
-    inner: Inner, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_timeout_method_thread_and_faulthandler_timeout(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
     """AMD CI's timeouts. A passing test is not disturbed by them; a test that overruns is ended by pytest-timeout's
     thread method, which dumps the stacks and calls ``os._exit(1)``: pytest dies without a teardown, and the
     plugin's watchdog stops what it left (so a timed-out CI job leaves no server on the machine)."""
@@ -144,7 +142,8 @@ def test_timeout_method_thread_and_faulthandler_timeout(
     result.stdout.fnmatch_lines(["*test_stuck.py::test_ok PASSED*"])
     out = result.stdout.str() + result.stderr.str()
     assert re.search(r"\+{5,} Timeout \+{5,}", out), out[-3000:]  # the thread method's stack dump, then os._exit
-    assert "timeout: 2400.0s" in out and "timeout method: thread" in out
+    assert "timeout: 2400.0s" in out
+    assert "timeout method: thread" in out
     wait_for(lambda: not live_procs(inner.mark), GONE_WITHIN_S, "no process of the timed-out run left")
 
 
@@ -181,7 +180,8 @@ def test_pytest_shard_beside_xdist(inner: Inner, monkeypatch: pytest.MonkeyPatch
         wait_for(lambda: not live_procs(inner.mark), GONE_WITHIN_S, f"no process of shard {shard} left")
     assert ran[0] | ran[1] == set(range(6))
     assert not ran[0] & ran[1], ran
-    assert ran[0] and ran[1], "a shard ran nothing: the split proves nothing"
+    assert ran[0], "shard 0 ran nothing: the split proves nothing"
+    assert ran[1], "shard 1 ran nothing: the split proves nothing"
 
 
 def test_vllms_module_under_the_amd_wrappers_pytest_addopts(

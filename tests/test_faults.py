@@ -1,6 +1,7 @@
 """Faults a test causes on purpose (issue 47): ``ServerHandle.pause``/``resume``/``kill``/``restart``, the death
 detection told of them, what is left at a test's end, and the assertions of what P/D does then, with the negative
-control of each. On the simulator; examples/test_faults.py runs the same faults on both engines (tests/test_examples.py).
+control of each. On the simulator; examples/test_server_faults.py runs the faults on both engines
+(tests/test_examples.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pytest_pdserve.spec import ClusterSpec
 
 #: Prefill starts a detached worker (its own session, the server token in its environment), as vLLM's EngineCore can
 #: leave the group: a pause must reach it too.
-SPEC = ClusterSpec(name="faults", kv_load_failure_policy="fail", prefill_env={"PDSERVE_SIM_SPAWN_WORKERS": "1"})
+SPEC = ClusterSpec(name="faults", kv_load_failure_policy="fail", prefill_env=(("PDSERVE_SIM_SPAWN_WORKERS", "1"),))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def test_pause_stops_the_whole_server_and_resume_continues_it(cluster: PDCluster
     with prefill.paused():
         assert prefill.down == "paused by the test"
         _wait(lambda: _states(pids) == {"T"}, f"every process of prefill-0 stopped ({pids})")
-        assert decode.process is not None and _states([decode.process.pid or 0]) != {"T"}
+        assert decode.process is not None
+        assert _states([decode.process.pid or 0]) != {"T"}
     assert prefill.down is None
     _wait(lambda: "T" not in _states(pids), "prefill-0 continued")
     assert cluster.complete(words(30, seed=1), max_tokens=2)["usage"]["completion_tokens"] == 2
@@ -115,7 +117,8 @@ def test_a_killed_decode_fails_fast_and_a_restart_is_pd_ready(cluster: PDCluster
     seconds = decode.restart()
     assert seconds > 0
     assert decode.down is None
-    assert decode.process is not None and decode.process.pid != old_pid
+    assert decode.process is not None
+    assert decode.process.pid != old_pid
     assert log_path.read_text().count("pdserve: starting decode-0:") == 2  # one log, appended to
     assert_pd_ready(cluster)
 
@@ -148,7 +151,7 @@ def test_the_fault_assertions_fail_where_nothing_is_wrong(cluster: PDCluster) ->
         attention_backend=cluster.attention_backend,
     )  # fmt: skip
     with pytest.raises(AssertionError) as not_ready:
-        assert_pd_ready(not_decode)  # type: ignore[arg-type]  # prefill-0 posing as a decode server gets no KV
+        assert_pd_ready(not_decode)  # prefill-0 posing as a decode server gets no KV
     assert str(not_ready.value).startswith(NOT_PD_READY_MESSAGE.format(servers="prefill-0"))
 
 

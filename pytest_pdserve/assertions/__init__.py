@@ -11,7 +11,8 @@ templates, so tests can match them. Pytest-free.
 The package holds its private parts: ``_completions`` (requests and responses), ``_measure`` (metrics around
 a request, the ``ClusterLike``/``ServerLike`` protocols), ``_report`` (failure texts, flip verdicts),
 ``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism``, ``_cache`` and ``_faults``
-(the checks; ``_faults``: what P/D must do about a fault a test caused, ``ServerHandle.pause``/``kill``/``restart``). Everything public is imported here; import it from ``pytest_pdserve.assertions``.
+(the checks; ``_faults``: what P/D must do about a fault a test caused, ``ServerHandle.pause``/``kill``/``restart``).
+Everything public is imported here; import it from ``pytest_pdserve.assertions``.
 ``PDCluster`` / ``ServerHandle`` here are ``pytest_pdserve.PDCluster`` / ``ServerHandle`` themselves; the checks
 accept anything shaped like them (``ClusterLike`` / ``ServerLike``).
 """

@@ -11,6 +11,7 @@ Pytest-free.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -121,7 +122,7 @@ def assert_pd_ready(cluster: ClusterLike, *, max_tokens: int = 1) -> None:
     for i in range(len(cluster.decode)):
         body = {"model": cluster.model, "prompt": words(24, seed=2000 + i), "max_tokens": max_tokens,
                 "temperature": 0.0, "cache_salt": salt}  # fmt: skip
-        _, deltas = measured(servers, lambda b=body: complete(cluster.client, b), requests=2)
+        _, deltas = measured(servers, functools.partial(complete, cluster.client, body), requests=2)
         for server in cluster.decode:
             rows = _kv_moved(server, deltas)
             if all(r.ok for r in rows) or server.name not in checks:

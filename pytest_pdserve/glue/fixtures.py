@@ -268,10 +268,12 @@ def end_faults(item: pytest.Item) -> None:
             proc = server.process
             if proc is not None and proc.paused and proc.alive:
                 server.resume()
-                manager.report(f"pdserve: {server.name} of cluster {cluster.spec.name}: resumed ({item.nodeid} left it paused)")
+                name = cluster.spec.name
+                manager.report(f"pdserve: {server.name} of cluster {name}: resumed ({item.nodeid} left it paused)")
                 continue
-            manager.report(f"pdserve: stopping cluster {cluster.spec.name}: {item.nodeid} left {server.name} down ({why})")
-            manager.stop(cluster.spec, why=f"{item.nodeid} left {server.name} down ({why})")
+            why = f"{item.nodeid} left {server.name} down ({why})"
+            manager.report(f"pdserve: stopping cluster {cluster.spec.name}: {why}")
+            manager.stop(cluster.spec, why=why)
             break
 
 

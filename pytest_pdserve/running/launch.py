@@ -111,7 +111,7 @@ class ClusterLauncher:
         self.run_token = new_run_token()
         self.port_range = port_range
         self.supervisors = Supervisors(self.run_token, shutdown_timeout, self.log_path, report)
-        #: Around a restart's wait (:meth:`respawn`): the pytest side pauses pytest-timeout's clock there, as for a start.
+        #: Around a restart's wait (:meth:`respawn`): the pytest side pauses pytest-timeout's clock, as for a start.
         self.restart_clock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     def log_path(self, name: str) -> Path:
