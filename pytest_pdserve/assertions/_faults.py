@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from pytest_pdserve.assertions._completions import _endpoint, complete
+from pytest_pdserve.assertions._completions import complete
 from pytest_pdserve.assertions._measure import ClusterLike, ServerLike, is_cluster, measured, servers_of
 from pytest_pdserve.assertions._report import Check, failure, metric_check
 from pytest_pdserve.clients import body_excerpt
@@ -83,7 +83,7 @@ def assert_fails_fast(
 
         hang_after = assertions.HANG_AFTER
     client, label = _client_and_label(target)
-    path = _endpoint(request, endpoint)
+    path = endpoint or ("/v1/chat/completions" if "messages" in request else "/v1/completions")
     started = time.monotonic()
     try:
         response = client.post(path, json=dict(request), extensions=within(hang_after))
