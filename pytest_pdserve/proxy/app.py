@@ -59,7 +59,7 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, object] = {
     "remote_host": None,
     "remote_port": None,
 }
-"""What the prefill request carries (vLLM's toy_proxy_server.py, v0.33.0)."""
+"""What the prefill request carries (vLLM's toy_proxy_server.py, v0.33.0; byte-identical in v0.34.0)."""
 
 #: Default of ``--upstream-timeout``: generation on a slow CPU can take minutes; ten without an answer is a hang.
 UPSTREAM_TIMEOUT = 600.0

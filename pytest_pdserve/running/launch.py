@@ -19,6 +19,8 @@ Sharing clusters between tests, remembering failures and making room are the man
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -109,6 +111,8 @@ class ClusterLauncher:
         self.run_token = new_run_token()
         self.port_range = port_range
         self.supervisors = Supervisors(self.run_token, shutdown_timeout, self.log_path, report)
+        #: Around a restart's wait (:meth:`respawn`): the pytest side pauses pytest-timeout's clock, as for a start.
+        self.restart_clock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     def log_path(self, name: str) -> Path:
         """``name`` in the log directory, which is made again if it was removed mid-run: private (0700) like the
@@ -202,6 +206,8 @@ class ClusterLauncher:
             # Every process of the cluster holds every lease fd of it: a lease frees only when its servers are gone.
             fds = [*gpu_plan.fds, *(fd for lease in port_leases for fd in lease.fds)]
             self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases, fds)
+            for h in [*handles, proxy]:  # ServerHandle.restart
+                h.respawn = functools.partial(self.respawn, processes, fds)
             n_p = spec.num_prefill
             eff = effective(spec, self.defaults)
             cluster = PDCluster(
@@ -388,6 +394,27 @@ class ClusterLauncher:
             return proxy
 
         return port_race.start_retrying(once, label=label, fixed_port=None, report=self.report)
+
+    def respawn(self, processes: list[ServerProcess], inherit_fds: Sequence[int], old: ServerProcess) -> ServerProcess:
+        """One server of a running cluster started again (``ServerHandle.restart``): stopped first if it still runs,
+        a fresh copy (same argv, env, ports, log) started in its place with the cluster's lease fds, watched by the
+        watchdog instead of the old one, and waited for as at a start. The cluster's teardown stops the new one,
+        whatever happens next.
+
+        :raises ServerStartupError: it did not come up again (killed first, as a failed start is).
+        """
+        old.stop(self.shutdown_timeout)  # idempotent: a killed server returns its report at once
+        watchdog = self.watch()
+        if old.pgid is not None:
+            watchdog.unwatch(old.pgid)
+        fresh = old.respawned()
+        processes[processes.index(old)] = fresh
+        fresh.start(inherit_fds)
+        watchdog.watch(fresh.pid or 0, fresh.pgid or 0)
+        with self.restart_clock():
+            deadline = time.monotonic() + self.startup_timeout
+            wait_all_ready([fresh], deadline, StartProgress(self.report, self.terminal))
+        return fresh
 
     # ------------------------------------------------------------------ stop
 

@@ -37,6 +37,7 @@ RESPONSE_KEYS = {
     "remote_blocks_expiry_time",
     "transfer_mode",
     "remote_prefill_cached_tokens",
+    "remote_registration_generation",  # from vLLM 0.33 (test_sim_vllm034.py)
 }
 
 
