@@ -22,7 +22,7 @@ from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 
 from pytest_pdserve import metrics
 from pytest_pdserve.clients import make_client
-from pytest_pdserve.common.deadline import get_within
+from pytest_pdserve.common.deadline import get_within, within
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -228,3 +228,32 @@ def test_a_dead_alarm_thread_is_replaced(monkeypatch: pytest.MonkeyPatch) -> Non
             get_within(None, f"{url}/health", 2.0)  # only a live alarm cuts trickled headers
         assert time.monotonic() - t0 < 30
     assert alarms._thread is not ended  # noqa: SLF001
+
+
+def test_a_pooled_connection_that_never_answers_again_fails_at_the_deadline() -> None:
+    """The second request reuses the first one's kept-alive connection (no connect event, so no socket for the
+    cutter until headers come) and the server never answers it, as a paused (SIGSTOPped) server does not."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    hold = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            conn.recv(65536)  # the second request on the same connection: never answered
+            hold.wait(600)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+    try:
+        with make_client("prefill-0", url, {}) as client:
+            assert get_within(client, f"{url}/health", 60.0).status_code == 200
+            with pytest.raises(httpx.ReadTimeout, match="no complete answer within 1s"):
+                # the extension alone, as assert_fails_fast sends it (get_within also sets httpx's timeout)
+                client.get(f"{url}/health", extensions=within(1.0))  # unfixed: blocks until the server closes
+    finally:
+        hold.set()
+        listener.close()
+        thread.join(10)

@@ -215,6 +215,14 @@ class DeadlineTransport(httpx.BaseTransport):
             response.stream = _BoundedStream(response.stream, limit, str(request.url))  # type: ignore[arg-type]
             return response
         deadline = time.monotonic() + float(total)
+        # A pooled connection makes no connect event, so the cutter has no socket to shut down until the headers
+        # come: httpcore's own per-operation timeouts, capped at the deadline, end a wait for headers that never
+        # come (a paused server) on such a connection too.
+        timeouts = dict(request.extensions.get("timeout") or {})
+        for phase in ("connect", "read", "write", "pool"):
+            given = timeouts.get(phase)
+            timeouts[phase] = float(total) if given is None else min(float(given), float(total))
+        request.extensions["timeout"] = timeouts
         cutter = _Cutter()
         request.extensions["trace"] = cutter.trace(request.extensions.get("trace"))
         _ALARMS.set(float(total), cutter)
