@@ -246,7 +246,7 @@ def test_a_pooled_connection_that_never_answers_again_fails_at_the_deadline() ->
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
         with make_client("prefill-0", url, {}) as client:
             assert get_within(client, f"{url}/health", 60.0).status_code == 200
