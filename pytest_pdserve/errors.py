@@ -42,8 +42,10 @@ __all__ = [
     "ClusterUnavailable",
     "EffectiveConfigError",
     "EngineVersionUnknown",
+    "EnvTooLarge",
     "ExtraArgsError",
     "InventoryError",
+    "LeaseDirUnusable",
     "LeaseTimeout",
     "MarkerError",
     "MetricNotFoundError",
@@ -51,6 +53,7 @@ __all__ = [
     "MetricsSettleTimeout",
     "NotALockFile",
     "NotPDReady",
+    "OtherSchema",
     "OwnedFlagError",
     "PDServeError",
     "PathError",
@@ -194,6 +197,11 @@ class PortInUse(PDServeError):
         )
 
 
+class EnvTooLarge(PDServeError, ValueError):
+    """A variable (or the whole environment) is more than Linux passes to a program (``common/child_env.py``); the
+    message names it."""
+
+
 class LeaseTimeout(PDServeError):
     """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
 
@@ -273,9 +281,19 @@ class PathError(PDServeError):
     """A directory the plugin needs is unusable (``paths.py``); the message names the path and why."""
 
 
+class LeaseDirUnusable(PathError):
+    """The lease directory cannot take a lock file at all (its file system is full, out of inodes or read-only, or this
+    process is out of file descriptors): the run's answer, said once, never "no free port" (``lockfiles.py``)."""
+
+
 class NotALockFile(PDServeError):
     """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file);
     ``lockfiles.py`` counts its GPU or port as busy."""
+
+
+class OtherSchema(PDServeError, ValueError):
+    """A kept-cluster state file of another schema version: another pdserve version's, left to it
+    (``reuse/state.py``)."""
 
 
 class ReuseError(PDServeError):

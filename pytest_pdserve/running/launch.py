@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 
 from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
+from pytest_pdserve.common import owned
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
 from pytest_pdserve.config import commands
@@ -115,7 +117,7 @@ class ClusterLauncher:
         first time (a plain ``mkdir`` made it 0755).
 
         :raises PathError: it cannot be made (the message names it)."""
-        return ensure_dir(self.log_dir, LOG_DIR_MODE) / name
+        return ensure_dir(self.log_dir, LOG_DIR_MODE, mark=owned.RUN_LOGS) / name
 
     # ------------------------------------------------------------------ supervisors (supervisors.py)
 
@@ -428,16 +430,11 @@ class ClusterLauncher:
 
 
 def child_env(delta: Mapping[str, str | None]) -> dict[str, str]:
-    """This process's environment with a server's ``delta`` applied (``None`` removes a variable)."""
-    env = dict(os.environ)
-    for key, value in delta.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    # Our plugin env must not leak into the servers: a pytest run inside the server would be wrong.
-    env.pop("PYTEST_CURRENT_TEST", None)
-    return env
+    """This process's environment with a server's ``delta`` applied (``None`` removes a variable), by the one rule
+    of every child's environment (``common/child_env.py``); a variable no program can be given is an error.
+
+    :raises EnvTooLarge: naming it."""
+    return child_environ(delta, oversize="refuse")
 
 
 def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:
