@@ -51,6 +51,7 @@ __all__ = [
     "MetricNotFoundError",
     "MetricsScrapeError",
     "MetricsSettleTimeout",
+    "NoRoom",
     "NotALockFile",
     "NotPDReady",
     "OtherSchema",
@@ -281,9 +282,14 @@ class PathError(PDServeError):
     """A directory the plugin needs is unusable (``paths.py``); the message names the path and why."""
 
 
-class LeaseDirUnusable(PathError):
-    """The lease directory cannot take a lock file at all (its file system is full, out of inodes or read-only, or this
-    process is out of file descriptors): the run's answer, said once, never "no free port" (``lockfiles.py``)."""
+class NoRoom(PathError):
+    """A directory takes no new file, and not for want of permission: its file system is full, out of inodes, over
+    quota or read-only, or this process is out of file descriptors (``paths.fs_error_words`` names which)."""
+
+
+class LeaseDirUnusable(NoRoom):
+    """The lease directory cannot take a lock file at all (:class:`NoRoom`): the run's answer, said once, never "no
+    free port" (``lockfiles.py``)."""
 
 
 class NotALockFile(PDServeError):

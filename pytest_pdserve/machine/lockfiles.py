@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from pytest_pdserve.common import owned
-from pytest_pdserve.errors import LeaseDirUnusable, NotALockFile, PathError
+from pytest_pdserve.errors import LeaseDirUnusable, NoRoom, NotALockFile, PathError
 from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir, fs_error_words
 from pytest_pdserve.running.proctree import read_stat
 
@@ -299,6 +299,11 @@ def ensure_lease_dir(lease_dir: Path) -> Path:
     """
     try:
         return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
+    except NoRoom as exc:  # full, read-only...: no owner's chmod helps
+        raise LeaseDirUnusable(
+            f"lease directory: {exc}; free some, or choose another one with --pd-lease-dir / $PDSERVE_LEASE_DIR / "
+            "pdserve_lease_dir"
+        ) from None
     except PathError as exc:
         raise PathError(
             f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from pytest_pdserve.common import owned
-from pytest_pdserve.errors import PathError
+from pytest_pdserve.errors import NoRoom, PathError
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -96,14 +96,17 @@ def fs_error_words(exc: OSError, directory: Path) -> str | None:
     return f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)}: {FS_ERRORS[exc.errno].format(dir=directory)})"
 
 
-def _not_writable(directory: Path) -> str | None:
+def _not_writable(directory: Path) -> tuple[str, type[PathError]] | None:
     """Why we cannot create a file in ``directory`` (a real probe: ``os.access`` lies for root, ACLs and read-only
-    mounts), in words that follow the path; None when we can."""
+    mounts), in words that follow the path, with the error to raise (:class:`NoRoom`: the file system's or this
+    process's state, not a permission); None when we can."""
     try:
         fd, name = tempfile.mkstemp(prefix=".pdserve-probe-", dir=directory)
     except OSError as exc:
         words = fs_error_words(exc, directory)
-        return f"cannot take a new file: {words}" if words else f"is not writable by uid {os.geteuid()}"
+        if words is not None:
+            return f"cannot take a new file: {words}", NoRoom
+        return f"is not writable by uid {os.geteuid()}", PathError
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(name)
@@ -114,14 +117,16 @@ def check_dir(path: Path) -> None:
     """Configure-time check: ``path`` is a usable directory, or one we can create. Changes nothing on disk
     except a probe file, created and removed at once, in the nearest existing directory.
 
-    :raises PathError: a component is a file (or not a directory), or nobody lets us create files there.
+    :raises PathError: a component is a file (or not a directory), or nobody lets us create files there
+        (:class:`NoRoom`: its file system is full or read-only...).
     """
     existing, missing = _missing_components(Path(path))
     problem = _not_writable(existing)
     if problem is not None:
+        words, error = problem
         if missing:
-            raise PathError(f"cannot create {path}: its parent {existing} exists but {problem}")
-        raise PathError(f"{path} {problem}")
+            raise error(f"cannot create {path}: its parent {existing} exists but {words}")
+        raise error(f"{path} {words}")
 
 
 def ensure_dir(path: Path, mode: int, mark: str | None = None) -> Path:
@@ -145,15 +150,17 @@ def ensure_dir(path: Path, mode: int, mark: str | None = None) -> Path:
             _missing_components(component)
             continue
         except OSError as exc:
-            words = fs_error_words(exc, component.parent) or exc.strerror or str(exc)
-            raise PathError(f"cannot create directory {component}: {words}") from None
+            if (words := fs_error_words(exc, component.parent)) is not None:
+                raise NoRoom(f"cannot create directory {component}: {words}") from None
+            raise PathError(f"cannot create directory {component}: {exc.strerror or exc}") from None
         try:
             os.chmod(component, mode)
         except OSError as exc:
             raise PathError(f"cannot set mode {mode:o} on {component}, which pdserve just created: {exc}") from None
     problem = _not_writable(path)
     if problem is not None:
-        raise PathError(f"{path} {problem}")
+        words, error = problem
+        raise error(f"{path} {words}")
     return path
 
 
@@ -186,6 +193,8 @@ def ensure_private_dir(path: Path, what: str) -> Path:
     advice = "`chmod go-w` it or set PDSERVE_CACHE_DIR to a directory of your own"
     try:
         ensure_dir(path, 0o700)
+    except NoRoom as exc:  # full, read-only...: no chmod helps
+        raise NoRoom(f"{what} {path}: {exc}; free some, or set PDSERVE_CACHE_DIR to another directory") from None
     except PathError as exc:
         raise PathError(f"{what} {path}: {exc}; {advice}") from None
     problem = private_dir_problem(path)
