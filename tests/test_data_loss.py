@@ -14,11 +14,13 @@ markers, swapped directories, read-only and full file systems) are tests/test_ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import _reuse
@@ -29,7 +31,8 @@ from _reuse import UP, kept_one, run_reuse, states
 from pytest_pdserve import cli
 from pytest_pdserve.common import owned
 from pytest_pdserve.common.logfile import open_append, write_replace
-from pytest_pdserve.reuse import dirs
+from pytest_pdserve.errors import ReuseError
+from pytest_pdserve.reuse import client, dirs
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -316,3 +319,57 @@ def test_a_model_directory_pdserve_did_not_build_is_not_removed(
     assert [p.name for p in target.parent.iterdir() if p.name.startswith(".llama") and p.is_dir()] == []
     mine.unlink()  # an empty directory there: replaced by the build's rename
     assert (tiny_model.build("llama", tmp_path) / tiny_model.MARKER).is_file()
+
+
+def test_a_link_to_a_users_place_is_that_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pd-reuse-dir=~/pd` where `~/pd` is a link to `~` (or to the current directory): the place it leads to is
+    judged, not the link's name."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    (tmp_path / "to-home").symlink_to(home)
+    (tmp_path / "to-here").symlink_to(work)
+    with pytest.raises(ReuseError, match="is your home directory"):
+        dirs.ensure_reuse_dir(tmp_path / "to-home")
+    with pytest.raises(ReuseError, match="is the current directory"):
+        dirs.ensure_reuse_dir(tmp_path / "to-here")
+    assert list(home.iterdir()) == list(work.iterdir()) == []
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str) -> Iterator[Path]:
+    path.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def test_a_read_only_reuse_dir_is_named_as_such_and_loses_nothing(tmp_path: Path) -> None:
+    """The reuse dir on a file system remounted read-only: a run's check names the file system (not "not
+    writable by uid 0"), and `pdserve ls` names a stale state it cannot remove as such (not "pdserve did not create
+    it"); the user's file there is untouched."""
+    with _tmpfs(tmp_path / "fs", "size=1M,mode=0700") as fs:
+        reuse = dirs.ensure_reuse_dir(fs / "reuse")
+        server = {"pid": 2**22 + 3, "pgid": 2**22 + 3, "starttime": 1, "token": f"none-{os.getpid()}",
+                  "url": "http://127.0.0.1:9", "name": "prefill-0", "role": "prefill"}  # fmt: skip
+        state = {"id": "pd-1-cccccc", "spec_name": "pd", "created": 0, "fingerprint": {}, "servers": [server],
+                 "proxy": {**server, "name": "proxy", "role": "proxy"},
+                 "keeper": {"pid": 2**22 + 3, "starttime": 1, "socket": "nobody", "ttl": 9, "since": 0}}  # fmt: skip
+        write_replace(reuse / "pd-1-cccccc.json", json.dumps(state).encode())
+        (reuse / "package.json").write_text(MINE)
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, capture_output=True)
+        with pytest.raises(ReuseError, match=r"Read-only file system \(EROFS: the file system is read-only\)"):
+            dirs.ensure_reuse_dir(reuse)
+        said: list[str] = []
+        assert client.list_kept(reuse, report=said.append) == []
+        assert any("pd-1-cccccc.json alone: its keeper is gone, but it cannot be removed: Read-only" in s for s in said)
+        assert any("package.json alone" in s and "pdserve did not create it" in s for s in said), said
+        assert (reuse / "package.json").read_text() == MINE

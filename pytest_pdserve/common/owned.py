@@ -332,8 +332,11 @@ def remove_if(path: Path, proof: Callable[[int, os.stat_result], bool]) -> bool:
 
 def remove_file(path: Path, expect_ino: int | None = None) -> bool:
     """Remove the file ``path`` if pdserve created it: its directory's manifest lists it with the inode it has now
-    (or this process created it itself and knows its inode: ``expect_ino``). True when it was removed; anything
-    else (unknown, replaced, a link, a directory) is left alone."""
+    (or this process created it itself and knows its inode: ``expect_ino``). True when it was removed, False when it
+    is not proven pdserve's (unknown, replaced, a link, a directory), or gone: then it is left alone.
+
+    :raises OSError: it is pdserve's, and the file system refused to remove it (read-only...): said as it is.
+    """
     path = Path(path)
     with _opened(path.parent) as fd:
         if fd is None:
@@ -348,7 +351,7 @@ def remove_file(path: Path, expect_ino: int | None = None) -> bool:
             return False
         try:
             os.unlink(path.name, dir_fd=fd)
-        except OSError:
+        except FileNotFoundError:
             return False
         if listed and got is not None:
             _append(fd, got[1], {"-": path.name, "ino": st.st_ino})

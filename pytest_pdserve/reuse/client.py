@@ -37,18 +37,21 @@ _CLAIM_TIMEOUT = 20.0
 _KEEPER_EXIT_TIMEOUT = 10.0  # a keeper with no cluster left exits at once (its guard: up to 5 s on SIGTERM)
 
 
-def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[KeptCluster]:
+def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[tuple[KeptCluster, str]]:
     """Stop what is left of kept clusters whose keeper is gone (processes found by their server tokens only, in
     one pass over ``/proc``), and remove their state where pdserve wrote it (:mod:`pytest_pdserve.common.owned`);
-    returns those whose state file stays (pdserve cannot prove it wrote it)."""
+    returns those whose state file stays, with why (pdserve cannot prove it wrote it, or it cannot be removed)."""
     tokens = [(SERVER_TOKEN_ENV, s.token) for kept in gone for s in kept.servers]
     terminate([], env=tokens, grace=grace, kill_wait=10.0)
     stays = []
     for kept in gone:
         for server in kept.servers:
             remove_rpc_dir(server.rpc_dir)
-        if not owned.remove_file(kept.path) and os.path.lexists(kept.path):
-            stays.append(kept)
+        try:
+            if not owned.remove_file(kept.path) and os.path.lexists(kept.path):
+                stays.append((kept, "pdserve did not create the file"))
+        except OSError as exc:
+            stays.append((kept, f"it cannot be removed: {exc.strerror or exc}"))
     return stays
 
 
@@ -79,7 +82,12 @@ def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3
             removed.append(f"left {path} alone: {exc}")
             continue
         except (OSError, ValueError) as exc:
-            if owned.remove_file(path):
+            try:
+                gone_now = owned.remove_file(path)
+            except OSError as why:
+                removed.append(f"ignored {path}: {exc} (cannot remove it: {why.strerror or why})")
+                continue
+            if gone_now:
                 removed.append(f"removed {path}: {exc}")
             else:
                 removed.append(f"left {path} alone: {exc}; pdserve did not create it")
@@ -94,8 +102,8 @@ def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3
         stays = _sweep(gone, grace)
         for kept in gone:
             say(f"pdserve: reuse: kept cluster {kept.id}'s keeper (pid {kept.keeper_pid}) is gone; stopped its servers")
-        for kept in stays:
-            removed.append(f"left {kept.path} alone: its keeper is gone, but pdserve did not create the file")
+        for kept, why in stays:
+            removed.append(f"left {kept.path} alone: its keeper is gone, but {why}")
     for line in removed[:_NAMED_REMOVALS]:
         say(f"pdserve: reuse: {line}")
     if len(removed) > _NAMED_REMOVALS:

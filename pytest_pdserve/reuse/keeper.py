@@ -138,11 +138,13 @@ class _Kept:
         self.locks = []
         # Only what pdserve created (common/owned.py): the state file this keeper wrote (its inode), the logs the
         # run recorded creating; a file put in their place since is left alone.
-        owned.remove_file(self.state_path, expect_ino=self.state_ino)
+        with contextlib.suppress(OSError):  # a read-only file system: the next listing names the state left
+            owned.remove_file(self.state_path, expect_ino=self.state_ino)
         if not keep_logs:
             for server in self.servers:
                 if server.log_path is not None:
-                    owned.remove_file(Path(server.log_path))
+                    with contextlib.suppress(OSError):
+                        owned.remove_file(Path(server.log_path))
         if self.claim is not None:  # the run holding it learns why (the keeper then drops the connection)
             with contextlib.suppress(OSError):
                 self.claim.sendall(f"{protocol.stopped_line(self.id, why)}\n".encode())
