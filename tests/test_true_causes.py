@@ -253,7 +253,7 @@ def test_the_rule_itself(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_child_pdserve_starts_gets_the_one_rule() -> None:
     """Every ``subprocess`` call of the plugin (the simulator is a program of its own, started with the rule) passes
     ``env=`` built by ``child_environ`` (the servers' through ``launch.child_env``, kept in ``ServerProcess.env``)."""
-    calls = []
+    calls: list[tuple[str, str | None]] = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if "sim" in path.relative_to(PACKAGE).parts:
             continue
@@ -265,13 +265,13 @@ def test_every_child_pdserve_starts_gets_the_one_rule() -> None:
                 continue
             if node.func.attr not in ("Popen", "run", "call", "check_call", "check_output"):
                 continue
-            env = next((k.value for k in node.keywords if k.arg == "env"), None)
-            calls.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", ast.unparse(env) if env else None))
+            given = next((k.value for k in node.keywords if k.arg == "env"), None)
+            calls.append((f"{path.relative_to(PACKAGE)}:{node.lineno}", ast.unparse(given) if given else None))
     assert len(calls) >= 7, calls
     assert [c for c in calls if c[1] is None] == []
     for where, env in calls:
         module = (PACKAGE / where.split(":")[0]).read_text()
-        if env == "self.env":  # ServerProcess: what launch.child_env built
+        if env is None or env == "self.env":  # ServerProcess: what launch.child_env built
             continue
         assert "child_environ(" in env or (env == "env" and "env = child_environ(" in module), (where, env)
     launch = (PACKAGE / "running" / "launch.py").read_text()

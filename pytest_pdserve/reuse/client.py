@@ -102,8 +102,8 @@ def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3
         stays = _sweep(gone, grace)
         for kept in gone:
             say(f"pdserve: reuse: kept cluster {kept.id}'s keeper (pid {kept.keeper_pid}) is gone; stopped its servers")
-        for kept, why in stays:
-            removed.append(f"left {kept.path} alone: its keeper is gone, but {why}")
+        for kept, reason in stays:
+            removed.append(f"left {kept.path} alone: its keeper is gone, but {reason}")
     for line in removed[:_NAMED_REMOVALS]:
         say(f"pdserve: reuse: {line}")
     if len(removed) > _NAMED_REMOVALS:
