@@ -39,19 +39,12 @@ def _same_second(fmt, t=None):
 time.strftime = _same_second
 """
 
-#: Each run is inside its test while the other is (an "up" file each, named at random: both pids are 1), then fails
-#: on purpose so that its report carries its servers' log sections.
+#: Each run fails on purpose, so that its report carries its servers' log sections. (The runs start together, but
+#: need not meet: with one pid and a frozen clock, a run after the other would have hit the same name too.)
 MEETING_TEST = """
-import os, time, uuid
-from pathlib import Path
+import os
 
 def test_meet(pd_cluster):
-    here = Path(os.environ["MEET_DIR"])
-    (here / f"up-{uuid.uuid4().hex}").write_text(str(os.getpid()))
-    deadline = time.monotonic() + 90
-    while len(list(here.glob("up-*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(list(here.glob("up-*"))) == 2, "the other run never came"
     assert pd_cluster.complete("a b c", max_tokens=1)
     raise AssertionError(f"fail on purpose, pid {os.getpid()}")
 """
@@ -80,14 +73,14 @@ def test_two_runs_as_pid_1_in_two_namespaces_in_one_second_get_two_run_dirs(
     args, env = log_dir_setting(logs, via, pytester)
     pytester.makeconftest(FROZEN_CLOCK)
     pytester.makepyfile(test_meet=MEETING_TEST)
-    env = {**os.environ, **env, "MEET_DIR": str(pytester.path)}
+    env = {**os.environ, **env}
     argv = [*prefix, sys.executable, "-m", "pytest", "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}",
             "-p", "no:cacheprovider", *args]  # fmt: skip
     runs = [
         subprocess.Popen(argv, cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for _ in range(2)
     ]
-    outs = [run.communicate(timeout=300)[0].decode(errors="replace") for run in runs]
+    outs = [run.communicate(timeout=600)[0].decode(errors="replace") for run in runs]
     for out in outs:
         assert "fail on purpose, pid 1" in out, out[-3000:]  # pytest was PID 1 in each
     run_dirs = sorted(p for p in logs.iterdir() if p.is_dir())
