@@ -270,3 +270,14 @@ def test_a_full_file_system_never_costs_a_file(tmp_path: Path) -> None:
         assert not (fs / "new").exists()
         assert owned.remove_tree(run, owned.RUN_LOGS) == []
         _untouched(*fillers)
+
+
+def test_a_keeper_writes_only_a_new_state_file(tmp_path: Path) -> None:
+    """A kept cluster's id is new, so its state file is too: a file already at that name (the user's, another
+    container's kept cluster of the same id) is not replaced, and the keeper stops instead of keeping."""
+    from pytest_pdserve.reuse import keeper
+
+    theirs = _mine(tmp_path / "pd-1-abcdef.json")
+    with pytest.raises(OSError, match="a file is there already, which pdserve did not write"):
+        keeper._write_state(theirs, {"id": "pd-1-abcdef"})
+    _untouched(theirs)

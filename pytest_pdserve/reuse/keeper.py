@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_pdserve.common import owned
-from pytest_pdserve.common.logfile import write_replace
+from pytest_pdserve.common.logfile import check_writable, write_replace
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.machine.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
 from pytest_pdserve.reuse import protocol
@@ -287,8 +287,9 @@ def _write_state(path: Path, state: dict[str, Any]) -> int:
     """Write a new cluster's state file; its inode (what lets this keeper remove it later: common/owned.py).
 
     :raises OSError: something is there already (its id is new: what is there is not ours to replace)."""
+    check_writable(path)  # a link, a FIFO...: named as what it is
     if os.path.lexists(path):
-        raise OSError(errno.EEXIST, "something is there already, which pdserve did not write", str(path))
+        raise OSError(errno.EEXIST, "a file is there already, which pdserve did not write", str(path))
     return write_replace(path, json.dumps(state).encode())  # never through a link planted as the state file
 
 
