@@ -1,5 +1,5 @@
 """Issue 43, class 1: data loss. A directory pdserve treats as its own must be proven to be its own, and pdserve
-removes, renames over or truncates only what it can prove it created (``common/owned.py``).
+removes, renames over or truncates only what it can prove it created (``common/created.py``).
 
 The outside case: ``--pd-reuse-dir=.`` in an empty directory was accepted and marked; the user then saved files
 there, and ``pdserve ls`` and the next run removed a ``package.json`` ("not a kept-cluster state") and old
@@ -9,7 +9,7 @@ directory; a reuse directory that was accepted gets the user's files, links to t
 used by runs, ``pdserve ls``, ``pdserve stop`` and a kept cluster's keeper; a planted state file names the user's
 files as a server's log and IPC directory; a lease directory holds files named like lock files; the export file
 appears while the cluster starts. Nothing of the user's may be lost or changed. The rule's own cases (copied
-markers, swapped directories, read-only and full file systems) are tests/test_owned.py.
+markers, swapped directories, read-only and full file systems) are tests/test_created.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from _pdsession import Inner
 from _reuse import UP, kept_one, run_reuse, states
 
 from pytest_pdserve import cli
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import open_append, write_replace
 from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.reuse import client, dirs
@@ -156,7 +156,7 @@ def test_a_users_place_is_never_a_reuse_dir_through_any_door(
             assert cli.main([*how, *args]) == 2, (how, args)
             assert WHY[place] in capsys.readouterr().err, (how, args)
     _assert_kept(files, victim)
-    assert not (target / owned.MARKER).exists()
+    assert not (target / created.MARKER).exists()
 
 
 # --------------------------------------------------------------------- a reuse dir the user then fills
@@ -178,7 +178,7 @@ def test_a_reuse_dir_a_user_fills_loses_nothing_to_runs_ls_stop_or_the_keeper(in
     # user's file saved in one of them stays, and so does that directory.
     old_runs = []
     for i in range(7):
-        run = owned.make_dir(reuse_dir / "logs" / f"20200101-00000{i}-1-0000000{i}", 0o700, owned.RUN_LOGS)
+        run = created.make_dir(reuse_dir / "logs" / f"20200101-00000{i}-1-0000000{i}", 0o700, created.RUN_LOGS)
         os.close(open_append(run / "pdserve.log"))
         old_runs.append(run)
     files[old_runs[1] / "mine.txt"] = MINE

@@ -17,8 +17,8 @@ from _pdsession import Inner
 from _plant import plant_in_run_logs
 from _reuse import run_reuse
 
+from pytest_pdserve.common.created import MARKER
 from pytest_pdserve.common.logfile import open_append, write_replace
-from pytest_pdserve.common.owned import MARKER
 from pytest_pdserve.reuse import keeper
 from pytest_pdserve.reuse.dirs import ensure_reuse_dir
 

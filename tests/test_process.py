@@ -341,7 +341,7 @@ def test_a_servers_rpc_dir_goes_when_it_stops_and_nothing_else_does(tmp_path: Pa
     other.write_text("x")
     link = tmp_path / "pdserve-rpc-link"
     link.symlink_to(tmp_path)
-    # Nor one of the user's named like one (no marker: common/owned.py), nor a file in ours that is no socket.
+    # Nor one of the user's named like one (no marker: common/created.py), nor a file in ours that is no socket.
     lookalike = tmp_path / "pdserve-rpc-abcdefgh"
     lookalike.mkdir()
     (lookalike / "notes.txt").write_text("mine")

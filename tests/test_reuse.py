@@ -27,7 +27,7 @@ from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
 from pytest_pdserve import cli
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import open_append, write_replace
 from pytest_pdserve.engines.engine import resolve_engine
 from pytest_pdserve.machine.leases import acquire_ports
@@ -405,7 +405,7 @@ def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: 
 def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
-    runs = [owned.make_dir(logs / f"2026010{i}-000000-{i}-0000000{i}", 0o700, owned.RUN_LOGS) for i in range(8)]
+    runs = [created.make_dir(logs / f"2026010{i}-000000-{i}-0000000{i}", 0o700, created.RUN_LOGS) for i in range(8)]
     for r in runs:
         os.close(open_append(r / "pdserve.log"))  # as pdserve writes its logs: recorded in the run's manifest
         os.utime(r, (0, 0))  # old enough
@@ -645,7 +645,7 @@ def test_a_reuse_dir_others_can_write_is_refused(inner: Inner) -> None:
 
 
 def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) -> None:
-    """A file that is no state is named and left alone (pdserve did not write it: common/owned.py); a state file
+    """A file that is no state is named and left alone (pdserve did not write it: common/created.py); a state file
     pdserve wrote that names a bystander as its server and as a keeper that is gone is removed, and nothing is
     signalled."""
     dirs.ensure_reuse_dir(reuse_dir)  # a reuse dir pdserve made

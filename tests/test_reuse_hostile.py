@@ -26,7 +26,7 @@ from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import write_replace
 from pytest_pdserve.reuse import client, dirs, handover
 from pytest_pdserve.running.proctree import alive_as, read_stat
@@ -82,14 +82,14 @@ def test_a_reuse_dir_with_a_users_files_loses_none_of_them(inner: Inner, monkeyp
         assert out.returncode == 2, (args, out)
         assert f"pdserve: reuse directory {home} holds files pdserve did not put there" in out.stderr, out
     assert [p for p in mine if not p.exists()] == []
-    assert not (home / owned.MARKER).exists()
+    assert not (home / created.MARKER).exists()
 
 
 def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    assert owned.owner(reuse_dir, owned.REUSE) is not None  # marked as pdserve's, bound to this directory
+    assert created.manifest(reuse_dir, created.REUSE) is not None  # marked as pdserve's, bound to this directory
     run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
     inner.gone_within()
@@ -460,7 +460,7 @@ def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_heade
     """A FIFO named *.json (opening it must not block), a directory named *.json, a 2 MiB file, a JSON array,
     and a thousand garbage state files sorted before the real one: the next run still finds and reuses the kept
     cluster, stays quick, and says what it left alone in a few lines, not a thousand; none of them is removed
-    (pdserve did not create them: common/owned.py)."""
+    (pdserve did not create them: common/created.py)."""
     inner.pytester.makepyfile(UP)
     state = kept_one(inner, reuse_dir)
     os.mkfifo(reuse_dir / "a-fifo.json")
@@ -575,7 +575,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
     """A state file whose keeper and servers are live processes of ours that pdserve never started (a `sleep`),
     with NaN and Infinity where times go (Python's json reads them): no run, `pdserve ls` or `pdserve stop`
     crashes on it or signals a bystander; the file is refused as no state, and left alone (pdserve did not write
-    it: common/owned.py)."""
+    it: common/created.py)."""
     dirs.ensure_reuse_dir(reuse_dir)
     bystanders = [
         subprocess.Popen(

@@ -30,7 +30,7 @@ def _state(**extra: object) -> dict[str, object]:
 
 def test_a_state_file_of_another_schema_version_is_named_and_left_to_it(tmp_path: Path) -> None:
     """Another pdserve version's state file (another schema) is not listed and not removed: it is that version's
-    (common/owned.py: pdserve removes only what it can prove it created, and this version did not write it)."""
+    (common/created.py: pdserve removes only what it can prove it created, and this version did not write it)."""
     assert parse_state(_state()).schema == SCHEMA_VERSION  # a file from before the field: version 1
     assert parse_state(_state(schema=SCHEMA_VERSION)).as_dict()["schema"] == SCHEMA_VERSION
     reuse_dir = dirs.ensure_reuse_dir(tmp_path / "reuse")

@@ -234,6 +234,8 @@ def test_the_rule_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["PDSERVE_TEST_ADDED"] == "1"
     monkeypatch.setenv("PDSERVE_TEST_LATE", "read now, not at configure")
     assert child_environ()["PDSERVE_TEST_LATE"] == "read now, not at configure"
+    taken = {"PYTEST_CURRENT_TEST": "t.py::x (call)", "KEPT": "1"}  # a copy a caller took: the same rule applies
+    assert child_environ({"ADDED": "2"}, base=taken) == {"KEPT": "1", "ADDED": "2"}
     monkeypatch.setenv("PDSERVE_TEST_BIG", "x" * MAX_ARG_STRLEN)
     assert "PDSERVE_TEST_BIG" not in child_environ()
     with pytest.raises(EnvTooLarge, match="environment variable PDSERVE_TEST_BIG is 131,072 bytes long"):

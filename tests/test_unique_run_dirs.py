@@ -2,7 +2,7 @@
 
 Two runs with pytest as PID 1 in two PID namespaces, given the same ``--pd-log-dir`` in the same second, got one
 run directory (``<time>-<pid>``) and wrote into each other's logs. A run's directory is now made by the run itself,
-with a random part in its name (``common/owned.make_unique_dir``: ``mkdir`` decides, another name if taken), and a
+with a random part in its name (``common/created.make_unique_dir``: ``mkdir`` decides, another name if taken), and a
 kept cluster's state names its keeper's PID namespace (a pid means nothing in another one). The runs here are real
 PID namespaces (``unshare --pid --fork --mount-proc``: pytest is PID 1 in each) with a frozen clock, given the log
 dir through each door.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_shared_log_dir import VIAS, log_dir_setting
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -87,7 +87,7 @@ def test_two_runs_as_pid_1_in_two_namespaces_in_one_second_get_two_run_dirs(
     assert len(run_dirs) == 2, (run_dirs, [o[-2000:] for o in outs])
     assert run_dirs[0].name.rsplit("-", 1)[0] == run_dirs[1].name.rsplit("-", 1)[0]  # same second, same pid
     for run_dir in run_dirs:
-        assert owned.owner(run_dir, owned.RUN_LOGS) is not None  # made by its run
+        assert created.manifest(run_dir, created.RUN_LOGS) is not None  # made by its run
         log = (run_dir / "pd-1-prefill-0.log").read_text()
         assert log.count("pdserve: starting prefill-0") == 1, log[:2000]  # one run's server, not two
     for out in outs:
@@ -100,15 +100,15 @@ def test_a_run_dir_name_someone_else_holds_is_never_shared(tmp_path: Path) -> No
     """The name is a proposal, the ``mkdir`` decides: every name already taken (by a run in another container, by
     anyone) is passed over, and what is made is this process's own, marked."""
     stem = "20260101-000000-1"
-    made = {owned.make_unique_dir(tmp_path, stem, 0o700, owned.RUN_LOGS) for _ in range(64)}
+    made = {created.make_unique_dir(tmp_path, stem, 0o700, created.RUN_LOGS) for _ in range(64)}
     assert len(made) == 64
     taken = tmp_path / "taken"
     taken.mkdir()
     for name in ("a", "b"):  # a name held by someone: FileExistsError, not theirs to share
         (taken / name).mkdir()
         with pytest.raises(FileExistsError):
-            owned.make_dir(taken / name, 0o700, owned.RUN_LOGS)
-        assert owned.owner(taken / name) is None
+            created.make_dir(taken / name, 0o700, created.RUN_LOGS)
+        assert created.manifest(taken / name) is None
 
 
 def test_a_kept_cluster_of_another_pid_namespace_is_left_to_it(tmp_path: Path) -> None:

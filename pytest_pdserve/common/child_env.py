@@ -54,15 +54,17 @@ def child_environ(
     *,
     drop: Iterable[str] = (),
     oversize: Literal["drop", "refuse"] = "drop",
+    base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """This process's environment now, for a child: ``delta`` applied (``None`` removes a variable), without
-    :data:`NOT_INHERITED` and ``drop``, and without what Linux cannot pass (see the module docstring).
+    """This process's environment now (or ``base``, a copy the caller took for a cluster's start), for a child:
+    ``delta`` applied (``None`` removes a variable), without :data:`NOT_INHERITED` and ``drop``, and without what
+    Linux cannot pass (see the module docstring).
 
     :param oversize: ``"drop"`` leaves out each variable the kernel would refuse, the largest first while the
         total is too large (helpers); ``"refuse"`` raises instead (servers).
     :raises EnvTooLarge: with ``oversize="refuse"``, naming the variable and its size and the limit.
     """
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     for key, value in (delta or {}).items():
         if value is None:
             env.pop(key, None)

@@ -3,7 +3,7 @@
 Every file the plugin writes goes through one of two functions here: :func:`open_append` (logs) and
 :func:`write_replace` (whole files). Neither follows a symbolic link, writes into a hard-linked file or blocks on
 a FIFO; such an entry is refused with an ``OSError`` whose text says what it is. A file either creates in a
-directory pdserve owns is listed in that directory's manifest (:func:`pytest_pdserve.common.owned.record`): the
+directory pdserve owns is listed in that directory's manifest (:func:`pytest_pdserve.common.created.record`): the
 proof that lets pdserve remove it later, and nothing else there. Lock files are the lease directory's own rule
 (:mod:`pytest_pdserve.machine.lockfiles`: a foreign entry there counts as busy). [pytest-free, stdlib]
 
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 
 __all__ = ["check_writable", "log_size", "open_append", "read_since", "tail_lines", "write_replace"]
 
@@ -75,17 +75,17 @@ def open_append(path: Path, mode: int = 0o600) -> int:
     flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(3):  # created here (O_EXCL: recorded as ours), or opened as it is; it may vanish in between
         try:
-            fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
+            fd, made = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
             break
         except FileExistsError:
             pass
         try:
-            fd, created = os.open(path, flags), False
+            fd, made = os.open(path, flags), False
             break
         except FileNotFoundError:
             continue
     else:
-        fd, created = os.open(path, flags | os.O_CREAT, mode), False
+        fd, made = os.open(path, flags | os.O_CREAT, mode), False
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
@@ -94,8 +94,8 @@ def open_append(path: Path, mode: int = 0o600) -> int:
     except BaseException:
         os.close(fd)
         raise
-    if created:
-        owned.record(path, st.st_ino)
+    if made:
+        created.record(path, st.st_ino)
     return fd
 
 
@@ -142,7 +142,7 @@ def write_replace(path: Path, data: bytes, mode: int = 0o600) -> int:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    owned.record(path, ino)
+    created.record(path, ino)
     return ino
 
 

@@ -272,7 +272,7 @@ def build(kind: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
             for child in tmp.iterdir():
                 child.chmod(0o644)
             # Never removed: a directory without the build marker was not made here (a build renames a complete
-            # one into place), so it is someone's (pytest_pdserve/common/owned.py: only what pdserve created goes).
+            # one into place), so it is someone's (pytest_pdserve/common/created.py: only what pdserve created goes).
             # An empty one is replaced by the rename itself; anything else stops the build, naming it.
             try:
                 os.rename(tmp, target)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
@@ -66,14 +66,14 @@ RUN_NAME = pytest.StashKey[str]()
 def run_log_name(config: pytest.Config) -> str:
     """This run's own directory under ``--pd-log-dir``: two runs given the same log dir never share a file (their
     reports would carry each other's log tails). ``<time>-<pid>-<random>``, made by this run (``mkdir``, another
-    name if taken: :func:`pytest_pdserve.common.owned.make_unique_dir`), so two runs with the same pid in the same
+    name if taken: :func:`pytest_pdserve.common.created.make_unique_dir`), so two runs with the same pid in the same
     second (pytest as PID 1 in two containers) get two; xdist workers share their run's, by its id."""
     if RUN_NAME not in config.stash:
         workerinput = getattr(config, "workerinput", None)
         if workerinput and workerinput.get("testrunuid"):
             config.stash[RUN_NAME] = f"xdist-{workerinput['testrunuid']}"
         else:
-            config.stash[RUN_NAME] = f"{owned.run_stem()}-{os.urandom(4).hex()}"
+            config.stash[RUN_NAME] = f"{created.run_stem()}-{os.urandom(4).hex()}"
     return config.stash[RUN_NAME]
 
 
@@ -86,10 +86,10 @@ def _new_run_dir(config: pytest.Config, parent: Path) -> Path:
     try:
         ensure_dir(parent, LOG_DIR_MODE)
         try:
-            return owned.make_dir(parent / name, LOG_DIR_MODE, owned.RUN_LOGS)
+            return created.make_dir(parent / name, LOG_DIR_MODE, created.RUN_LOGS)
         except FileExistsError:  # taken (by another run, in another container?): never shared, another name
-            path = owned.make_unique_dir(parent, name if worker != "master" else owned.run_stem(), LOG_DIR_MODE,
-                                         owned.RUN_LOGS)  # fmt: skip
+            path = created.make_unique_dir(parent, name if worker != "master" else created.run_stem(), LOG_DIR_MODE,
+                                         created.RUN_LOGS)  # fmt: skip
     except OSError as exc:
         raise PathError(f"cannot create this run's log directory in {parent}: {exc.strerror or exc}") from None
     if worker == "master":
@@ -102,7 +102,7 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
     :func:`run_log_name`) or pytest's basetemp. The same path every call (created again if it was removed).
 
     Directories created here are private (0700: logs carry prompts) and marked as pdserve's (what pdserve creates in
-    them may be removed by pdserve, nothing else: :mod:`pytest_pdserve.common.owned`); an existing one keeps its mode.
+    them may be removed by pdserve, nothing else: :mod:`pytest_pdserve.common.created`); an existing one keeps its mode.
     """
     if RUN_LOGS not in config.stash:
         cfg = config.stash[PDSERVE_CONFIG]
@@ -114,7 +114,7 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
             else:
                 base = tmp_path_factory.getbasetemp() / "pdserve-logs"
             config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
-    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE, mark=owned.RUN_LOGS)
+    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE, mark=created.RUN_LOGS)
 
 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.errors import LeaseDirUnusable, NoRoom, NotALockFile, PathError
 from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir, fs_error_words
 from pytest_pdserve.running.proctree import read_stat
@@ -154,7 +154,7 @@ def try_lock(path: Path) -> int | None:
     return None
 
 
-#: The keys of a holder file (what :func:`write_holder` writes): its content is its proof (`common/owned.py`).
+#: The keys of a holder file (what :func:`write_holder` writes): its content is its proof (`common/created.py`).
 _HOLDER_KEYS = frozenset({"pid", "pgid", "starttime", "uid", "purpose", "since"})
 
 
@@ -176,7 +176,7 @@ def _holder_record(fd: int) -> bool:
 def unlock(fd: int, path: Path) -> None:
     """Release a lock taken by :func:`try_lock` and remove its files (they would pile up otherwise).
 
-    Removed only when proven ours (:func:`pytest_pdserve.common.owned.remove_if`): the lock file while we hold its
+    Removed only when proven ours (:func:`pytest_pdserve.common.created.remove_if`): the lock file while we hold its
     lock through that very inode and it is empty (pdserve never writes into one), the holder file when it holds a
     holder record. A lease directory the user pointed at their own files (``--pd-lease-dir=.``) loses none of them.
     """
@@ -186,8 +186,8 @@ def unlock(fd: int, path: Path) -> None:
         held = os.fstat(fd).st_ino
     except OSError:
         held = -1
-    owned.remove_if(path.with_suffix(".json"), lambda f, st: _holder_record(f))
-    owned.remove_if(path, lambda f, st: st.st_ino == held and st.st_size == 0)
+    created.remove_if(path.with_suffix(".json"), lambda f, st: _holder_record(f))
+    created.remove_if(path, lambda f, st: st.st_ino == held and st.st_size == 0)
     # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -207,7 +207,7 @@ def write_holder(lock_path: Path, purpose: str) -> None:
     try:
         fd = _open_shared(lock_path.with_suffix(".json"))
         try:
-            if not _holder_record(fd):  # someone's own file of that name: never truncated (common/owned.py)
+            if not _holder_record(fd):  # someone's own file of that name: never truncated (common/created.py)
                 raise NotALockFile("it holds something else than a holder record")
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps(info).encode())

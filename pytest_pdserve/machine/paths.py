@@ -20,7 +20,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.errors import NoRoom, PathError
 
 __all__ = [
@@ -134,7 +134,7 @@ def ensure_dir(path: Path, mode: int, mark: str | None = None) -> Path:
 
     :param mode: applied (with ``chmod``, the umask does not apply) to each directory created here.
     :param mark: when ``path`` itself is created here, it is marked as pdserve's directory of that kind
-        (:mod:`pytest_pdserve.common.owned`: what pdserve creates in it may be removed later, nothing else).
+        (:mod:`pytest_pdserve.common.created`: what pdserve creates in it may be removed later, nothing else).
     :raises PathError: as :func:`check_dir`, or creating a component failed.
     """
     path = Path(path)
@@ -142,7 +142,7 @@ def ensure_dir(path: Path, mode: int, mark: str | None = None) -> Path:
     for component in missing:
         try:
             if mark is not None and component == path:
-                owned.make_dir(component, mode, mark)
+                created.make_dir(component, mode, mark)
                 continue
             component.mkdir(mode=0o700)  # tight until chmod: nobody else gets in meanwhile
         except FileExistsError:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.machine.gpu_probe import wait_for_gate
 from pytest_pdserve.reuse import protocol
 from pytest_pdserve.reuse.fingerprint import differences
@@ -39,7 +39,7 @@ _KEEPER_EXIT_TIMEOUT = 10.0  # a keeper with no cluster left exits at once (its 
 
 def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[tuple[KeptCluster, str]]:
     """Stop what is left of kept clusters whose keeper is gone (processes found by their server tokens only, in
-    one pass over ``/proc``), and remove their state where pdserve wrote it (:mod:`pytest_pdserve.common.owned`);
+    one pass over ``/proc``), and remove their state where pdserve wrote it (:mod:`pytest_pdserve.common.created`);
     returns those whose state file stays, with why (pdserve cannot prove it wrote it, or it cannot be removed)."""
     tokens = [(SERVER_TOKEN_ENV, s.token) for kept in gone for s in kept.servers]
     terminate([], env=tokens, grace=grace, kill_wait=10.0)
@@ -48,7 +48,7 @@ def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[tuple[KeptCluster,
         for server in kept.servers:
             remove_rpc_dir(server.rpc_dir)
         try:
-            if not owned.remove_file(kept.path) and os.path.lexists(kept.path):
+            if not created.remove_file(kept.path) and os.path.lexists(kept.path):
                 stays.append((kept, "pdserve did not create the file"))
         except OSError as exc:
             stays.append((kept, f"it cannot be removed: {exc.strerror or exc}"))
@@ -58,7 +58,7 @@ def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[tuple[KeptCluster,
 def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3.0) -> list[KeptCluster]:
     """The kept clusters in ``reuse_dir`` whose keeper runs; a keeper that is gone has its leftovers stopped and
     its state removed. A file that is not a kept-cluster state is removed only when pdserve wrote it (its
-    manifest, :mod:`pytest_pdserve.common.owned`), else left alone; both are reported. A state kept by a keeper in
+    manifest, :mod:`pytest_pdserve.common.created`), else left alone; both are reported. A state kept by a keeper in
     another PID namespace (another container sharing the directory) is neither listed nor swept: its pid means
     nothing here.
 
@@ -83,7 +83,7 @@ def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3
             continue
         except (OSError, ValueError) as exc:
             try:
-                gone_now = owned.remove_file(path)
+                gone_now = created.remove_file(path)
             except OSError as why:
                 removed.append(f"ignored {path}: {exc} (cannot remove it: {why.strerror or why})")
                 continue

@@ -1,7 +1,7 @@
 """Where ``--pd-reuse`` keeps its state, and whether a run reuses at all. [pytest-free]
 
 The reuse directory (:func:`ensure_reuse_dir`): ours, mode 0700, not writable by others, and pdserve's own
-(marked by pdserve, :mod:`pytest_pdserve.common.owned`; else new, or empty and not a place where a user keeps files:
+(marked by pdserve, :mod:`pytest_pdserve.common.created`; else new, or empty and not a place where a user keeps files:
 never ``.``, ``$HOME``, ``/``, a repository root), since pdserve removes stale state files and old run logs in it,
 and there only what it created. A reuse run without --pd-log-dir logs under ``<reuse dir>/logs`` (:func:`run_log_dir`),
 pruned like pytest's basetemps (:func:`prune_run_logs`). :func:`reuse_decision` is the CI rule.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.engines.tiny_model import cache_base
 from pytest_pdserve.errors import PathError, PDServeError, ReuseError
 from pytest_pdserve.machine.lockfiles import want
@@ -80,7 +80,7 @@ def default_reuse_dir() -> Path:
     return cache_base() / "reuse"
 
 
-#: The marker of the reuse directory before pdserve's ownership rule (:mod:`pytest_pdserve.common.owned`): a
+#: The marker of the reuse directory before pdserve's ownership rule (:mod:`pytest_pdserve.common.created`): a
 #: directory that carries it with this text was pdserve's reuse dir, and is taken over (marked) as it is, unless
 #: it is one of the directories that are never a reuse dir (:func:`_never_a_reuse_dir`). Nothing in it becomes
 #: pdserve's by that: what pdserve did not record creating is never removed.
@@ -136,7 +136,7 @@ def check_reuse_dir(path: Path) -> None:
     """Refuse a reuse directory that is not a directory of ours, that others may write, or that is not pdserve's
     own. Changes nothing (``pdserve ls`` uses it too).
 
-    pdserve's own: marked by pdserve (:mod:`pytest_pdserve.common.owned`: it created it, or took it over empty), or
+    pdserve's own: marked by pdserve (:mod:`pytest_pdserve.common.created`: it created it, or took it over empty), or
     else empty (or marked before that rule, :data:`REUSE_DIR_MARKER`) and not a place where a user keeps files
     (:func:`_never_a_reuse_dir`: ``.``, ``$HOME``, ``/``, a repository root...).
 
@@ -147,7 +147,7 @@ def check_reuse_dir(path: Path) -> None:
         problem += ": anyone could plant a kept cluster there; `chmod go-w` it or choose another with --pd-reuse-dir"
     if problem is not None:
         raise ReuseError(f"reuse directory {path} {problem}")
-    if owned.owner(path, owned.REUSE) is not None:
+    if created.manifest(path, created.REUSE) is not None:
         return
     never = _never_a_reuse_dir(path)
     if never is not None:
@@ -162,8 +162,10 @@ def check_reuse_dir(path: Path) -> None:
             foreign = [e.name for e in entries if not e.name.startswith(_TRANSIENT)][:3]
     except OSError as exc:
         raise ReuseError(f"reuse directory {path}: {exc.strerror or exc}") from None
-    if foreign and owned.owner(path, owned.REUSE) is None:  # looked again: a concurrent run may have just made it ours
-        bad_marker = owned.marker_problem(path, owned.REUSE)
+    if (
+        foreign and created.manifest(path, created.REUSE) is None
+    ):  # looked again: a concurrent run may have just made it ours
+        bad_marker = created.marker_problem(path, created.REUSE)
         if bad_marker is not None:
             raise ReuseError(f"reuse directory {path} is not pdserve's: {bad_marker}; name a new directory")
         raise ReuseError(
@@ -180,15 +182,15 @@ def ensure_reuse_dir(path: Path) -> Path:
     :raises ReuseError: naming the path and what is wrong with it.
     """
     try:
-        ensure_dir(path, 0o700, mark=owned.REUSE)
+        ensure_dir(path, 0o700, mark=created.REUSE)
     except PDServeError as exc:
         raise ReuseError(f"reuse directory {path}: {exc}") from None
     check_reuse_dir(path)
-    if owned.owner(path, owned.REUSE) is None and not owned.adopt_dir(
-        path, owned.REUSE, empty_only=not _legacy_marked(path)
+    if created.manifest(path, created.REUSE) is None and not created.adopt_dir(
+        path, created.REUSE, empty_only=not _legacy_marked(path)
     ):
         raise ReuseError(
-            f"reuse directory {path}: cannot mark it as pdserve's ({owned.MARKER}): it changed meanwhile, or the "
+            f"reuse directory {path}: cannot mark it as pdserve's ({created.MARKER}): it changed meanwhile, or the "
             "file system refused the file"
         )
     return path
@@ -202,22 +204,22 @@ _held_run_dirs: list[int] = []  # those fds, open until this process exits (the 
 
 def run_log_dir(reuse_dir: Path) -> Path:
     """Create this run's log directory under ``<reuse_dir>/logs`` (a reuse run without --pd-log-dir), a new one of
-    its own (:func:`pytest_pdserve.common.owned.make_unique_dir`), and mark it as in use while this process lives."""
+    its own (:func:`pytest_pdserve.common.created.make_unique_dir`), and mark it as in use while this process lives."""
     logs = ensure_dir(reuse_dir / "logs", 0o700)
     try:
-        path = owned.make_unique_dir(logs, owned.run_stem(), 0o700, owned.RUN_LOGS)
+        path = created.make_unique_dir(logs, created.run_stem(), 0o700, created.RUN_LOGS)
     except OSError as exc:
         raise PathError(f"cannot create a run log directory in {logs}: {exc.strerror or exc}") from None
     fd = want(path / _RUN_ALIVE)
     if fd is not None:
         _held_run_dirs.append(fd)
-        owned.record(path / _RUN_ALIVE, os.fstat(fd).st_ino)  # created just now, by us: removed with the directory
+        created.record(path / _RUN_ALIVE, os.fstat(fd).st_ino)  # created just now, by us: removed with the directory
     return path
 
 
 def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 600.0) -> tuple[list[Path], list[str]]:
     """Remove old run log directories under ``<reuse_dir>/logs``: of those pdserve made (their marker,
-    :mod:`pytest_pdserve.common.owned`), all but the newest ``keep``, never one a kept cluster still writes to, nor
+    :mod:`pytest_pdserve.common.created`), all but the newest ``keep``, never one a kept cluster still writes to, nor
     one younger than ``min_age`` seconds or whose run still goes (a concurrent run's, :data:`_RUN_ALIVE`), and in
     them only what pdserve created. Returns what went, and what was left alone (entries pdserve did not create)."""
     logs = reuse_dir / "logs"
@@ -228,7 +230,7 @@ def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 
         return [], []
     runs, unknown = [], []
     for name, is_dir in sorted(found):
-        if is_dir and owned.owner(logs / name, owned.RUN_LOGS) is not None:
+        if is_dir and created.manifest(logs / name, created.RUN_LOGS) is not None:
             runs.append(logs / name)
         else:
             unknown.append(f"{logs / name} (pdserve did not create it)")
@@ -246,7 +248,7 @@ def prune_run_logs(reuse_dir: Path, keep: int = KEEP_RUN_LOGS, min_age: float = 
                 continue
             if is_wanted(str(run / _RUN_ALIVE)):  # its run still goes
                 continue
-            gone = owned.remove_tree(run, owned.RUN_LOGS)
+            gone = created.remove_tree(run, created.RUN_LOGS)
             if gone:
                 left += gone
             else:

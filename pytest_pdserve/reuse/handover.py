@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from pytest_pdserve.cluster import EngineSetup, Reused, ServerHandle
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_argv, redact_env
@@ -228,7 +228,7 @@ def keep(
     log_path = reuse_dir / "keeper.log"
     with contextlib.suppress(OSError):
         if log_path.stat().st_size > _MAX_KEEPER_LOG:  # every keeper appends to it: keep one old copy, not all
-            owned.replace_file(log_path, reuse_dir / "keeper.log.1")  # only over a copy pdserve made (owned.py)
+            created.replace_file(log_path, reuse_dir / "keeper.log.1")  # only over a copy pdserve made (created.py)
     try:
         log = open_append(log_path)
     except OSError as exc:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import check_writable, write_replace
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.machine.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
@@ -136,15 +136,15 @@ class _Kept:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.locks = []
-        # Only what pdserve created (common/owned.py): the state file this keeper wrote (its inode), the logs the
+        # Only what pdserve created (common/created.py): the state file this keeper wrote (its inode), the logs the
         # run recorded creating; a file put in their place since is left alone.
         with contextlib.suppress(OSError):  # a read-only file system: the next listing names the state left
-            owned.remove_file(self.state_path, expect_ino=self.state_ino)
+            created.remove_file(self.state_path, expect_ino=self.state_ino)
         if not keep_logs:
             for server in self.servers:
                 if server.log_path is not None:
                     with contextlib.suppress(OSError):
-                        owned.remove_file(Path(server.log_path))
+                        created.remove_file(Path(server.log_path))
         if self.claim is not None:  # the run holding it learns why (the keeper then drops the connection)
             with contextlib.suppress(OSError):
                 self.claim.sendall(f"{protocol.stopped_line(self.id, why)}\n".encode())
@@ -284,7 +284,7 @@ class _Keeper:
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> int:
-    """Write a new cluster's state file; its inode (what lets this keeper remove it later: common/owned.py).
+    """Write a new cluster's state file; its inode (what lets this keeper remove it later: common/created.py).
 
     :raises OSError: something is there already (its id is new: what is there is not ours to replace)."""
     check_writable(path)  # a link, a FIFO...: named as what it is

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
@@ -117,7 +117,7 @@ class ClusterLauncher:
         first time (a plain ``mkdir`` made it 0755).
 
         :raises PathError: it cannot be made (the message names it)."""
-        return ensure_dir(self.log_dir, LOG_DIR_MODE, mark=owned.RUN_LOGS) / name
+        return ensure_dir(self.log_dir, LOG_DIR_MODE, mark=created.RUN_LOGS) / name
 
     # ------------------------------------------------------------------ supervisors (supervisors.py)
 

@@ -6,7 +6,7 @@ it stopped (measured on vLLM for CPU 0.32; a process that is killed unlinks noth
 CI. So each vLLM server the plugin starts gets its own short directory in the temp directory (short: a Unix
 socket path has 107 bytes at most, and vLLM's uuid takes 36 of them), and whoever stops the server removes it:
 `ServerProcess.stop`, the reuse keeper, or the next run sweeping a dead keeper's cluster. The path to remove may
-come from a state file, so removal goes by proof, not by name (:mod:`pytest_pdserve.common.owned`): the directory
+come from a state file, so removal goes by proof, not by name (:mod:`pytest_pdserve.common.created`): the directory
 must carry the marker written when it was made, and only the sockets in it go. A ``VLLM_RPC_BASE_PATH`` the user
 set is left alone. The keeper imports this module under ``python -I -S``: the standard library only.
 """
@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 
 __all__ = ["RPC_BASE_ENV", "RPC_DIR_PREFIX", "make_rpc_dir", "remove_rpc_dir"]
 
@@ -27,8 +27,8 @@ RPC_DIR_PREFIX = "pdserve-rpc-"
 
 def make_rpc_dir() -> Path:
     """A new private (0700) directory ``<tmp>/pdserve-rpc-XXXXXXXX`` for one server's IPC sockets, marked as
-    pdserve's (:data:`~pytest_pdserve.common.owned.RPC`)."""
-    return owned.make_unique_dir(Path(tempfile.gettempdir()), RPC_DIR_PREFIX.rstrip("-"), 0o700, owned.RPC)
+    pdserve's (:data:`~pytest_pdserve.common.created.RPC`)."""
+    return created.make_unique_dir(Path(tempfile.gettempdir()), RPC_DIR_PREFIX.rstrip("-"), 0o700, created.RPC)
 
 
 def remove_rpc_dir(path: str | os.PathLike[str] | None) -> None:
@@ -36,4 +36,4 @@ def remove_rpc_dir(path: str | os.PathLike[str] | None) -> None:
     else is left alone: a directory without its marker (another name, a link, one of the user's: the path comes
     from a state file too) or a file in it that is not a socket."""
     if path:
-        owned.remove_tree(Path(path), owned.RPC, sockets=True)
+        created.remove_tree(Path(path), created.RPC, sockets=True)

@@ -1,4 +1,4 @@
-"""Issue 43, class 1, the rule itself (``common/owned.py``): pdserve removes only what it can prove it created.
+"""Issue 43, class 1, the rule itself (``common/created.py``): pdserve removes only what it can prove it created.
 
 Each case gives the rule's functions what a careless or hostile user leaves where pdserve removes things: their
 own files in a directory pdserve owns, a copied marker, a file replaced under the same name, links planted to
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.common import owned
+from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import open_append, write_replace
 from pytest_pdserve.machine import lockfiles
 from pytest_pdserve.reuse import dirs
@@ -51,15 +51,15 @@ def _untouched(*paths: Path) -> None:
 def test_only_what_pdserve_created_in_its_directory_goes(tmp_path: Path) -> None:
     victim_dir = tmp_path / "home-project"
     victim = _mine(victim_dir / "package.json")
-    run = owned.make_dir(tmp_path / "run", 0o700, owned.RUN_LOGS)
+    run = created.make_dir(tmp_path / "run", 0o700, created.RUN_LOGS)
     ours = [_log(run / "pd-1-prefill-0.log"), _log(run / "pdserve.log")]
-    worker = owned.make_dir(run / "gw0", 0o700, owned.RUN_LOGS)
+    worker = created.make_dir(run / "gw0", 0o700, created.RUN_LOGS)
     ours.append(_log(worker / "pd-1-decode-0.log"))
     theirs = [_mine(run / "notes.txt"), _mine(run / "logs" / "2024-01-01" / "build.log"), _mine(worker / "x.log")]
     (run / "to-home").symlink_to(victim_dir)  # planted links: never followed, never removed
     (run / "to-file.log").symlink_to(victim)
     os.mkfifo(run / "fifo.log")
-    left = owned.remove_tree(run, owned.RUN_LOGS)
+    left = created.remove_tree(run, created.RUN_LOGS)
     assert not any(p.exists() for p in ours)
     _untouched(victim, *theirs)
     assert (run / "to-home").is_symlink()
@@ -73,60 +73,60 @@ def test_only_what_pdserve_created_in_its_directory_goes(tmp_path: Path) -> None
     for path in (*theirs, run / "to-home", run / "to-file.log", run / "fifo.log"):
         path.unlink()
     shutil.rmtree(run / "logs")
-    assert owned.remove_tree(run, owned.RUN_LOGS) == []  # now only pdserve's: all of it goes
+    assert created.remove_tree(run, created.RUN_LOGS) == []  # now only pdserve's: all of it goes
     assert not run.exists()
 
 
 def test_a_marker_proves_only_the_directory_it_was_written_for(tmp_path: Path) -> None:
     """`cp -r` (or a restore) of a run directory copies the marker and the names: they prove nothing there."""
-    run = owned.make_dir(tmp_path / "run", 0o700, owned.RUN_LOGS)
+    run = created.make_dir(tmp_path / "run", 0o700, created.RUN_LOGS)
     _log(run / "a.log")
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    assert owned.owner(copy) is None
-    assert owned.marker_problem(copy, owned.RUN_LOGS) == (
-        f"{copy / owned.MARKER} was written for another directory (copied or restored from elsewhere?)"
+    assert created.manifest(copy) is None
+    assert created.marker_problem(copy, created.RUN_LOGS) == (
+        f"{copy / created.MARKER} was written for another directory (copied or restored from elsewhere?)"
     )
-    assert owned.remove_tree(copy, owned.RUN_LOGS) == [f"{copy} (pdserve did not create it)"]
-    assert owned.remove_file(copy / "a.log") is False
+    assert created.remove_tree(copy, created.RUN_LOGS) == [f"{copy} (pdserve did not create it)"]
+    assert created.remove_file(copy / "a.log") is False
     assert (copy / "a.log").exists()
     # A marker moved in by hand, or of another kind, proves nothing either.
     other = tmp_path / "other"
     other.mkdir()
-    os.rename(copy / owned.MARKER, other / owned.MARKER)
-    assert owned.owner(other) is None
-    assert owned.remove_tree(run, owned.RPC) == [f"{run} (pdserve did not create it)"]
+    os.rename(copy / created.MARKER, other / created.MARKER)
+    assert created.manifest(other) is None
+    assert created.remove_tree(run, created.RPC) == [f"{run} (pdserve did not create it)"]
     assert (run / "a.log").exists()
 
 
 def test_a_file_replaced_under_its_name_is_the_users(tmp_path: Path) -> None:
     """pdserve created ``state.json``; the user then saved their own file under that name (an editor writes a new
     file and renames it over): its inode is not the one recorded, so it stays."""
-    reuse = owned.make_dir(tmp_path / "reuse", 0o700, owned.REUSE)
+    reuse = created.make_dir(tmp_path / "reuse", 0o700, created.REUSE)
     ino = write_replace(reuse / "pd-1-abcdef.json", b"{}")
     replacement = _mine(reuse / ".tmp-editor")
     os.replace(replacement, reuse / "pd-1-abcdef.json")
-    assert owned.remove_file(reuse / "pd-1-abcdef.json") is False
-    assert owned.remove_file(reuse / "pd-1-abcdef.json", expect_ino=ino) is False
+    assert created.remove_file(reuse / "pd-1-abcdef.json") is False
+    assert created.remove_file(reuse / "pd-1-abcdef.json", expect_ino=ino) is False
     _untouched(reuse / "pd-1-abcdef.json")
     _mine(reuse / "package.json")
-    assert owned.remove_file(reuse / "package.json") is False  # never recorded: a name is no proof
+    assert created.remove_file(reuse / "package.json") is False  # never recorded: a name is no proof
     _untouched(reuse / "package.json")
     ours = write_replace(reuse / "pd-2-abcdef.json", b"{}")
-    assert owned.remove_file(reuse / "pd-2-abcdef.json", expect_ino=ours) is True
+    assert created.remove_file(reuse / "pd-2-abcdef.json", expect_ino=ours) is True
 
 
 def test_a_rotation_never_renames_over_a_users_file(tmp_path: Path) -> None:
-    reuse = owned.make_dir(tmp_path / "reuse", 0o700, owned.REUSE)
+    reuse = created.make_dir(tmp_path / "reuse", 0o700, created.REUSE)
     _log(reuse / "keeper.log")
     _mine(reuse / "keeper.log.1")
-    assert owned.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is False
+    assert created.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is False
     _untouched(reuse / "keeper.log.1")
     (reuse / "keeper.log.1").unlink()
-    assert owned.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is True
+    assert created.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is True
     _log(reuse / "keeper.log")
-    assert owned.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is True  # over its own earlier copy
-    assert owned.remove_file(reuse / "keeper.log.1") is True
+    assert created.replace_file(reuse / "keeper.log", reuse / "keeper.log.1") is True  # over its own earlier copy
+    assert created.remove_file(reuse / "keeper.log.1") is True
 
 
 def test_a_directory_swapped_between_the_check_and_the_removal_is_left_whole(
@@ -137,11 +137,11 @@ def test_a_directory_swapped_between_the_check_and_the_removal_is_left_whole(
     reuse = dirs.ensure_reuse_dir(tmp_path / "reuse")
     logs = reuse / "logs"
     logs.mkdir()
-    run = owned.make_dir(logs / "20240101-000000-1-00000000", 0o700, owned.RUN_LOGS)
+    run = created.make_dir(logs / "20240101-000000-1-00000000", 0o700, created.RUN_LOGS)
     _log(run / "pdserve.log")
     os.utime(run, (0, 0))
     project = _mine(tmp_path / "project" / "package.json").parent
-    real_remove = owned.remove_tree
+    real_remove = created.remove_tree
     swaps = iter(["dir", "link"])
 
     def swapped(path: Path, kind: str, *, sockets: bool = False) -> list[str]:
@@ -153,7 +153,7 @@ def test_a_directory_swapped_between_the_check_and_the_removal_is_left_whole(
             path.symlink_to(project)
         return real_remove(path, kind, sockets=sockets)
 
-    monkeypatch.setattr(owned, "remove_tree", swapped)
+    monkeypatch.setattr(created, "remove_tree", swapped)
     for swap in ("dir", "link"):
         removed, left = dirs.prune_run_logs(reuse, keep=0, min_age=0)
         assert removed == [], (swap, left)
@@ -171,7 +171,7 @@ def test_rpc_dirs_lose_only_their_sockets(tmp_path: Path) -> None:
         sock.bind(str(rpc / "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"))
     _mine(rpc / "notes.txt")
     remove_rpc_dir(rpc)
-    assert sorted(p.name for p in rpc.iterdir()) == [owned.MARKER, "notes.txt"]
+    assert sorted(p.name for p in rpc.iterdir()) == [created.MARKER, "notes.txt"]
     (rpc / "notes.txt").unlink()
     remove_rpc_dir(rpc)
     assert not rpc.exists()
@@ -211,7 +211,7 @@ def test_a_reuse_dir_with_a_marker_from_before_the_rule_keeps_every_file_not_rec
     theirs = [_mine(reuse / "package.json"), _mine(reuse / "logs" / "2024-01-01" / "run.log")]
     os.utime(reuse / "logs" / "2024-01-01", (0, 0))
     dirs.ensure_reuse_dir(reuse)
-    assert owned.owner(reuse, owned.REUSE) is not None
+    assert created.manifest(reuse, created.REUSE) is not None
     removed, left = dirs.prune_run_logs(reuse, keep=0, min_age=0)
     assert removed == []
     assert left == [f"{reuse / 'logs' / '2024-01-01'} (pdserve did not create it)"]
@@ -240,17 +240,17 @@ def _tmpfs(path: Path, options: str) -> Iterator[Path]:
 
 def test_a_read_only_file_system_removes_nothing_and_says_so(tmp_path: Path) -> None:
     with _tmpfs(tmp_path / "fs", "size=1M,mode=0700") as fs:
-        run = owned.make_dir(fs / "run", 0o700, owned.RUN_LOGS)
+        run = created.make_dir(fs / "run", 0o700, created.RUN_LOGS)
         _log(run / "a.log")
         _mine(run / "notes.txt")
         subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, capture_output=True)
-        left = owned.remove_tree(run, owned.RUN_LOGS)
+        left = created.remove_tree(run, created.RUN_LOGS)
         assert f"{run / 'a.log'} (Read-only file system)" in left, left
         assert f"{run / 'notes.txt'} (pdserve did not create it)" in left, left
         assert (run / "a.log").exists()
         assert (run / "notes.txt").read_text() == MINE
         with pytest.raises(OSError, match="Read-only file system"):
-            owned.make_dir(fs / "new", 0o700, owned.RUN_LOGS)
+            created.make_dir(fs / "new", 0o700, created.RUN_LOGS)
         assert not (fs / "new").exists()
 
 
@@ -258,7 +258,7 @@ def test_a_full_file_system_never_costs_a_file(tmp_path: Path) -> None:
     """Out of inodes: a directory whose marker cannot be written is not left behind (one inode left: the ``mkdir``
     takes it, the marker finds none), and removing pdserve's own files still works and touches nothing else."""
     with _tmpfs(tmp_path / "fs", "size=1M,nr_inodes=16,mode=0700") as fs:
-        run = owned.make_dir(fs / "run", 0o700, owned.RUN_LOGS)
+        run = created.make_dir(fs / "run", 0o700, created.RUN_LOGS)
         _log(run / "a.log")
         fillers = []
         with contextlib.suppress(OSError):
@@ -266,9 +266,9 @@ def test_a_full_file_system_never_costs_a_file(tmp_path: Path) -> None:
                 fillers.append(_mine(fs / f"filler-{i}"))
         fillers.pop().unlink()  # one inode free
         with pytest.raises(OSError, match="No space left on device"):
-            owned.make_dir(fs / "new", 0o700, owned.RUN_LOGS)
+            created.make_dir(fs / "new", 0o700, created.RUN_LOGS)
         assert not (fs / "new").exists()
-        assert owned.remove_tree(run, owned.RUN_LOGS) == []
+        assert created.remove_tree(run, created.RUN_LOGS) == []
         _untouched(*fillers)
 
 

@@ -25,7 +25,10 @@ directory (for pdserve's own, private ones: our uid) can swap an entry inside it
 The machine-wide lease directory is the one place where others create what pdserve removes (a lock file is
 created by whichever run first needs it), so its entries are proven by identity and content instead, with
 :func:`remove_if`: a lock file only while we hold its lock through that very inode and it is empty (pdserve never
-writes into one), a holder file only when it holds a holder record (``machine/lockfiles.py``).
+writes into one), a holder file only when it holds a holder record (``machine/lockfiles.py``). Two files the
+user names are proven by content beside their writers: the ``--pd-export-env`` file by its first line
+(``glue/export_env.foreign_file``, asked again right before the write), a tiny model's directory by its build marker
+(``engines/tiny_model.py``, a script that imports nothing of this package: a directory without it is never removed).
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ __all__ = [
     "RPC",
     "RUN_LOGS",
     "REUSE",
-    "Owner",
+    "Manifest",
     "adopt_dir",
     "make_dir",
     "make_unique_dir",
     "marker_problem",
-    "owner",
+    "manifest",
     "record",
     "remove_file",
     "remove_if",
@@ -60,7 +63,7 @@ __all__ = [
 ]
 
 #: The marker file of a directory pdserve created (its first line binds it to that directory; then the manifest).
-MARKER = ".pdserve-owned"
+MARKER = ".pdserve-created"
 #: Kinds of directory (a marker proves its directory only for the kind asked).
 REUSE = "reuse"  # --pd-reuse's directory: kept clusters' state files, the keeper's logs
 RUN_LOGS = "run-logs"  # one run's server logs (under --pd-log-dir, or <reuse dir>/logs)
@@ -73,7 +76,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
-class Owner:
+class Manifest:
     """What a valid marker says: the directory's kind and the files pdserve created in it (name -> inode)."""
 
     kind: str
@@ -89,8 +92,8 @@ def _open_dir(path: Path, *, follow: bool) -> int:
     return os.open(path, _DIR_FLAGS | (0 if follow else os.O_NOFOLLOW))
 
 
-def _read_marker(dir_fd: int) -> tuple[Owner, int] | None:
-    """The directory's owner record and the marker's inode, or None when the marker is missing or proves nothing."""
+def _read_marker(dir_fd: int) -> tuple[Manifest, int] | None:
+    """The directory's manifest and the marker's inode, or None when the marker is missing or proves nothing."""
     try:
         fd = os.open(MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
@@ -112,7 +115,7 @@ def _read_marker(dir_fd: int) -> tuple[Owner, int] | None:
         head = json.loads(lines[0])
         if head.get("ino") != here.st_ino or head.get("uid") != me or not isinstance(head.get("kind"), str):
             return None  # copied or moved here from another directory: proves nothing
-        owner = Owner(head["kind"], str(head.get("token", "")))
+        found = Manifest(head["kind"], str(head.get("token", "")))
     except (ValueError, AttributeError):
         return None
     for line in lines[1:]:  # the manifest; a torn last line (a full disk) is skipped
@@ -122,10 +125,10 @@ def _read_marker(dir_fd: int) -> tuple[Owner, int] | None:
             if not isinstance(name, str):
                 continue
             if "+" in entry:
-                owner.files[name] = ino
-            elif owner.files.get(name) == ino:
-                del owner.files[name]
-    return owner, st.st_ino
+                found.files[name] = ino
+            elif found.files.get(name) == ino:
+                del found.files[name]
+    return found, st.st_ino
 
 
 def _write_marker(dir_fd: int, kind: str) -> None:
@@ -175,8 +178,8 @@ def _opened(path: Path, *, follow: bool = True) -> Iterator[int | None]:
         os.close(fd)
 
 
-def owner(path: Path, kind: str | None = None) -> Owner | None:
-    """The owner record of the directory ``path`` (a link to a directory is followed: the user named it) when
+def manifest(path: Path, kind: str | None = None) -> Manifest | None:
+    """The manifest of the directory ``path`` (a link to a directory is followed: the user named it) when
     its marker proves that pdserve created it (for ``kind``, when given), else None."""
     with _opened(Path(path)) as fd:
         got = _read_marker(fd) if fd is not None else None
@@ -200,7 +203,7 @@ def marker_problem(path: Path, kind: str) -> str | None:
         return f"{marker} belongs to uid {st.st_uid}"
     if st.st_nlink != 1:
         return f"{marker} has {st.st_nlink} hard links"
-    got = owner(path)
+    got = manifest(path)
     if got is None:
         return f"{marker} was written for another directory (copied or restored from elsewhere?)"
     if got.kind != kind:
