@@ -277,7 +277,7 @@ def test_every_child_pdserve_starts_gets_the_one_rule() -> None:
             continue
         assert "child_environ(" in env or (env == "env" and "env = child_environ(" in module), (where, env)
     launch = (PACKAGE / "running" / "launch.py").read_text()
-    assert 'return child_environ(delta, oversize="refuse")' in launch
+    assert 'return child_environ(delta, oversize="refuse"' in launch  # the servers': refused, never dropped
 
 
 # ---------------------------------------------------------------------------- two `pdserve stop` at once
