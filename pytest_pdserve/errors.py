@@ -43,16 +43,20 @@ __all__ = [
     "EffectiveConfigError",
     "EngineVersionUnknown",
     "EnvironmentRefused",
+    "EnvTooLarge",
     "ExtraArgsError",
     "InventoryError",
+    "LeaseDirUnusable",
     "LeaseTimeout",
     "MarkerError",
     "MetricNotFoundError",
     "MetricsScrapeError",
     "MetricsSettleTimeout",
+    "NoRoom",
     "NotALockFile",
     "NotOwner",
     "NotPDReady",
+    "OtherSchema",
     "OwnedFlagError",
     "PDServeError",
     "PathError",
@@ -197,6 +201,11 @@ class PortInUse(PDServeError):
         )
 
 
+class EnvTooLarge(PDServeError, ValueError):
+    """A variable (or the whole environment) is more than Linux passes to a program (``common/child_env.py``); the
+    message names it."""
+
+
 class LeaseTimeout(PDServeError):
     """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
 
@@ -312,9 +321,24 @@ class PathError(PDServeError):
     """A directory the plugin needs is unusable (``paths.py``); the message names the path and why."""
 
 
+class NoRoom(PathError):
+    """A directory takes no new file, and not for want of permission: its file system is full, out of inodes, over
+    quota or read-only, or this process is out of file descriptors (``paths.fs_error_words`` names which)."""
+
+
+class LeaseDirUnusable(NoRoom):
+    """The lease directory cannot take a lock file at all (:class:`NoRoom`): the run's answer, said once, never "no
+    free port" (``lockfiles.py``)."""
+
+
 class NotALockFile(PDServeError):
     """An entry named like a lock file that is not one of ours (a directory, symlink, fifo, unreadable file);
     ``lockfiles.py`` counts its GPU or port as busy."""
+
+
+class OtherSchema(PDServeError, ValueError):
+    """A kept-cluster state file of another schema version: another pdserve version's, left to it
+    (``reuse/state.py``)."""
 
 
 class ReuseError(PDServeError):

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_pdserve.common.locale_text import os_text_problem
 from pytest_pdserve.config import owned_flags, presets
 
 # Shared with the session settings (config/bounds.py: the settings table loads them without this module).
@@ -46,10 +47,10 @@ def argv_text_problem(value: str) -> str | None:
     """Why *value* cannot be one argv element or env string of a child process (None when it can)."""
     if "\x00" in value:
         return "it contains a NUL byte"
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        return "it is not valid UTF-8 (undecodable bytes)"
+    problem = os_text_problem(value)  # the locale's doing names the locale (common/locale_text.py)
+    if problem is not None:
+        return problem
+    size = len(value.encode("utf-8"))
     if size > MAX_ARG_BYTES:
         return f"it is {size} bytes long; the limit for one argument is {MAX_ARG_BYTES}"
     return None

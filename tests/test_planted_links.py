@@ -17,9 +17,10 @@ from _pdsession import Inner
 from _plant import plant_in_run_logs
 from _reuse import run_reuse
 
+from pytest_pdserve.common.created import MARKER
 from pytest_pdserve.common.logfile import open_append, write_replace
 from pytest_pdserve.reuse import keeper
-from pytest_pdserve.reuse.dirs import REUSE_DIR_MARKER
+from pytest_pdserve.reuse.dirs import ensure_reuse_dir
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -170,7 +171,7 @@ def test_a_link_planted_in_the_log_dir_is_refused_and_its_target_kept(
 # --------------------------------------------------------------------------------- the reuse directory
 
 
-@pytest.mark.parametrize("name", ["keeper.log", REUSE_DIR_MARKER])
+@pytest.mark.parametrize("name", ["keeper.log", MARKER])
 def test_a_link_planted_in_the_reuse_dir_is_refused_and_its_target_kept(
     inner: Inner,
     reuse_dir: Path,
@@ -178,8 +179,8 @@ def test_a_link_planted_in_the_reuse_dir_is_refused_and_its_target_kept(
 ) -> None:
     target = victim(inner.pytester.path)
     reuse_dir.mkdir(mode=0o700)
-    if name != REUSE_DIR_MARKER:
-        (reuse_dir / REUSE_DIR_MARKER).touch()  # pdserve's own directory, so what is in it is pdserve's to write
+    if name != MARKER:
+        ensure_reuse_dir(reuse_dir)  # pdserve's own directory, so what is in it is pdserve's to write
     (reuse_dir / name).symlink_to(target)
     inner.pytester.makepyfile(PASSING)
     result = run_reuse(inner, reuse_dir)

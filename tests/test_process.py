@@ -324,7 +324,8 @@ def test_a_servers_rpc_dir_goes_when_it_stops_and_nothing_else_does(tmp_path: Pa
     # vLLM leaves its ZeroMQ IPC socket files behind (14 in /tmp per 1P x 1D cluster, measured): each server gets
     # its own directory for them (rpc_dirs.py), removed by whoever stops the server.
     started, unstarted = make_rpc_dir(), make_rpc_dir()
-    (started / "c540ee7e-717e-440d-a6af-a8f05e06c137").touch()
+    with socket.socket(socket.AF_UNIX) as ipc:  # vLLM's ipc://<dir>/<uuid4> endpoint: a socket file stays behind
+        ipc.bind(str(started / "c540ee7e-717e-440d-a6af-a8f05e06c137"))
     srv = ServerProcess(
         "decode-0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), tmp_path / "d.log",
         health_url=None, run_token=new_run_token(), rpc_dir=started,
@@ -340,9 +341,18 @@ def test_a_servers_rpc_dir_goes_when_it_stops_and_nothing_else_does(tmp_path: Pa
     other.write_text("x")
     link = tmp_path / "pdserve-rpc-link"
     link.symlink_to(tmp_path)
-    for path in (tmp_path, other, link):
+    # Nor one of the user's named like one (no marker: common/created.py), nor a file in ours that is no socket.
+    lookalike = tmp_path / "pdserve-rpc-abcdefgh"
+    lookalike.mkdir()
+    (lookalike / "notes.txt").write_text("mine")
+    for path in (tmp_path, other, link, lookalike):
         remove_rpc_dir(path)
         assert os.path.lexists(path), path
+    assert (lookalike / "notes.txt").read_text() == "mine"
+    kept = make_rpc_dir()
+    (kept / "notes.txt").write_text("mine")
+    remove_rpc_dir(kept)
+    assert (kept / "notes.txt").read_text() == "mine"
 
 
 def test_the_readiness_poll_starts_fast_and_backs_off_with_the_wait() -> None:

@@ -27,6 +27,8 @@ from _pdsession import GONE_WITHIN_S, Inner, live_procs, unheld_locks, wait_for
 from _reuse import UP, claimed_run, kept_one, run_reuse, states, stop_all
 
 from pytest_pdserve import cli
+from pytest_pdserve.common import created
+from pytest_pdserve.common.logfile import open_append, write_replace
 from pytest_pdserve.engines.engine import resolve_engine
 from pytest_pdserve.machine.leases import acquire_ports
 from pytest_pdserve.reuse import adopt, client, dirs, fingerprint, keeper
@@ -402,10 +404,10 @@ def test_state_files_hold_no_secret(inner: Inner, reuse_dir: Path, monkeypatch: 
 
 def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    runs = [logs / f"2026010{i}-000000-{i}" for i in range(8)]
+    logs.mkdir()
+    runs = [created.make_dir(logs / f"2026010{i}-000000-{i}-0000000{i}", 0o700, created.RUN_LOGS) for i in range(8)]
     for r in runs:
-        r.mkdir(parents=True)
-        (r / "pdserve.log").write_text("x")
+        os.close(open_append(r / "pdserve.log"))  # as pdserve writes its logs: recorded in the run's manifest
         os.utime(r, (0, 0))  # old enough
     kept_log = runs[0] / "pd-1-prefill-0.log"
     state = {
@@ -416,9 +418,10 @@ def test_old_run_logs_are_pruned_but_not_a_kept_clusters(tmp_path: Path) -> None
         "keeper": {"pid": 1, "starttime": 0, "socket": "s", "ttl": 1, "since": 0},
     }  # fmt: skip
     (tmp_path / "k.json").write_text(json.dumps(state))
-    removed = dirs.prune_run_logs(tmp_path, keep=5)
+    removed, left = dirs.prune_run_logs(tmp_path, keep=5)
     assert sorted(removed) == runs[1:3]
     assert runs[0].exists()  # a kept cluster still logs there
+    assert left == []
 
 
 def test_a_kept_server_that_dies_stops_its_cluster(inner: Inner, reuse_dir: Path) -> None:
@@ -642,8 +645,10 @@ def test_a_reuse_dir_others_can_write_is_refused(inner: Inner) -> None:
 
 
 def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) -> None:
-    reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()  # a reuse dir pdserve made (else no file in it is touched)
+    """A file that is no state is named and left alone (pdserve did not write it: common/created.py); a state file
+    pdserve wrote that names a bystander as its server and as a keeper that is gone is removed, and nothing is
+    signalled."""
+    dirs.ensure_reuse_dir(reuse_dir)  # a reuse dir pdserve made
     (reuse_dir / "garbage.json").write_text("{not json")
     # A bystander process, and a state file naming it as server and keeper: nothing may signal it.
     bystander = subprocess.Popen(
@@ -659,17 +664,18 @@ def test_planted_state_files_are_never_trusted(inner: Inner, reuse_dir: Path) ->
             "proxy": {**fake, "name": "proxy", "role": "proxy"},
             "keeper": {"pid": bystander.pid, "starttime": me.starttime + 1, "socket": "x", "ttl": 1, "since": 0},
         }  # fmt: skip
-        (reuse_dir / "planted-1.json").write_text(json.dumps(planted))
+        write_replace(reuse_dir / "planted-1.json", json.dumps(planted).encode())  # as a keeper writes one
         inner.pytester.makepyfile(UP)
         result = run_reuse(inner, reuse_dir)
         result.assert_outcomes(passed=1)
-        result.stdout.fnmatch_lines(["*reuse: removed *garbage.json: not a kept-cluster state*"])
+        result.stdout.fnmatch_lines(["*reuse: left *garbage.json alone: not a kept-cluster state*"])
         assert bystander.poll() is None, "a pid named in a state file was signalled"
-        assert not (reuse_dir / "garbage.json").exists()
+        assert (reuse_dir / "garbage.json").read_text() == "{not json"
         assert not (reuse_dir / "planted-1.json").exists()  # its "keeper" is not running: removed
     finally:
         bystander.kill()
         bystander.wait(10)
+    (reuse_dir / "garbage.json").unlink()
     stop_all(reuse_dir, inner)
 
 

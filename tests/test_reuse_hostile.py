@@ -26,6 +26,8 @@ from _pdsession import GONE_WITHIN_S, INNER_CONFTEST, Inner, live_procs, unheld_
 from _reuse import UP, claimed_run, kept_one, run_reuse, states
 
 from pytest_pdserve import cli
+from pytest_pdserve.common import created
+from pytest_pdserve.common.logfile import write_replace
 from pytest_pdserve.reuse import client, dirs, handover
 from pytest_pdserve.running.proctree import alive_as, read_stat
 
@@ -80,14 +82,14 @@ def test_a_reuse_dir_with_a_users_files_loses_none_of_them(inner: Inner, monkeyp
         assert out.returncode == 2, (args, out)
         assert f"pdserve: reuse directory {home} holds files pdserve did not put there" in out.stderr, out
     assert [p for p in mine if not p.exists()] == []
-    assert not (home / dirs.REUSE_DIR_MARKER).exists()
+    assert not (home / created.MARKER).exists()
 
 
 def test_an_empty_reuse_dir_is_used_and_marked(inner: Inner, reuse_dir: Path) -> None:
     reuse_dir.mkdir(mode=0o700)
     inner.pytester.makepyfile(UP)
     run_reuse(inner, reuse_dir).assert_outcomes(passed=1)
-    assert (reuse_dir / dirs.REUSE_DIR_MARKER).is_file()
+    assert created.manifest(reuse_dir, created.REUSE) is not None  # marked as pdserve's, bound to this directory
     run_reuse(inner, reuse_dir).stdout.fnmatch_lines(["*reused kept cluster*"])  # marked: full of its own files, fine
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
     inner.gone_within()
@@ -457,7 +459,8 @@ def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_heade
 ) -> None:
     """A FIFO named *.json (opening it must not block), a directory named *.json, a 2 MiB file, a JSON array,
     and a thousand garbage state files sorted before the real one: the next run still finds and reuses the kept
-    cluster, stays quick, and says what it removed in a few lines, not a thousand."""
+    cluster, stays quick, and says what it left alone in a few lines, not a thousand; none of them is removed
+    (pdserve did not create them: common/created.py)."""
     inner.pytester.makepyfile(UP)
     state = kept_one(inner, reuse_dir)
     os.mkfifo(reuse_dir / "a-fifo.json")
@@ -470,9 +473,10 @@ def test_junk_in_the_reuse_dir_neither_hides_a_kept_cluster_nor_floods_the_heade
     second.assert_outcomes(passed=1)
     second.stdout.fnmatch_lines([f"*reused kept cluster {state['id']}*"])
     out = second.stdout.str()
-    assert out.count("pdserve: reuse: removed") <= 10, out[:3000]
+    assert out.count("pdserve: reuse: left") <= 10, out[:3000]
     assert "a-fifo.json" in out, out[:3000]
-    assert not (reuse_dir / "a0999.json").exists()
+    assert "pdserve: reuse: removed" not in out, out[:3000]
+    assert all((reuse_dir / name).exists() for name in ("a-fifo.json", "a-dir.json", "a-huge.json", "a0999.json"))
 
 
 # ----------------------------------------------------------------------------- what changes the fingerprint
@@ -550,8 +554,7 @@ def test_a_fifo_where_a_log_goes_neither_hangs_nor_leaves_a_keeper(inner: Inner,
     """A FIFO (or any non-file) where the keeper's log or its guard's log goes: opening it for writing blocks
     until someone reads it. pytest's hand-over must not hang, and no keeper may be left blocked holding the
     leases: the run ends, the clusters are stopped (or kept with a working keeper), and nothing is left."""
-    reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()
+    dirs.ensure_reuse_dir(reuse_dir)
     os.mkfifo(reuse_dir / name)
     inner.pytester.makepyfile(UP)
     result = run_reuse(inner, reuse_dir, timeout=60)
@@ -571,9 +574,9 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
 ) -> None:
     """A state file whose keeper and servers are live processes of ours that pdserve never started (a `sleep`),
     with NaN and Infinity where times go (Python's json reads them): no run, `pdserve ls` or `pdserve stop`
-    crashes on it or signals a bystander; the file is refused as no state."""
-    reuse_dir.mkdir(mode=0o700)
-    (reuse_dir / dirs.REUSE_DIR_MARKER).touch()
+    crashes on it or signals a bystander; the file is refused as no state, and left alone (pdserve did not write
+    it: common/created.py)."""
+    dirs.ensure_reuse_dir(reuse_dir)
     bystanders = [
         subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True, preexec_fn=die_with_parent
@@ -594,8 +597,8 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
         inner.pytester.makepyfile(UP)
         result = run_reuse(inner, reuse_dir)
         result.assert_outcomes(passed=1)
-        result.stdout.fnmatch_lines(["*reuse: removed *planted-1.json: not a kept-cluster state*"])
-        (reuse_dir / "planted-1.json").write_text(json.dumps(planted))
+        result.stdout.fnmatch_lines(["*reuse: left *planted-1.json alone: not a kept-cluster state*"])
+        assert (reuse_dir / "planted-1.json").exists()
         for args in (["ls"], ["ls", "--json"], ["stop", "--all"]):
             out = _pdserve("--dir", str(reuse_dir), *args)
             assert "Traceback" not in out.stderr, out
@@ -744,7 +747,8 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
                    "proxy": {**fake, "name": "proxy"},
                    "keeper": {"pid": bystander.pid, "starttime": me.starttime, "socket": f"nobody-{os.getpid()}",
                               "ttl": 900, "since": 0}}  # fmt: skip
-        (reuse_dir / "planted-2.json").write_text(json.dumps(planted))
+        # As a keeper writes it (recorded in the reuse dir's manifest): pdserve's own file, whose pid is now another's.
+        write_replace(reuse_dir / "planted-2.json", json.dumps(planted).encode())
         out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
         assert out.returncode == 0, out
         assert bystander.poll() is None, "a pid named in a state file was signalled"

@@ -2,9 +2,10 @@
 
 Every file the plugin writes goes through one of two functions here: :func:`open_append` (logs) and
 :func:`write_replace` (whole files). Neither follows a symbolic link, writes into a hard-linked file or blocks on
-a FIFO; such an entry is refused with an ``OSError`` whose text says what it is. Lock files are the lease
-directory's own rule (:mod:`pytest_pdserve.machine.lockfiles`: a foreign entry there counts as busy).
-[pytest-free, stdlib]
+a FIFO; such an entry is refused with an ``OSError`` whose text says what it is. A file either creates in a
+directory pdserve owns is listed in that directory's manifest (:func:`pytest_pdserve.common.created.record`): the
+proof that lets pdserve remove it later, and nothing else there. Lock files are the lease directory's own rule
+(:mod:`pytest_pdserve.machine.lockfiles`: a foreign entry there counts as busy). [pytest-free, stdlib]
 
 Logs of minute-long GPU startups reach many MB, so every reader here seeks from the end and reads a bounded
 amount. A log that cannot be read (not created yet, removed) reads as empty: these feed error messages and
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from pytest_pdserve.common import created
 
 __all__ = ["check_writable", "log_size", "open_append", "read_since", "tail_lines", "write_replace"]
 
@@ -69,7 +72,20 @@ def open_append(path: Path, mode: int = 0o600) -> int:
         ``strerror`` says which (``not a regular file (...)``), the caller names the path.
     """
     check_writable(path)  # said plainly: opening a FIFO nobody reads fails with ENXIO, "No such device"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(3):  # created here (O_EXCL: recorded as ours), or opened as it is; it may vanish in between
+        try:
+            fd, made = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
+            break
+        except FileExistsError:
+            pass
+        try:
+            fd, made = os.open(path, flags), False
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        fd, made = os.open(path, flags | os.O_CREAT, mode), False
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
@@ -78,6 +94,8 @@ def open_append(path: Path, mode: int = 0o600) -> int:
     except BaseException:
         os.close(fd)
         raise
+    if made:
+        created.record(path, st.st_ino)
     return fd
 
 
@@ -97,15 +115,16 @@ def open_safety_net_log(path: Path | None, who: str) -> int:
         return subprocess.DEVNULL
 
 
-def write_replace(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_replace(path: Path, data: bytes, mode: int = 0o600) -> int:
     """Replace ``path``'s content with ``data`` atomically: a new file (``O_EXCL``, a fresh name next to it), then
     ``rename`` over ``path``. The one way the plugin writes a whole file (the ``--pd-export-env`` file, kept-cluster
-    state files, the reuse directory's marker).
+    state files).
 
     A rename replaces the name, never what a link points to, and a reader never sees half a file; an existing
     ``path`` that is a link (or a FIFO, a directory, a hard-linked file) is refused by name, not replaced: in a
     shared directory someone else planted it.
 
+    :returns: the new file's inode (what proves, to the process that wrote it, that the file is still its own).
     :raises OSError: as :func:`open_append`, or the directory refused the new file or the rename (another user's
         file in a sticky directory).
     """
@@ -116,12 +135,15 @@ def write_replace(path: Path, data: bytes, mode: int = 0o600) -> None:
             if mode != 0o600:
                 os.fchmod(fh.fileno(), mode)
             fh.write(data)
+            ino = os.fstat(fh.fileno()).st_ino
         check_writable(path)  # planted while we wrote: still refused, never replaced
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    created.record(path, ino)
+    return ino
 
 
 def log_size(path: Path | None) -> int:

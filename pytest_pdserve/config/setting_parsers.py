@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_pdserve.common.digits import is_int, parse_float, parse_int
+from pytest_pdserve.common.locale_text import os_text_problem
 from pytest_pdserve.config.bounds import ATTENTION_BACKEND_RE
 from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError, InventoryError, SettingError
 
@@ -262,9 +263,9 @@ def check_raw(raw: Any) -> None:
     text = raw if isinstance(raw, str) else str(raw)
     if "\x00" in text:
         raise SettingError("it contains a NUL byte")
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise SettingError("it is not valid UTF-8 (undecodable bytes in the environment?)") from None
+    problem = os_text_problem(text)  # the locale's doing names the locale (common/locale_text.py)
+    if problem is not None:
+        raise SettingError(problem)
+    size = len(text.encode("utf-8"))
     if size > MAX_VALUE_BYTES:
         raise SettingError(f"it is {size} bytes long; the limit is {MAX_VALUE_BYTES}")

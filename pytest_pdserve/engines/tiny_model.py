@@ -277,6 +277,7 @@ def build(kind: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         if (target / MARKER).is_file():  # another process built it while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        moved = False
         try:
             t0 = time.monotonic()
             params = _BUILDERS[kind](tmp)
@@ -292,11 +293,20 @@ def build(kind: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
             tmp.chmod(0o755)
             for child in tmp.iterdir():
                 child.chmod(0o644)
-            if target.exists():  # a stale, incomplete directory (no marker) from a killed build
-                shutil.rmtree(target)
-            os.rename(tmp, target)
+            # Never removed: a directory without the build marker was not made here (a build renames a complete
+            # one into place), so it is someone's (pytest_pdserve/common/created.py: only what pdserve created goes).
+            # An empty one is replaced by the rename itself; anything else stops the build, naming it.
+            try:
+                os.rename(tmp, target)
+            except OSError as exc:
+                raise TinyModelError(
+                    f"{target} exists and is not a model pdserve built (no {MARKER}): {exc.strerror or exc}; pdserve "
+                    "removes nothing it did not create: move it away, or set PDSERVE_CACHE_DIR to another directory"
+                ) from None
+            moved = True
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if not moved:  # made above by mkdtemp, filled by this build only
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -329,10 +339,14 @@ def ensure_tiny_model(
     # first build across xdist workers and concurrent runs, so only one of them pays for importing torch.
     import filelock
 
+    from pytest_pdserve.common.child_env import child_environ  # every child's environment: one rule
+
     Path(root).mkdir(parents=True, exist_ok=True)
     try:
         with filelock.FileLock(str(Path(root) / f".{kind}.build.lock"), timeout=timeout):
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout, check=False, env=child_environ()
+            )
     except filelock.Timeout:
         raise TinyModelError(f"waited {timeout:g} s for another process building tiny model {kind!r}") from None
     except FileNotFoundError:

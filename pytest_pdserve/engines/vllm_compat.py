@@ -42,6 +42,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from pytest_pdserve.common.child_env import child_environ
+
 __all__ = [
     "LATEST_KNOWN",
     "MAMBA_CACHE_MODES",
@@ -238,6 +240,7 @@ def _version_from_interpreter(python: Path) -> Version | None:
             text=True,
             timeout=_PYTHON_TIMEOUT_S,
             check=False,
+            env=child_environ(),
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -13,6 +13,7 @@ controller does not); the controller starts nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib.metadata
 import os
@@ -240,6 +241,10 @@ def _export(exported: Exported) -> None:
         os.environ[key] = value
     if exported.file is not None:
         exported.file.parent.mkdir(parents=True, exist_ok=True)
+        # Asked again: the cluster took a while, and a file saved there meanwhile is not pdserve's either.
+        problem = foreign_file(exported.file)
+        if problem is not None:
+            raise OSError(errno.EEXIST, f"{problem}; name a new file, or remove this one if it is yours")
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exported.variables.items()]
         text = FILE_HEADER + "\n".join(lines) + "\n"
         # Lazy: see foreign_file (logfile.py only for an export file).

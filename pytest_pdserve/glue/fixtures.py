@@ -10,17 +10,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
+from pytest_pdserve.common import created
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, env_drift, short_source
-from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
+from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout, PathError
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
 from pytest_pdserve.glue.timeout_pause import timeout_paused
@@ -65,32 +65,56 @@ RUN_NAME = pytest.StashKey[str]()
 
 def run_log_name(config: pytest.Config) -> str:
     """This run's own directory under ``--pd-log-dir``: two runs given the same log dir never share a file (their
-    reports would carry each other's log tails). ``<time>-<pid>``; xdist workers share their run's, by its id."""
+    reports would carry each other's log tails). ``<time>-<pid>-<random>``, made by this run (``mkdir``, another
+    name if taken: :func:`pytest_pdserve.common.created.make_unique_dir`), so two runs with the same pid in the same
+    second (pytest as PID 1 in two containers) get two; xdist workers share their run's, by its id."""
     if RUN_NAME not in config.stash:
         workerinput = getattr(config, "workerinput", None)
         if workerinput and workerinput.get("testrunuid"):
             config.stash[RUN_NAME] = f"xdist-{workerinput['testrunuid']}"
         else:
-            config.stash[RUN_NAME] = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            config.stash[RUN_NAME] = f"{created.run_stem()}-{os.urandom(4).hex()}"
     return config.stash[RUN_NAME]
+
+
+def _new_run_dir(config: pytest.Config, parent: Path) -> Path:
+    """Make this run's (this worker's) own log directory under ``parent`` (a new one, marked as pdserve's)."""
+    worker = worker_id(config)
+    if worker != "master":  # xdist-<run id>: the run's, made by whichever worker comes first; then gwN, this one's
+        parent = ensure_dir(parent / run_log_name(config), LOG_DIR_MODE)
+    name = run_log_name(config) if worker == "master" else worker
+    try:
+        ensure_dir(parent, LOG_DIR_MODE)
+        try:
+            return created.make_dir(parent / name, LOG_DIR_MODE, created.RUN_LOGS)
+        except FileExistsError:  # taken (by another run, in another container?): never shared, another name
+            path = created.make_unique_dir(parent, name if worker != "master" else created.run_stem(), LOG_DIR_MODE,
+                                         created.RUN_LOGS)  # fmt: skip
+    except OSError as exc:
+        raise PathError(f"cannot create this run's log directory in {parent}: {exc.strerror or exc}") from None
+    if worker == "master":
+        config.stash[RUN_NAME] = path.name
+    return path
 
 
 def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where server logs go: ``--pd-log-dir`` (kept for CI artifacts; in a directory of this run's own, see
     :func:`run_log_name`) or pytest's basetemp. The same path every call (created again if it was removed).
 
-    Directories created here are private (0700: logs carry prompts); an existing one keeps its mode.
+    Directories created here are private (0700: logs carry prompts) and marked as pdserve's (what pdserve creates in
+    them may be removed by pdserve, nothing else: :mod:`pytest_pdserve.common.created`); an existing one keeps its mode.
     """
     if RUN_LOGS not in config.stash:
         cfg = config.stash[PDSERVE_CONFIG]
         if cfg.log_dir is not None:
-            base = cfg.log_dir / run_log_name(config)
-        elif (reuse := reuse_plugin(config)) is not None and (kept_logs := reuse.run_log_dir()) is not None:
-            base = kept_logs
+            config.stash[RUN_LOGS] = _new_run_dir(config, cfg.log_dir)
         else:
-            base = tmp_path_factory.getbasetemp() / "pdserve-logs"
-        config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
-    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE)
+            if (reuse := reuse_plugin(config)) is not None and (kept_logs := reuse.run_log_dir()) is not None:
+                base = kept_logs
+            else:
+                base = tmp_path_factory.getbasetemp() / "pdserve-logs"
+            config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
+    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE, mark=created.RUN_LOGS)
 
 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:

@@ -15,6 +15,7 @@ import pytest
 from pytest_pdserve.errors import (
     EngineVersionUnknown,
     EnvironmentRefused,
+    EnvTooLarge,
     LeaseTimeout,
     NotOwner,
     PathError,
@@ -29,7 +30,7 @@ __all__ = ["START_ERRORS", "report_as_message"]
 #: PathError is a directory the start needs (logs, vLLM's cache root); its message names the path and the remedy.
 START_ERRORS = (
     ServerStartupError, PortInUse, LeaseTimeout, PathError, EngineVersionUnknown, ResponseTooLarge,
-    EnvironmentRefused, NotOwner,
+    EnvironmentRefused, NotOwner, EnvTooLarge,
 )  # fmt: skip
 _NOT_THE_USERS = (Path(__file__).resolve().parents[1], *{Path(p).resolve() for p in (sys.prefix, sys.base_prefix)})
 

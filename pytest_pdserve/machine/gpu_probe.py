@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 # Gpu lives in gpu.py (an inventory that probes nothing loads it without this module); re-exported here.
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.machine.gpu import Gpu
 
 __all__ = [
@@ -105,6 +106,7 @@ def run_command(argv: Sequence[str], timeout: float = SMI_TIMEOUT_S) -> CommandR
             timeout=timeout,
             check=False,
             stdin=subprocess.DEVNULL,
+            env=child_environ(),
         )
     except subprocess.TimeoutExpired:
         return CommandResult(-1, "", f"timed out after {timeout:g}s")

@@ -22,9 +22,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from pytest_pdserve.common import created
 from pytest_pdserve.common.owner import Owner
-from pytest_pdserve.errors import NotALockFile, PathError
-from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir
+from pytest_pdserve.errors import LeaseDirUnusable, NoRoom, NotALockFile, PathError
+from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir, fs_error_words
 from pytest_pdserve.running.proctree import read_stat
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
@@ -47,6 +48,13 @@ KEPT_RELEASE_WAIT = 15.0
 _FOREIGN: dict[Path, str] = {}
 
 
+def _unusable(path: Path, words: str) -> str:
+    return (
+        f"lease directory {path.parent}: cannot create or open the lock file {path.name}: {words}; free some, or "
+        "choose another lease directory with --pd-lease-dir / $PDSERVE_LEASE_DIR / pdserve_lease_dir"
+    )
+
+
 def _not_ours(path: Path, why: str) -> NotALockFile:
     """Log (once per path and reason) and return the error for an entry that is not one of our lock files."""
     if _FOREIGN.get(path) != why:
@@ -61,6 +69,7 @@ def _open_regular(path: Path, *, create: bool) -> int:
     :raises FileNotFoundError: it does not exist (and ``create`` is False).
     :raises FileExistsError: ``create`` is True and it exists.
     :raises NotALockFile: it exists but is not a regular file we may lock (the reason names what it is).
+    :raises LeaseDirUnusable: the file system or this process cannot open any lock file now (full, read-only...).
     """
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     if create:
@@ -70,6 +79,10 @@ def _open_regular(path: Path, *, create: bool) -> int:
     except (FileNotFoundError, FileExistsError):
         raise
     except OSError as exc:
+        # The file system (full, out of inodes, read-only) or this process (out of fds), not this entry: every other
+        # port or GPU would fail alike, so it is the run's answer, said once as it is, never "busy" a thousand times.
+        if (words := fs_error_words(exc, path.parent)) is not None:
+            raise LeaseDirUnusable(_unusable(path, words)) from None
         if exc.errno == errno.ELOOP:
             raise _not_ours(path, "a symbolic link") from None
         if exc.errno == errno.EISDIR:
@@ -142,13 +155,40 @@ def try_lock(path: Path) -> int | None:
     return None
 
 
+#: The keys of a holder file (what :func:`write_holder` writes): its content is its proof (`common/created.py`).
+_HOLDER_KEYS = frozenset({"pid", "pgid", "starttime", "uid", "purpose", "since"})
+
+
+def _holder_record(fd: int) -> bool:
+    """Whether the open file holds nothing, or a holder record as :func:`write_holder` writes it (bounded read)."""
+    try:
+        raw = os.pread(fd, 4097, 0)
+    except OSError:
+        return False
+    if not raw:
+        return True
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(info, dict) and set(info) == _HOLDER_KEYS
+
+
 def unlock(fd: int, path: Path) -> None:
-    """Release a lock taken by :func:`try_lock` and remove its files (they would pile up otherwise)."""
+    """Release a lock taken by :func:`try_lock` and remove its files (they would pile up otherwise).
+
+    Removed only when proven ours (:func:`pytest_pdserve.common.created.remove_if`): the lock file while we hold its
+    lock through that very inode and it is empty (pdserve never writes into one), the holder file when it holds a
+    holder record. A lease directory the user pointed at their own files (``--pd-lease-dir=.``) loses none of them.
+    """
     # Unlink *while still locked* so a waiter that opened the old inode notices (see try_lock).
     # Another user's file in the sticky dir cannot be unlinked (EPERM): it simply stays.
-    for victim in (path.with_suffix(".json"), path):
-        with contextlib.suppress(OSError):
-            os.unlink(victim)
+    try:
+        held = os.fstat(fd).st_ino
+    except OSError:
+        held = -1
+    created.remove_if(path.with_suffix(".json"), lambda f, st: _holder_record(f))
+    created.remove_if(path, lambda f, st: st.st_ino == held and st.st_size == 0)
     # LOCK_UN (not just close) so the lease frees at once even if the watchdog holds a duplicate fd.
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -168,11 +208,13 @@ def write_holder(lock_path: Path, purpose: str) -> None:
     try:
         fd = _open_shared(lock_path.with_suffix(".json"))
         try:
+            if not _holder_record(fd):  # someone's own file of that name: never truncated (common/created.py)
+                raise NotALockFile("it holds something else than a holder record")
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps(info).encode())
         finally:
             os.close(fd)
-    except (OSError, NotALockFile) as exc:  # diagnostics only
+    except (OSError, NotALockFile, LeaseDirUnusable) as exc:  # diagnostics only
         log.debug("could not write lease holder info for %s: %s", lock_path, exc)
 
 
@@ -187,7 +229,7 @@ def describe_holder(lock_path: Path) -> str:
         return f"not a pdserve lock file: {lock_path} is {foreign}"
     try:
         fd = _open_regular(lock_path.with_suffix(".json"), create=False)
-    except (OSError, NotALockFile):
+    except (OSError, NotALockFile, LeaseDirUnusable):
         return "an unknown holder"
     try:
         info = json.loads(os.read(fd, 4096))  # bounded: a planted file could be huge
@@ -214,7 +256,7 @@ def want(path: Path) -> int | None:
     """
     try:
         fd = _open_shared(path)
-    except (NotALockFile, OSError):
+    except (NotALockFile, OSError, LeaseDirUnusable):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -258,6 +300,11 @@ def ensure_lease_dir(lease_dir: Path) -> Path:
     """
     try:
         return ensure_dir(Path(lease_dir), LEASE_DIR_MODE)
+    except NoRoom as exc:  # full, read-only...: no owner's chmod helps
+        raise LeaseDirUnusable(
+            f"lease directory: {exc}; free some, or choose another one with --pd-lease-dir / $PDSERVE_LEASE_DIR / "
+            "pdserve_lease_dir"
+        ) from None
     except PathError as exc:
         raise PathError(
             f"lease directory: {exc}; ask its owner to `chmod 1777` it, or choose another one with "

@@ -14,12 +14,14 @@ with a message that says what is wrong with which path; the caller adds where th
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
 from pathlib import Path
 
-from pytest_pdserve.errors import PathError
+from pytest_pdserve.common import created
+from pytest_pdserve.errors import NoRoom, PathError
 
 __all__ = [
     "DEFAULT_LEASE_DIR",
@@ -28,6 +30,7 @@ __all__ = [
     "check_dir",
     "ensure_dir",
     "ensure_private_dir",
+    "fs_error_words",
     "private_dir_problem",
 ]
 
@@ -72,57 +75,92 @@ def _missing_components(path: Path) -> tuple[Path, list[Path]]:
     raise PathError(f"{path} has no existing ancestor")  # pragma: no cover - "/" always exists
 
 
-def _writable(directory: Path) -> bool:
-    """Whether we can create a file in ``directory`` (a real probe: ``os.access`` lies for root, ACLs and
-    read-only mounts)."""
+#: Errors that say why nothing can be created in a directory when it is not a question of permission: the file
+#: system's or this process's state, named as such (a full disk is no "not writable by uid 1000"). The lease
+#: directory's lock files use the same words (``lockfiles.py``).
+FS_ERRORS = {
+    errno.ENOSPC: "the file system is out of space or of inodes (`df -h {dir}` and `df -i {dir}` show which)",
+    errno.EDQUOT: "your disk quota on that file system is used up (`quota`)",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "the file system reports an I/O error",
+    errno.EMFILE: "this process has too many open files (`ulimit -n`)",
+    errno.ENFILE: "the system has too many open files",
+    errno.ENOMEM: "the kernel is out of memory",
+}
+
+
+def fs_error_words(exc: OSError, directory: Path) -> str | None:
+    """``strerror (ENOSPC: what it means here)`` for an error of :data:`FS_ERRORS`, else None."""
+    if exc.errno not in FS_ERRORS:
+        return None
+    return f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)}: {FS_ERRORS[exc.errno].format(dir=directory)})"
+
+
+def _not_writable(directory: Path) -> tuple[str, type[PathError]] | None:
+    """Why we cannot create a file in ``directory`` (a real probe: ``os.access`` lies for root, ACLs and read-only
+    mounts), in words that follow the path, with the error to raise (:class:`NoRoom`: the file system's or this
+    process's state, not a permission); None when we can."""
     try:
         fd, name = tempfile.mkstemp(prefix=".pdserve-probe-", dir=directory)
-    except OSError:
-        return False
+    except OSError as exc:
+        words = fs_error_words(exc, directory)
+        if words is not None:
+            return f"cannot take a new file: {words}", NoRoom
+        return f"is not writable by uid {os.geteuid()}", PathError
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(name)
-    return True
+    return None
 
 
 def check_dir(path: Path) -> None:
     """Configure-time check: ``path`` is a usable directory, or one we can create. Changes nothing on disk
     except a probe file, created and removed at once, in the nearest existing directory.
 
-    :raises PathError: a component is a file (or not a directory), or nobody lets us create files there.
+    :raises PathError: a component is a file (or not a directory), or nobody lets us create files there
+        (:class:`NoRoom`: its file system is full or read-only...).
     """
     existing, missing = _missing_components(Path(path))
-    if not _writable(existing):
+    problem = _not_writable(existing)
+    if problem is not None:
+        words, error = problem
         if missing:
-            raise PathError(
-                f"cannot create {path}: its parent {existing} exists but is not writable by uid {os.geteuid()}"
-            )
-        raise PathError(f"{path} is not writable by uid {os.geteuid()}")
+            raise error(f"cannot create {path}: its parent {existing} exists but {words}")
+        raise error(f"{path} {words}")
 
 
-def ensure_dir(path: Path, mode: int) -> Path:
+def ensure_dir(path: Path, mode: int, mark: str | None = None) -> Path:
     """Create ``path`` and its missing parents with ``mode`` (only those: existing ones are not touched).
 
     :param mode: applied (with ``chmod``, the umask does not apply) to each directory created here.
+    :param mark: when ``path`` itself is created here, it is marked as pdserve's directory of that kind
+        (:mod:`pytest_pdserve.common.created`: what pdserve creates in it may be removed later, nothing else).
     :raises PathError: as :func:`check_dir`, or creating a component failed.
     """
     path = Path(path)
     _, missing = _missing_components(path)
     for component in missing:
         try:
+            if mark is not None and component == path:
+                created.make_dir(component, mode, mark)
+                continue
             component.mkdir(mode=0o700)  # tight until chmod: nobody else gets in meanwhile
         except FileExistsError:
             # Someone else (a concurrent run) created it meanwhile: theirs, so not ours to chmod.
             _missing_components(component)
             continue
         except OSError as exc:
+            if (words := fs_error_words(exc, component.parent)) is not None:
+                raise NoRoom(f"cannot create directory {component}: {words}") from None
             raise PathError(f"cannot create directory {component}: {exc.strerror or exc}") from None
         try:
             os.chmod(component, mode)
         except OSError as exc:
             raise PathError(f"cannot set mode {mode:o} on {component}, which pdserve just created: {exc}") from None
-    if not _writable(path):
-        raise PathError(f"{path} is not writable by uid {os.geteuid()}")
+    problem = _not_writable(path)
+    if problem is not None:
+        words, error = problem
+        raise error(f"{path} {words}")
     return path
 
 
@@ -155,6 +193,8 @@ def ensure_private_dir(path: Path, what: str) -> Path:
     advice = "`chmod go-w` it or set PDSERVE_CACHE_DIR to a directory of your own"
     try:
         ensure_dir(path, 0o700)
+    except NoRoom as exc:  # full, read-only...: no chmod helps
+        raise NoRoom(f"{what} {path}: {exc}; free some, or set PDSERVE_CACHE_DIR to another directory") from None
     except PathError as exc:
         raise PathError(f"{what} {path}: {exc}; {advice}") from None
     problem = private_dir_problem(path)

@@ -145,7 +145,11 @@ def acquire_ports(
     fds: list[int] = []
     for i in range(size):
         port = low + (offset + i) % size
-        fd = _lock_port(lease_dir, port, purpose)
+        try:
+            fd = _lock_port(lease_dir, port, purpose)
+        except BaseException:  # e.g. the lease dir's file system is full: what this call holds goes back first
+            _unlock_ports(lease_dir, ports, fds)
+            raise
         if fd is not None:
             ports.append(port)
             fds.append(fd)
@@ -180,11 +184,15 @@ def acquire_port_span(
         base = low + (offset + i) % n_bases
         span = range(base, base + width)
         fds: list[int] = []
-        for port in span:
-            fd = _lock_port(lease_dir, port, purpose)
-            if fd is None:
-                break
-            fds.append(fd)
+        try:
+            for port in span:
+                fd = _lock_port(lease_dir, port, purpose)
+                if fd is None:
+                    break
+                fds.append(fd)
+        except BaseException:  # e.g. the lease dir's file system is full: what this call holds goes back first
+            _unlock_ports(lease_dir, span, fds)
+            raise
         if len(fds) == width:
             return PortLease(tuple(span), [_port_path(lease_dir, p) for p in span], fds)
         _unlock_ports(lease_dir, span, fds)

@@ -2,8 +2,9 @@
 
 Every word said is `protocol.py`'s. A run that wants a spec's cluster lists the kept ones (:func:`list_kept`:
 a keeper that is gone has its servers swept by their tokens and its state removed; a file that is no state is
-removed and named) and *claims* one with the same fingerprint (:func:`find_reusable`): the open connection is the
-claim, one run at a time. Nothing here signals a pid a state file names: only server tokens are ever swept.
+named, and removed only if pdserve wrote it) and *claims* one with the same fingerprint (:func:`find_reusable`):
+the open connection is the claim, one run at a time. Nothing here signals a pid a state file names: only server
+tokens are ever swept.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_pdserve.common import created
 from pytest_pdserve.machine.gpu_probe import wait_for_gate
 from pytest_pdserve.reuse import protocol
 from pytest_pdserve.reuse.fingerprint import differences
-from pytest_pdserve.reuse.state import STATE_SUFFIX, KeptCluster, read_state
-from pytest_pdserve.running.proctree import SERVER_TOKEN_ENV, terminate
+from pytest_pdserve.reuse.state import STATE_SUFFIX, KeptCluster, OtherSchema, read_state
+from pytest_pdserve.running.proctree import SERVER_TOKEN_ENV, pid_namespace, terminate
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 
 __all__ = ["Claim", "claim", "find_reusable", "keeper_info", "list_kept", "stop_kept"]
@@ -35,25 +37,34 @@ _CLAIM_TIMEOUT = 20.0
 _KEEPER_EXIT_TIMEOUT = 10.0  # a keeper with no cluster left exits at once (its guard: up to 5 s on SIGTERM)
 
 
-def _sweep(gone: Sequence[KeptCluster], grace: float) -> None:
+def _sweep(gone: Sequence[KeptCluster], grace: float) -> list[tuple[KeptCluster, str]]:
     """Stop what is left of kept clusters whose keeper is gone (processes found by their server tokens only, in
-    one pass over ``/proc``), and remove their state."""
+    one pass over ``/proc``), and remove their state where pdserve wrote it (:mod:`pytest_pdserve.common.created`);
+    returns those whose state file stays, with why (pdserve cannot prove it wrote it, or it cannot be removed)."""
     tokens = [(SERVER_TOKEN_ENV, s.token) for kept in gone for s in kept.servers]
     terminate([], env=tokens, grace=grace, kill_wait=10.0)
+    stays = []
     for kept in gone:
         for server in kept.servers:
             remove_rpc_dir(server.rpc_dir)
-        with contextlib.suppress(OSError):
-            kept.path.unlink()
+        try:
+            if not created.remove_file(kept.path) and os.path.lexists(kept.path):
+                stays.append((kept, "pdserve did not create the file"))
+        except OSError as exc:
+            stays.append((kept, f"it cannot be removed: {exc.strerror or exc}"))
+    return stays
 
 
 def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3.0) -> list[KeptCluster]:
-    """The kept clusters in ``reuse_dir`` whose keeper runs; a keeper that is gone has its leftovers stopped
-    and its state removed, and a file that is not a kept-cluster state is removed (both are reported).
+    """The kept clusters in ``reuse_dir`` whose keeper runs; a keeper that is gone has its leftovers stopped and
+    its state removed. A file that is not a kept-cluster state is removed only when pdserve wrote it (its
+    manifest, :mod:`pytest_pdserve.common.created`), else left alone; both are reported. A state kept by a keeper in
+    another PID namespace (another container sharing the directory) is neither listed nor swept: its pid means
+    nothing here.
 
     Bounded, and junk does not hide a kept cluster: every ``*.json`` (up to :data:`_MAX_STATE_FILES`) is looked
     at, one that is too large is refused by its size without reading it, the leftovers of every gone keeper are
-    swept in one pass over ``/proc``, and only the first few removals are named (then a count).
+    swept in one pass over ``/proc``, and only the first few files are named (then a count).
     """
     say = report or (lambda msg: None)
     found, gone, removed = [], [], []
@@ -61,26 +72,38 @@ def list_kept(reuse_dir: Path, *, report: Report | None = None, grace: float = 3
         entries = sorted(reuse_dir.glob(f"*{STATE_SUFFIX}"))
     except OSError:
         return []
+    here = pid_namespace()
     for path in entries[:_MAX_STATE_FILES]:
         try:
             kept = read_state(path)
         except FileNotFoundError:
             continue  # its keeper stopped it meanwhile
+        except OtherSchema as exc:  # another pdserve version's: its own to judge
+            removed.append(f"left {path} alone: {exc}")
+            continue
         except (OSError, ValueError) as exc:
             try:
-                path.unlink()
-                removed.append(f"removed {path}: {exc}")
+                gone_now = created.remove_file(path)
             except OSError as why:
                 removed.append(f"ignored {path}: {exc} (cannot remove it: {why.strerror or why})")
+                continue
+            if gone_now:
+                removed.append(f"removed {path}: {exc}")
+            else:
+                removed.append(f"left {path} alone: {exc}; pdserve did not create it")
             continue
+        if kept.keeper.pidns is not None and here is not None and kept.keeper.pidns != here:
+            continue  # kept in another PID namespace: its keeper's pid is not ours to look up
         if kept.keeper_alive():
             found.append(kept)
         else:
             gone.append(kept)
     if gone:
-        _sweep(gone, grace)
+        stays = _sweep(gone, grace)
         for kept in gone:
             say(f"pdserve: reuse: kept cluster {kept.id}'s keeper (pid {kept.keeper_pid}) is gone; stopped its servers")
+        for kept, reason in stays:
+            removed.append(f"left {kept.path} alone: its keeper is gone, but {reason}")
     for line in removed[:_NAMED_REMOVALS]:
         say(f"pdserve: reuse: {line}")
     if len(removed) > _NAMED_REMOVALS:
@@ -174,11 +197,18 @@ def keeper_info(kept: KeptCluster) -> dict[str, Any]:
         return {}
 
 
-def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
-    """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True if it was stopped.
+def _nothing_runs(kept: KeptCluster) -> bool:
+    """Whether no process of ``kept`` runs any more (each gone, or its pid another process's now)."""
+    return all(server.gone() is not None for server in kept.servers)
 
-    False when its keeper runs but did not stop it (:meth:`KeptCluster.keeper_stopped` says when it cannot).
-    Only server tokens are ever swept, never the pids a state file names.
+
+def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
+    """Stop one kept cluster: through its keeper, or (keeper gone) by sweeping its servers. True once it is stopped,
+    by this call or by anyone else meanwhile (another ``pdserve stop``, its keeper's TTL): what is asked is that
+    nothing of it runs, and a loser of that race has nothing left to do.
+
+    False when its keeper runs but did not stop it (:meth:`KeptCluster.keeper_stopped` says when it cannot), and
+    something of it still runs. Only server tokens are ever swept, never the pids a state file names.
     """
     if kept.keeper_stopped() is not None:
         return False
@@ -186,13 +216,18 @@ def stop_kept(kept: KeptCluster, grace: float = 3.0) -> bool:
         reply = json.loads(_request(kept, f"{protocol.STOP} {kept.id}"))
         if reply.get("left") == 0:  # that was its last cluster: it exits now; return once it did (and its guard)
             wait_for_gate(lambda: not kept.keeper_alive(), _KEEPER_EXIT_TIMEOUT, poll=0.02)
-        return kept.id in reply.get("stopped", [])
+        if kept.id in reply.get("stopped", []):
+            return True
+        # Its keeper no longer keeps it: it was stopped meanwhile (a keeper lets a cluster go only by stopping it).
+        return wait_for_gate(lambda: _nothing_runs(kept), _KEEPER_EXIT_TIMEOUT, poll=0.02) is None
     except (OSError, ValueError, AttributeError) as exc:
         # Nobody listens on its socket: that pid is no keeper (a keeper listens before it writes any state, and
-        # removes its states before it exits), so the state is stale or planted: swept like a gone keeper's.
-        refused = isinstance(exc, ConnectionRefusedError)
-        if kept.keeper_alive() and not refused:
-            return False
+        # removes its states before it exits), so the state is stale or planted: swept like a gone keeper's. A
+        # keeper that dropped the connection may be exiting: another `pdserve stop` took its last cluster.
+        if kept.keeper_alive() and not isinstance(exc, ConnectionRefusedError):
+            wait_for_gate(lambda: not kept.keeper_alive(), _KEEPER_EXIT_TIMEOUT, poll=0.02)
+            if kept.keeper_alive():
+                return _nothing_runs(kept)
         _sweep([kept], grace)
         return True
 

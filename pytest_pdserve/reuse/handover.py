@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import IO
 
 from pytest_pdserve.cluster import EngineSetup, Reused, ServerHandle
+from pytest_pdserve.common import created
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_argv, redact_env
 from pytest_pdserve.errors import ReuseError
@@ -226,11 +228,11 @@ def keep(
     """
     order = KeeperOrder(str(reuse_dir), ttl, grace, run_token, tuple(items))
     fds = sorted({fd for item in items for fd, _ in item.locks})
-    env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}  # no sweep hits it
+    env = child_environ(drop=(RUN_TOKEN_ENV, SERVER_TOKEN_ENV))  # no sweep hits it
     log_path = reuse_dir / "keeper.log"
     with contextlib.suppress(OSError):
         if log_path.stat().st_size > _MAX_KEEPER_LOG:  # every keeper appends to it: keep one old copy, not all
-            os.replace(log_path, reuse_dir / "keeper.log.1")
+            created.replace_file(log_path, reuse_dir / "keeper.log.1")  # only over a copy pdserve made (created.py)
     try:
         log = open_append(log_path)
     except OSError as exc:

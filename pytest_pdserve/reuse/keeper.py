@@ -42,13 +42,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_pdserve.common.logfile import write_replace
+from pytest_pdserve.common import created
+from pytest_pdserve.common.logfile import check_writable, write_replace
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus, wait_for_gate
 from pytest_pdserve.machine.lockfiles import KEPT_FOR_REUSE, unlock, write_holder
 from pytest_pdserve.reuse import protocol
 from pytest_pdserve.reuse.protocol import KeeperOrder, peer_uid_pid
 from pytest_pdserve.reuse.state import STATE_SUFFIX, KeeperInfo, KeptServer, KeptState, parse_state
-from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, read_stat, terminate
+from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, pid_namespace, read_stat, terminate
 from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
 from pytest_pdserve.running.supervise import start_guard
 
@@ -88,13 +89,20 @@ class _Kept:
     """One cluster this keeper owns."""
 
     def __init__(
-        self, state: KeptState, locks: Sequence[tuple[int, Path]], want: Sequence[str], state_path: Path
+        self,
+        state: KeptState,
+        locks: Sequence[tuple[int, Path]],
+        want: Sequence[str],
+        state_path: Path,
+        state_ino: int | None = None,
     ) -> None:
         self.state = state
         self.id = state.id
         self.locks = list(locks)
         self.want = list(want)
         self.state_path = state_path
+        #: The inode of the state file this keeper wrote: what proves it may remove it.
+        self.state_ino = state_ino
         self.idle_since = time.monotonic()
         self.claim: socket.socket | None = None
         #: Idle seconds before it stops: the keeping run's --pd-reuse-ttl, then that of the last run that claimed it.
@@ -128,13 +136,15 @@ class _Kept:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.locks = []
-        with contextlib.suppress(OSError):
-            self.state_path.unlink()
+        # Only what pdserve created (common/created.py): the state file this keeper wrote (its inode), the logs the
+        # run recorded creating; a file put in their place since is left alone.
+        with contextlib.suppress(OSError):  # a read-only file system: the next listing names the state left
+            created.remove_file(self.state_path, expect_ino=self.state_ino)
         if not keep_logs:
             for server in self.servers:
                 if server.log_path is not None:
                     with contextlib.suppress(OSError):
-                        os.unlink(server.log_path)
+                        created.remove_file(Path(server.log_path))
         if self.claim is not None:  # the run holding it learns why (the keeper then drops the connection)
             with contextlib.suppress(OSError):
                 self.claim.sendall(f"{protocol.stopped_line(self.id, why)}\n".encode())
@@ -273,8 +283,14 @@ class _Keeper:
                 self._check()
 
 
-def _write_state(path: Path, state: dict[str, Any]) -> None:
-    write_replace(path, json.dumps(state).encode())  # never through a link planted as the state file
+def _write_state(path: Path, state: dict[str, Any]) -> int:
+    """Write a new cluster's state file; its inode (what lets this keeper remove it later: common/created.py).
+
+    :raises OSError: something is there already (its id is new: what is there is not ours to replace)."""
+    check_writable(path)  # a link, a FIFO...: named as what it is
+    if os.path.lexists(path):
+        raise OSError(errno.EEXIST, "a file is there already, which pdserve did not write", str(path))
+    return write_replace(path, json.dumps(state).encode())  # never through a link planted as the state file
 
 
 def _listen(uid: int) -> tuple[socket.socket, str]:
@@ -311,19 +327,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     me = read_stat(os.getpid())
     started = time.time()
     clusters = []
-    info = KeeperInfo(os.getpid(), me.starttime if me else 0, name, ttl, started)
+    info = KeeperInfo(os.getpid(), me.starttime if me else 0, name, ttl, started, pid_namespace())
     for item, parsed in zip(order.clusters, states, strict=True):
         state = dataclasses.replace(parsed, keeper=info)
         path = reuse_dir / f"{state.id}{STATE_SUFFIX}"
         try:
-            _write_state(path, state.as_dict())
+            ino = _write_state(path, state.as_dict())
         except OSError as exc:  # e.g. a link planted where the state file goes: said to the run, which stops them
             print(f"error: cannot write the state file {path}: {exc.strerror or exc}", flush=True)
             return 2
         locks = [(fd, Path(lock)) for fd, lock in item.locks]
         for _, lock in locks:  # a run waiting for these names the keeper, not the pytest that is gone
             write_holder(lock, f"{KEPT_FOR_REUSE}: {state.id} (pdserve ls)")
-        clusters.append(_Kept(state, locks, item.want, path))
+        clusters.append(_Kept(state, locks, item.want, path, ino))
     keeper = _Keeper(clusters, listener, grace)
 
     def on_term(signum: int, frame: object) -> None:

@@ -41,9 +41,12 @@ class ReusePlugin:
         self.attach_mode = cfg.attach_mode
         #: Where kept clusters' state lives and their idle TTL; None: this run does not reuse.
         self.options: ReuseOptions | None = None
+        #: What pruning the run logs left alone: entries pdserve did not create (named once, in the header).
+        self.left_alone: list[str] = []
         if self.enabled and not cfg.attach_mode:
             self.options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
-            prune_run_logs(self.options.directory)  # each reuse run without --pd-log-dir logs under it
+            # Each reuse run without --pd-log-dir logs under it; only what pdserve created there is removed.
+            _, self.left_alone = prune_run_logs(self.options.directory)
         #: The manager's reuser, once the fixtures built one (what the summary reports).
         self.kept: KeptClusters | None = None
 
@@ -72,6 +75,11 @@ class ReusePlugin:
             f"kept clusters: {shown}",
             *cleaned,
         ]
+        if self.left_alone:
+            more = f" and {len(self.left_alone) - 3} more" if len(self.left_alone) > 3 else ""
+            lines.append(
+                f"pdserve: reuse: left alone, since pdserve did not create them: {', '.join(self.left_alone[:3])}{more}"
+            )
         return [redact(line) for line in lines]
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pytest_pdserve.errors import OtherSchema
 from pytest_pdserve.running.proctree import alive_as, listens_on, read_stat
 
 __all__ = [
     "SCHEMA_VERSION",
+    "OtherSchema",
     "STATE_SUFFIX",
     "KeeperInfo",
     "KeptCluster",
@@ -121,14 +123,20 @@ class KeeperInfo:
     #: Idle seconds before it stops the cluster (the keeping run's --pd-reuse-ttl).
     ttl: float
     since: float
+    #: Its PID namespace (`proctree.pid_namespace`): its pid means nothing in another (a container sharing the dir).
+    pidns: str | None = None
 
     @classmethod
     def parse(cls, k: Mapping[str, Any]) -> KeeperInfo:
-        return cls(int(k["pid"]), int(k["starttime"]), str(k["socket"]), _finite(k["ttl"]), _finite(k["since"]))
+        pidns = k.get("pidns")
+        return cls(
+            int(k["pid"]), int(k["starttime"]), str(k["socket"]), _finite(k["ttl"]), _finite(k["since"]),
+            None if pidns is None else str(pidns),
+        )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "starttime": self.starttime, "socket": self.socket, "ttl": self.ttl,
-                "since": self.since}  # fmt: skip
+                "since": self.since, "pidns": self.pidns}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -185,11 +193,15 @@ class KeptState:
 
 
 def parse_state(data: Any) -> KeptState:
-    """The one reader of the schema (a file's JSON, or a keeper's order); :raises ValueError: what is wrong."""
+    """The one reader of the schema (a file's JSON, or a keeper's order); :raises ValueError: what is wrong
+    (:class:`OtherSchema`: it is another version's)."""
     try:
         schema = int(data.get("schema", 1))  # files written before the field are version 1
-        if schema != SCHEMA_VERSION:
-            raise ValueError(f"schema version {schema}, not {SCHEMA_VERSION}")
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a kept-cluster state ({type(exc).__name__}: {exc})") from None
+    if schema != SCHEMA_VERSION:
+        raise OtherSchema(f"a kept-cluster state of schema version {schema}, not {SCHEMA_VERSION} (another pdserve)")
+    try:
         gate = data.get("release_gate")
         keeper = data.get("keeper")
         return KeptState(

@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 
 from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
+from pytest_pdserve.common import created
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
 from pytest_pdserve.config import commands
@@ -119,7 +121,7 @@ class ClusterLauncher:
         first time (a plain ``mkdir`` made it 0755).
 
         :raises PathError: it cannot be made (the message names it)."""
-        return ensure_dir(self.log_dir, LOG_DIR_MODE) / name
+        return ensure_dir(self.log_dir, LOG_DIR_MODE, mark=created.RUN_LOGS) / name
 
     # ------------------------------------------------------------------ supervisors (supervisors.py)
 
@@ -480,16 +482,11 @@ class ClusterLauncher:
 def child_env(delta: Mapping[str, str | None], environ: Mapping[str, str]) -> dict[str, str]:
     """A server's (or the proxy's) whole environment: ``environ``, the copy taken when its cluster's start was
     decided (``start_env.start_environ``: what was checked and fingerprinted), with the server's ``delta`` applied
-    (``None`` removes a variable). Never ``os.environ`` as it is now (issue 43, class 2)."""
-    env = dict(environ)
-    for key, value in delta.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    # Our plugin env must not leak into the servers: a pytest run inside the server would be wrong.
-    env.pop("PYTEST_CURRENT_TEST", None)
-    return env
+    (``None`` removes a variable), by the one rule of every child's environment (``common/child_env.py``); never
+    ``os.environ`` as it is now. A variable no program can be given is an error.
+
+    :raises EnvTooLarge: naming it."""
+    return child_environ(delta, oversize="refuse", base=environ)
 
 
 def _safe_stop(proc: ServerProcess, grace: float) -> StopReport | None:

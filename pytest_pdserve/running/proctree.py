@@ -139,6 +139,15 @@ def unread_bytes(port: int) -> int:
     return total
 
 
+def pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[4026531836]``), or None where it cannot be read. A pid means something
+    only in its namespace: two containers sharing a directory see each other's pids as nobody, or as someone else."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def alive_as(pid: int, starttime: int) -> bool:
     """Whether ``pid`` still runs *and* is the process that had ``starttime`` (not a zombie, not a reused pid)."""
     info = read_stat(pid)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_safety_net_log
 from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, isolated_argv, terminate
 
@@ -66,7 +67,7 @@ def start_guard(run_token: str, grace: float, log_path: Path | None) -> subproce
     it waits idle and acts rarely); without our tokens in its environment (no sweep targets it).
     """
     read_fd = lifeline()[0]
-    env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
+    env = child_environ(drop=(RUN_TOKEN_ENV, SERVER_TOKEN_ENV))
     out = open_safety_net_log(log_path, "guard")
     try:
         proc = subprocess.Popen(

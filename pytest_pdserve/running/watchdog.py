@@ -46,6 +46,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_safety_net_log
 from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.running.proctree import (
@@ -109,7 +110,7 @@ class Watchdog:
             "--token",
             run_token,
         ]
-        env = {k: v for k, v in os.environ.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
+        env = child_environ(drop=(RUN_TOKEN_ENV, SERVER_TOKEN_ENV))  # no sweep by token hits it
         out = open_safety_net_log(log_path, "watchdog")
         try:
             proc = subprocess.Popen(
