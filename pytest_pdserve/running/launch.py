@@ -33,7 +33,7 @@ import httpx
 from pytest_pdserve.cluster import PDCluster, ServerHandle, served_model_name
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
-from pytest_pdserve.config import commands
+from pytest_pdserve.config import acceptance, commands
 from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.config.effective import effective
 from pytest_pdserve.engines.engine import EngineSetup
@@ -169,6 +169,7 @@ class ClusterLauncher:
             roles: list[tuple[Role, int]] = [("prefill", i) for i in range(spec.num_prefill)]
             roles += [("decode", j) for j in range(spec.num_decode)]
             handles: list[ServerHandle] = []
+            notes: dict[str, None] = {}  # ordered, once each: every server usually has the same
             for (role, index), positions, util in zip(roles, gpu_plan.positions, gpu_plan.utilization, strict=True):
                 ports, held = self._lease_ports(f"{label} {role}-{index}", 1)
                 port_leases += held
@@ -180,6 +181,12 @@ class ClusterLauncher:
                     defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
                     platform_args=setup.platform_args,
                 )  # fmt: skip
+                # What vLLM would refuse or die on is refused here, before any server starts (rules/).
+                verdict = acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+                for replaced in verdict.replacements:
+                    notes[f"vLLM runs {replaced.describe()}"] = None
+                for limit in verdict.limits:
+                    notes[limit] = None
                 handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
                 assert handles[-1].process is not None
                 processes.append(handles[-1].process)
@@ -202,7 +209,7 @@ class ClusterLauncher:
                 block_size=eff.block_size, attention_backend_asked=eff.attention_backend,
                 prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
-                started_seconds=time.monotonic() - t0,
+                started_seconds=time.monotonic() - t0, notes=(*eff.overrides, *notes),
             )  # fmt: skip
             # What the servers really run must be what was asked (a mismatch fails the start), and P/D-ready, not
             # HTTP-ready: KV must move through the proxy. Both at once (verify.check_started).

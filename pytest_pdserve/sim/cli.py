@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.rules.connectors import REGISTERED
 from pytest_pdserve.sim import environment_table
 
 PROG = "vllm serve"
@@ -84,23 +85,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
 )
 """``AttentionBackendEnum`` members of vLLM 0.33 (``vllm/v1/attention/backends/registry.py``), in order."""
 
-KV_CONNECTORS: tuple[str, ...] = (
-    "NixlConnector",
-    "NixlPullConnector",
-    "NixlPushConnector",
-    "MultiConnector",
-    "OffloadingConnector",
-    "MooncakeConnector",
-    "MoRIIOConnector",
-    "LMCacheConnectorV1",
-    "LMCacheMPConnector",
-    "HiSparseConnector",
-    "DecodeBenchConnector",
-    "ExampleConnector",
-    "P2pNcclConnector",
-    "SimpleCPUOffloadConnector",
-)
-"""Connector names vLLM 0.33 registers; any other name needs ``kv_connector_module_path``."""
+KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at("0.33") or ()))
+"""Connector names vLLM 0.33 registers (`pytest_pdserve.rules.connectors.REGISTERED`, the table by version the
+simulator's start follows); any other name needs ``kv_connector_module_path``."""
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 """Connectors the simulator implements as pull-mode NIXL."""
@@ -114,7 +101,9 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 EXECUTOR_BACKENDS = ("external_launcher", "mp", "ray", "uni")
 UVICORN_LOG_LEVELS = ("critical", "debug", "error", "info", "trace", "warning")
-MAMBA_CACHE_MODES = ("align", "none")
+#: Every value ``--mamba-cache-mode`` ever took: which ones the reported version takes is `pytest_pdserve.rules.mamba`
+#: (the simulator exits as vLLM's argparse does for the others).
+MAMBA_CACHE_MODES = ("all", "align", "none")
 
 _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])?(i?[bB])?$")
 
@@ -402,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mamba-cache-mode",
         choices=MAMBA_CACHE_MODES,
         default=None,
-        help="deprecated; hybrid prefix hits follow align mode",
+        help="all | align | none as the reported vLLM version takes them (0.33: a deprecated no-op)",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="accepted (no effect)")
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None, help="accepted (no effect)")

@@ -23,7 +23,7 @@ models of ``tiny_model.py``:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
@@ -123,23 +123,30 @@ def check_engine_config(args: ServeArgs) -> None:
 
 @dataclass
 class VllmConfig:
-    """vLLM's ``VllmConfig`` validation of the KV connector's name (``KVConnectorFactory.get_connector_class``,
-    ``distributed/kv_transfer/kv_connector/factory.py``, raised while vLLM builds its ``VllmConfig``)."""
+    """vLLM's ``VllmConfig`` validation, for the refusals vLLM raises while it builds it: the KV connector's name
+    (``KVConnectorFactory.get_connector_class``, ``distributed/kv_transfer/kv_connector/factory.py``) and the rules
+    of :mod:`pytest_pdserve.rules` whose refusal says ``validates="VllmConfig"`` (a MultiConnector child without
+    ``kv_role``)."""
 
-    kv_connector: str
-    registered: tuple[str, ...]
+    refusal: str | None = None
 
     @model_validator(mode="after")
-    def _known_connector(self) -> VllmConfig:
-        if self.kv_connector not in self.registered:
-            raise ValueError(f"Unsupported connector type: {self.kv_connector}")
+    def _refused(self) -> VllmConfig:
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
         return self
 
 
-def check_kv_connector(name: str, registered: tuple[str, ...]) -> None:
+def check_kv_connector(name: str, registered: Collection[str]) -> None:
     """:raises pydantic.ValidationError: vLLM's ``1 validation error for VllmConfig`` for an unknown connector
     (measured on vLLM for CPU 0.32: ``Value error, Unsupported connector type: BogusConnector``, exit 1)."""
-    VllmConfig(kv_connector=name, registered=registered)
+    VllmConfig(refusal=None if name in registered else f"Unsupported connector type: {name}")
+
+
+def refuse_in_config(message: str) -> None:
+    """:raises pydantic.ValidationError: ``1 validation error for VllmConfig`` / ``Value error, <message>``, as vLLM
+    raises a rule's refusal while it builds its config."""
+    VllmConfig(refusal=message)
 
 
 def _format_gib(n: int) -> str:
