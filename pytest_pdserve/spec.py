@@ -24,6 +24,7 @@ from pytest_pdserve.config.bounds import (
 )
 from pytest_pdserve.config.extra_args import parse_extra_args
 from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError
+from pytest_pdserve.rules import connectors
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
 #: vLLM's CPU backend only supports 128, so one default keeps the arithmetic identical on every engine.
@@ -86,6 +87,22 @@ def _freeze_args(args: Iterable[str] | str | None, what: str) -> tuple[str, ...]
     if total > MAX_ARGS_TOTAL_BYTES:
         raise ClusterSpecError(f"{what} is {total} bytes in all; the limit is {MAX_ARGS_TOTAL_BYTES}")
     return out
+
+
+def refuse_children(extra: Mapping[str, Any], where: str) -> None:
+    """What every vLLM version refuses in a MultiConnector's children (a child without ``kv_role``), refused when
+    the spec is built, in vLLM's words (`pytest_pdserve.rules.connectors`). pdserve sets the outer ``kv_role`` per
+    server; each child keeps its own, as vLLM builds it (``kv_both`` in vLLM's scripts).
+
+    :raises ClusterSpecError: naming the child.
+    """
+    config = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": dict(extra)}
+    for refusal in connectors.any_version_refusals(config):
+        child = (refusal.where or "").replace("kv_transfer_config.", f"{where}.", 1)
+        raise ClusterSpecError(
+            f"{child}: vLLM refuses it at start ({refusal.message}); give each MultiConnector child its own "
+            f"kv_role (vLLM's scripts give kv_both). vLLM's rule: {refusal.source}"
+        )
 
 
 def _check_int(spec: ClusterSpec, attr: str, high: int, *, optional: bool) -> None:
@@ -221,6 +238,8 @@ class ClusterSpec:
             object.__setattr__(self, "kv_connector_extra_config", text)
         elif isinstance(extra, str):
             json_object(extra, "ClusterSpec.kv_connector_extra_config")
+        if self.kv_connector == "MultiConnector" and self.kv_connector_extra_config is not None:
+            refuse_children(self.extra_config() or {}, "ClusterSpec")
         for attr in ("env", "prefill_env", "decode_env"):
             object.__setattr__(self, attr, _freeze_env(getattr(self, attr)))
         for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):

@@ -113,6 +113,10 @@ SOURCES: Mapping[str, str] = {
 }
 
 
+OFFLOAD_CPU_MESSAGE = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+KV_ROLE_MISSING = "Please specify kv_role when kv_connector is set, supported roles are " + KV_ROLES_SHOWN
+
+
 def device_type(platform: str) -> str:
     """vLLM's ``current_platform.device_type`` for a pdserve platform name (``rocm`` -> ``cuda``)."""
     return _DEVICE_TYPES.get(platform, platform)
@@ -152,23 +156,22 @@ def connectors(config: Mapping[str, Any], path: str = "kv_transfer_config", chil
 
 
 def _config_refusals(conn: Connector, version: object) -> Iterator[Refusal]:
-    """What building the connector's KVTransferConfig and finding its class refuses (config stage)."""
-    fields = CONFIG_FIELDS.at(version)
-    if conn.child and fields is not None:
-        unknown = sorted(set(conn.config) - fields)
+    """What building the connector's KVTransferConfig and finding its class refuses (config stage); ``version``
+    None: only what every version read refuses."""
+    fields = CONFIG_FIELDS.at(version) if version is not None else None
+    if conn.child:
+        unknown = sorted(set(conn.config) - fields) if fields is not None else []
         if unknown:
             names = ", ".join(unknown)
             yield Refusal(
-                "connector-field", "config",
-                f"1 validation error for KVTransferConfig\n{unknown[0]}\n  Unexpected keyword argument "
-                f"(in {conn.path}: {names})",
-                "ValidationError", SOURCES["connector-field"],
+                "connector-field", "config", f"{names}: Unexpected keyword argument", "ValidationError",
+                SOURCES["connector-field"], validates="VllmConfig", where=conn.path,
             )  # fmt: skip
             return
         if conn.config.get("kv_connector") is not None and conn.config.get("kv_role") is None:
             yield Refusal(
                 "connector-kv-role", "config",
-                f"Please specify kv_role when kv_connector is set, supported roles are {KV_ROLES_SHOWN}",
+                KV_ROLE_MISSING,
                 "ValueError", SOURCES["connector-kv-role"], validates="VllmConfig", where=conn.path,
             )  # fmt: skip
             return
@@ -180,7 +183,7 @@ def _config_refusals(conn: Connector, version: object) -> Iterator[Refusal]:
                 "ValueError", SOURCES["connector-kv-role"], validates="VllmConfig", where=conn.path,
             )  # fmt: skip
             return
-    registered = REGISTERED.at(version)
+    registered = REGISTERED.at(version) if version is not None else None
     if registered is not None and "kv_connector_module_path" not in conn.config and conn.name not in registered:
         yield Refusal(
             "connector-unknown", "config", f"Unsupported connector type: {conn.name}", "ValueError",
@@ -201,9 +204,17 @@ def _engine_refusals(conn: Connector, platform: str) -> Iterator[Refusal]:
             )  # fmt: skip
     if conn.name == "OffloadingConnector" and platform == "cpu":
         yield Refusal(
-            "offload-cpu-platform", "engine", "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs",
-            "Exception", SOURCES["offload-cpu-platform"],
+            "offload-cpu-platform", "engine", OFFLOAD_CPU_MESSAGE, "Exception", SOURCES["offload-cpu-platform"],
+            where=conn.path if conn.child else None,
         )  # fmt: skip
+
+
+def any_version_refusals(config: Mapping[str, Any]) -> list[Refusal]:
+    """The refusals every version read (0.26, 0.32, 0.33, 0.34) has for ``config`` whatever the platform: a child's
+    ``kv_role``. Checked where the version is not known yet (a ``ClusterSpec``, ``--pd-kv-connector-config``)."""
+    return [
+        r for conn in connectors(config) for r in _config_refusals(conn, version=None) if r.rule == "connector-kv-role"
+    ]
 
 
 def check(config: Mapping[str, Any], *, version: object, platform: str) -> list[Refusal]:

@@ -184,7 +184,7 @@ class ClusterLauncher:
                 # What vLLM would refuse or die on is refused here, before any server starts (rules/).
                 verdict = acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
                 for replaced in verdict.replacements:
-                    notes[f"vLLM runs {replaced.describe()}"] = None
+                    notes[replaced.describe()] = None
                 for limit in verdict.limits:
                     notes[limit] = None
                 handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
