@@ -40,6 +40,7 @@ from pytest_pdserve.glue.fixtures import (
 )
 from pytest_pdserve.glue.markers import apply_skips, register_markers
 from pytest_pdserve.glue.session_engine import bind as bind_session_engine
+from pytest_pdserve.glue.session_engine import header_lines as session_engine_header
 from pytest_pdserve.glue.session_engine import pd_engine
 from pytest_pdserve.glue.session_engine import unbind as unbind_session_engine
 from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
@@ -145,6 +146,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if given:
         lines.append(f"pdserve: settings given: {given}")
     lines += export_env.header_lines(config)
+    lines += session_engine_header(config)
     if _CHECKOUT_NOTE in config.stash:
         lines.append(config.stash[_CHECKOUT_NOTE])
     return [redact(line) for line in lines]  # URL passwords, the API key

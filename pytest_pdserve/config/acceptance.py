@@ -21,6 +21,7 @@ from pytest_pdserve.engines.cpu import CPU_ATTENTION_BACKEND
 from pytest_pdserve.errors import VllmRefuses
 from pytest_pdserve.rules.start import ServerFacts, Verdict, check_server
 from pytest_pdserve.rules.versions import shown
+from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION
 
 if TYPE_CHECKING:  # commands.py imports this module's caller chain; types only
     from pytest_pdserve.config.commands import EngineInfo, ServerCommand
@@ -68,8 +69,8 @@ def server_facts(cmd: ServerCommand, spec: ClusterSpec, engine: EngineInfo, plat
     env = _environ(cmd.env, os.environ if environ is None else environ)
     flags = _flags(cmd.argv)
     version: object = engine.version
-    if engine.name == "sim":
-        version = env.get(SIM_VERSION_VAR) or version
+    if engine.name == "sim":  # the version the simulator reports and follows (sim/faults.py)
+        version = env.get(SIM_VERSION_VAR) or DEFAULT_VLLM_VERSION
         platform = (env.get(SIM_PLATFORM_VAR) or platform).lower()
     try:
         kv = json.loads(flags["--kv-transfer-config"]) if "--kv-transfer-config" in flags else None

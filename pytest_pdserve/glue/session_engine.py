@@ -17,7 +17,7 @@ import pytest
 from pytest_pdserve.config.settings import PDSERVE_CONFIG
 from pytest_pdserve.glue.session_inventory import get_inventory
 
-__all__ = ["SessionEngine", "bind", "pd_engine", "session_engine", "unbind"]
+__all__ = ["SessionEngine", "bind", "header_lines", "pd_engine", "session_engine", "unbind"]
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,15 @@ def unbind(config: pytest.Config) -> None:
 
 
 def _version(name: str, argv: tuple[str, ...]) -> str | None:
-    # Lazy: vllm_compat loads packaging, and engine.py the cluster description; only a caller who asks pays.
-    from pytest_pdserve.engines import vllm_compat
+    if name == "sim":  # the version the simulator reports and follows (sim/faults.py reads the same variable)
+        from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION  # lazy: stdlib, only for a caller who asks
 
-    if name == "sim":
-        from pytest_pdserve.engines.engine import SIM_VERSION  # lazy: see above
-
-        return os.environ.get("PDSERVE_SIM_VLLM_VERSION") or str(SIM_VERSION)
+        return os.environ.get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
     if not argv:
         return None
+    # Lazy: vllm_compat loads packaging, which a session on the simulator never needs.
+    from pytest_pdserve.engines import vllm_compat
+
     found = (
         vllm_compat.interpreter_vllm_version(Path(argv[0]))
         if "python" in Path(argv[0]).name
@@ -109,3 +109,38 @@ def session_engine(config: pytest.Config | None = None) -> SessionEngine:
 def pd_engine(request: pytest.FixtureRequest) -> SessionEngine:
     """The session's engine, platform and vLLM version (:func:`session_engine`), before any cluster starts."""
     return session_engine(request.config)
+
+
+def header_lines(config: pytest.Config) -> list[str]:
+    """What vLLM will refuse or run instead for every cluster of the session, from what the whole session gives its
+    servers: the environment pytest runs in (``VLLM_KV_CACHE_LAYOUT``) and ``VLLM_SERVE_EXTRA_ARGS``
+    (``--mamba-cache-mode``). A cluster's own values are judged when it starts (config/acceptance.py, the ready
+    line)."""
+    cfg = config.stash[PDSERVE_CONFIG]
+    if cfg.attach_mode:
+        return []
+    # Lazy: the rules (stdlib) load only for the header of a configured run.
+    from pytest_pdserve.rules.kv_layout import CPU_BACKEND
+    from pytest_pdserve.rules.start import ServerFacts, check_server
+
+    engine = session_engine(config)
+    if engine.vllm_version is None:
+        return []
+    mode = None
+    if cfg.vllm_serve_extra_args:
+        # Lazy: the owned-flags table (the cluster description), only when the session gives extra args.
+        from pytest_pdserve.config import owned_flags
+
+        hits = owned_flags.match(cfg.vllm_serve_extra_args)
+        mode = next((h.value for h in hits if h.owned.flag == "--mamba-cache-mode"), None)
+    backend = CPU_BACKEND if engine.platform == "cpu" else cfg.attention_backend
+    facts = ServerFacts(
+        version=engine.vllm_version, platform=engine.platform, environ=os.environ, attention_backend=backend,
+        mamba_cache_mode=mode, kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+    )  # fmt: skip
+    verdict = check_server(facts)
+    who = f"vLLM {engine.vllm_version} ({engine.platform})" + (", which the simulator follows," if engine.name == "sim"
+                                                               else "")  # fmt: skip
+    lines = [f"pdserve: {who} refuses what this session gives every server: {r.describe()}" for r in verdict.refusals]
+    lines += [f"pdserve: {who} runs {r.describe()} for every server" for r in verdict.replacements]
+    return lines

@@ -10,6 +10,6 @@ Each rule names the vLLM source lines it follows, per version (tables keyed by r
 * `start.py`: all of them for one server (`check_server`), in vLLM's order.
 
 A refusal (`verdict.Refusal`) carries vLLM's words and when vLLM says them (argparse, config, engine, request); a
-replacement (`verdict.Replacement`) says what vLLM runs instead of what was asked. Stdlib only: the simulator imports
-this before anything heavy.
+replacement (`verdict.Replacement`) says what vLLM runs instead of what was asked. The standard library and the
+CPU platform's constants (`engines/cpu.py`) only: the simulator imports this before anything heavy.
 """

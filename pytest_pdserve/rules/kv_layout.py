@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pytest_pdserve.engines.cpu import CPU_ATTENTION_BACKEND
 from pytest_pdserve.rules.verdict import Refusal, Replacement
 from pytest_pdserve.rules.versions import VersionTable, shown
 
-__all__ = ["ALIASES", "CHOICES", "SUPPORTED", "VAR", "check", "running"]
+__all__ = ["ALIASES", "CHOICES", "CPU_BACKEND", "SUPPORTED", "VAR", "check", "running"]
 
 VAR = "VLLM_KV_CACHE_LAYOUT"
 
@@ -42,6 +43,9 @@ CHOICES: VersionTable[tuple[str, ...]] = VersionTable.of([
 #: ``_LAYOUT_COMPAT_ALIASES`` (none before the 5D layouts).
 ALIASES: VersionTable[Mapping[str, str]] = VersionTable.of([("0.26", {}), ("0.32", {"NHD": "LBNHC", "HND": "LBHNC"})])
 
+#: vLLM's CPU platform runs this backend whatever is asked (its home: `pytest_pdserve.engines.cpu`).
+CPU_BACKEND = CPU_ATTENTION_BACKEND
+
 #: ``_DEFAULT_LAYOUT_PREFERENCE`` (``v1/attention/backends/utils.py:196`` in 0.32): a backend that declares nothing.
 ANY_LAYOUT = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
 
@@ -49,7 +53,7 @@ ANY_LAYOUT = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
 #: a backend not listed declares nothing (:data:`ANY_LAYOUT`). ROCM_AITER_UNIFIED_ATTN with a KV connector:
 #: ``rocm_aiter_unified_attn.py:129`` (every pdserve server has one).
 SUPPORTED: Mapping[str, tuple[str, ...]] = {
-    "CPU_ATTN": ("LBHNC",),
+    CPU_BACKEND: ("LBHNC",),
     "ROCM_ATTN": ("LHBNC", "LBHNC"),
     "ROCM_AITER_UNIFIED_ATTN": ("LBHNC",),
     "FLEX_ATTENTION": ("LBNHC",),
