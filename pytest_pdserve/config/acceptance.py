@@ -104,7 +104,8 @@ def check_command(cmd: ServerCommand, spec: ClusterSpec, engine: EngineInfo, pla
         engine_name = "the simulator, which follows" if engine.name == "sim" else "real"
         raise VllmRefuses(
             f"cluster {spec.name!r}: {cmd.name} would not run on {engine_name} vLLM {shown(facts.version)} "
-            f"({facts.platform} platform): vLLM {first.stage_words} {first.describe()}{where}. Nothing was started. "
+            f"({facts.platform} platform): vLLM {first.stage_words} {first.describe().rstrip('.')}{where}. "
+            "Nothing was started. "
             f"vLLM's rule: {first.source} (pytest_pdserve/rules/)"
         )
     return verdict

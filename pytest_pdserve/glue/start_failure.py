@@ -51,7 +51,8 @@ def _users(path: str) -> bool:
 
 
 def _where(path: str, lineno: int, name: str | None, source: str | None) -> str:
-    line = f": {source.strip()}" if source and source.strip() else ""
+    joined = " ".join(part.strip() for part in (source or "").splitlines() if part.strip())  # a call over lines
+    line = f": {joined}" if joined else ""
     return f"{path}:{lineno}{f', in {name}' if name else ''}{line}"
 
 

@@ -151,6 +151,21 @@ class ClusterLauncher:
             label=label, fixed_port=proxy_port, report=self.report,
         )  # fmt: skip
 
+    def check_accepted(self, spec: ClusterSpec, setup: EngineSetup) -> None:
+        """Refuse what vLLM would refuse or die on (config/acceptance.py) before anything is leased, built or started:
+        one command per role, with a placeholder model and ports (the rules read neither).
+
+        :raises VllmRefuses: with vLLM's reason.
+        """
+        ports = ServerPorts(http=0, side_channel=0, vllm_port=0)
+        model = spec.model or f"<the {spec.model_kind} model>"
+        for role in ("prefill", "decode"):
+            cmd = commands.build_server_command(
+                spec=spec, role=role, index=0, model=model, ports=ports, engine=setup.info, defaults=self.defaults,
+                gpu_env={}, platform_env=setup.platform_env, platform_args=setup.platform_args,
+            )  # fmt: skip
+            acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+
     def _launch_once(
         self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
         proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease],
