@@ -192,11 +192,30 @@ def effective(spec: ClusterSpec, session: SessionDefaults) -> AskedConfig:
                     overrides.append(note)
         owned_flags.check_once(session_level, [(args_source, role_session_args)])
         per_role[role] = (*role_session_args, *spec.extra_args, *own)  # type: ignore[index]
-    given_by_args = _once_hits((*spec.extra_args, *spec.prefill_extra_args, *spec.decode_extra_args))
-    if "--max-model-len" in given_by_args and spec.max_model_len is None:
-        max_len = None  # the cluster's extra args give it: the session setting is not passed (nor checked)
-    if "--gpu-memory-utilization" in given_by_args and spec.gpu_memory_utilization is None:
-        util = None
+    # A setting the cluster's extra args override is not passed by pdserve; where only one role's extra args give
+    # it, the other role still gets the setting (in its own argv, since pdserve's flags are the same for both roles).
+    roles_own = {"prefill": _once_hits(spec.prefill_extra_args), "decode": _once_hits(spec.decode_extra_args)}
+    common = _once_hits(spec.extra_args)
+    for flag, field in (("--max-model-len", "max_model_len"), ("--gpu-memory-utilization", "gpu_memory_utilization")):
+        value = max_len if field == "max_model_len" else util
+        if getattr(spec, field) is not None or value is None:
+            continue  # the spec field gives it (pdserve passes it), or nothing does
+        given_in = [role for role in per_role if flag in common or flag in roles_own[role]]
+        if not given_in:
+            continue
+        for role in given_in:
+            source, shown_by = ("extra_args", common) if flag in common else (f"{role}_extra_args", roles_own[role])
+            note = f"{flag}: {shown_by[flag]!r} from ClusterSpec.{source} overrides the session setting {field} {value}"
+            if note not in overrides:
+                overrides.append(note)
+        for role in per_role:
+            if role not in given_in:
+                shown = str(value) if field == "max_model_len" else f"{value:g}"
+                per_role[role] = (*per_role[role], flag, shown)
+        if field == "max_model_len":
+            max_len = None
+        else:
+            util = None
     return AskedConfig(
         attention_backend=backend,  # type: ignore[arg-type]
         block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
