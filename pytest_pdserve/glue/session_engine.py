@@ -142,5 +142,5 @@ def header_lines(config: pytest.Config) -> list[str]:
     who = f"vLLM {engine.vllm_version} ({engine.platform})" + (", which the simulator follows," if engine.name == "sim"
                                                                else "")  # fmt: skip
     lines = [f"pdserve: {who} refuses what this session gives every server: {r.describe()}" for r in verdict.refusals]
-    lines += [f"pdserve: {who} runs {r.describe()} for every server" for r in verdict.replacements]
+    lines += [f"pdserve: {who}, for every server: {r.describe()}" for r in verdict.replacements]
     return lines
