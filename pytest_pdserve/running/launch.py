@@ -228,9 +228,7 @@ class ClusterLauncher:
             )  # fmt: skip
             # What the servers really run must be what was asked (a mismatch fails the start), and P/D-ready, not
             # HTTP-ready: KV must move through the proxy. Both at once (verify.check_started).
-            pd_ready = verify.check_started(
-                cluster, max_model_len=eff.max_model_len, pd_ready=pd_ready_check
-            )
+            pd_ready = verify.check_started(cluster, max_model_len=eff.max_model_len, pd_ready=pd_ready_check)
             if pd_ready is not None:
                 cluster.pd_ready_seconds = pd_ready
                 cluster.started_seconds = time.monotonic() - t0
