@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_pdserve import session_engine
 from pytest_pdserve.assertions import assert_deterministic, assert_kv_transferred, assert_transfer_shrinks
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
@@ -19,11 +20,13 @@ from pytest_pdserve.spec import ClusterSpec
 pytestmark = pytest.mark.gpus(2)
 
 #: vLLM's CPU Mamba kernel (ops/cpu/mamba_ssm.py) returns one final state per sequence and ignores the
-#: intermediate states prefix caching needs, so on CPU a prompt longer than one Mamba chunk kills the engine
-#: (IndexError in mamba_mixer2.py). GPU kernels have no such limit.
+#: intermediate states a prefix-cache checkpoint needs, so on CPU a prefill of more than one block kills the engine
+#: (IndexError in mamba_mixer2.py); the simulator on the CPU platform follows it (pytest_pdserve/rules/mamba.py).
+#: GPU kernels have no such limit.
 CPU_MAMBA_LIMIT = (
-    "vLLM's CPU Mamba kernel cannot prefix-cache prompts longer than one chunk (mamba_ssm.py ignores "
-    "return_intermediate_states; the engine dies with IndexError); run this on a GPU"
+    "vLLM's CPU Mamba kernel cannot prefix-cache a prompt of more than one block (mamba_ssm.py ignores "
+    "return_intermediate_states; the engine dies with IndexError), and the simulator on the CPU platform follows "
+    "it: run this on a GPU (or the simulator's, --pd-simulate-gpus=cuda:2)"
 )
 
 
@@ -32,16 +35,15 @@ def hybrid_cluster(pd_cluster_factory):
     return pd_cluster_factory(ClusterSpec.hybrid_ssm())
 
 
+@pytest.mark.skipif(session_engine().platform == "cpu", reason=CPU_MAMBA_LIMIT)
 def test_long_prompt_prefix_cache(hybrid_cluster):
-    if hybrid_cluster.engine == "vllm" and hybrid_cluster.platform == "cpu":
-        pytest.skip(CPU_MAMBA_LIMIT)
     request = {"prompt": prompt_with_tokens(hybrid_cluster, 1200, seed=30), "max_tokens": 10, "seed": 42}
     assert_transfer_shrinks(hybrid_cluster, request)  # request 1 > 0 bytes, request 2 fewer
     assert_deterministic(hybrid_cluster, request)
 
 
 def test_short_prompt_transfers_and_repeats(hybrid_cluster):
-    # Shorter than one Mamba chunk (64 tokens in the tiny NemotronH), so it also runs on vLLM's CPU backend.
+    # Shorter than one block (128 tokens), so it also runs on vLLM's CPU backend.
     request = {"prompt": prompt_with_tokens(hybrid_cluster, 40, seed=31), "max_tokens": 10, "seed": 42}
     assert_kv_transferred(hybrid_cluster, request)
     assert_deterministic(hybrid_cluster, request)

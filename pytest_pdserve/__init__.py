@@ -13,6 +13,8 @@ __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
     "ClusterSpec": "pytest_pdserve.spec",
+    "SessionEngine": "pytest_pdserve.glue.session_engine",
+    "session_engine": "pytest_pdserve.glue.session_engine",
     "PDCluster": "pytest_pdserve.cluster",
     "ServerHandle": "pytest_pdserve.cluster",
     "MetricsSnapshot": "pytest_pdserve.metrics",

@@ -321,6 +321,9 @@ class PDCluster:
     pd_ready_seconds: float | None = None
     #: Set when this run reused a kept cluster (``--pd-reuse``): which one and how old it is.
     reused: Reused | None = None
+    #: What vLLM runs instead of what was asked, what a cluster value overrode of the session's, and limits vLLM has
+    #: under requests (pytest_pdserve/rules/, effective.py): one line each, also in the ready line.
+    notes: tuple[str, ...] = ()
     #: Whether a server died under a test (health.py); every client of the cluster shares it.
     health: ClusterHealth = field(init=False, repr=False)
 
@@ -412,9 +415,10 @@ class PDCluster:
             how += f" (P/D round trip {self.pd_ready_seconds:.2f}s)"
         seen = sorted({e.describe() for e in self.observed.values()})
         effective = f" effective: {' | '.join(seen)}" if seen else ""
+        notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"pdserve: cluster {self.spec.name} ({self.engine}, {len(self.prefill)}P x {len(self.decode)}D) {how}: "
-            f"{' '.join(parts)} backend={backend} model={self.model}{effective}"
+            f"{' '.join(parts)} backend={backend} model={self.model}{effective}{notes}"
         )
 
 

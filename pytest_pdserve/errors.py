@@ -70,6 +70,7 @@ __all__ = [
     "ServerStartupError",
     "ServerStartupTimeout",
     "SettingError",
+    "VllmRefuses",
     "describe_returncode",
 ]
 
@@ -256,6 +257,11 @@ class ClusterSpecError(PDServeError, ValueError):
 
 class OwnedFlagError(ClusterSpecError):
     """A flag pdserve sets itself was given in extra args (or twice); the message names the remedy."""
+
+
+class VllmRefuses(ClusterSpecError):
+    """vLLM would refuse this cluster's configuration at start, or its engine would die there (pytest_pdserve/rules/);
+    raised before anything starts, with vLLM's reason, for both engines."""
 
 
 class AttachError(PDServeError):

@@ -40,6 +40,10 @@ from pytest_pdserve.glue.fixtures import (
     stop_unused_clusters,
 )
 from pytest_pdserve.glue.markers import apply_skips, register_markers
+from pytest_pdserve.glue.session_engine import bind as bind_session_engine
+from pytest_pdserve.glue.session_engine import header_lines as session_engine_header
+from pytest_pdserve.glue.session_engine import pd_engine
+from pytest_pdserve.glue.session_engine import unbind as unbind_session_engine
 from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
 from pytest_pdserve.glue.timeout_pause import pytest_timeout_cancel_timer, pytest_timeout_set_timer
 
@@ -107,6 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(reuse, PLUGIN_NAME)
     export_env.session_preset_name(config)  # --pd-preset auto that finds nothing: a usage error, now
     start_inventory_detection(config)
+    bind_session_engine(config)  # pytest_pdserve.session_engine() answers for this session from now on
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -142,6 +147,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if given:
         lines.append(f"pdserve: settings given: {given}")
     lines += export_env.header_lines(config)
+    lines += session_engine_header(config)
     if _CHECKOUT_NOTE in config.stash:
         lines.append(config.stash[_CHECKOUT_NOTE])
     return [redact(line) for line in lines]  # URL passwords, the API key
@@ -153,8 +159,14 @@ def pytest_make_collect_report(
 ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     """``--pd-export-env``: a vLLM module that cannot import openai & co. names the extra that installs them
     (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text). A collection
-    error's text is redacted too (a module that printed an exported secret at import)."""
+    error's text is redacted too (a module that printed an exported secret at import), and a bad ``ClusterSpec`` at
+    module level shows its message and the module's line, not the plugin's source."""
     report = yield
+    if report.failed:
+        # Lazy: only a failed collection needs it (a passing one never loads it; see pytest_runtest_makereport).
+        from pytest_pdserve.glue import start_failure
+
+        start_failure.rewrite_collect_report(report)
     export_env.name_missing_extra(collector.config, report)
     logs.redact_report(report)
     return report
@@ -255,12 +267,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Stop every cluster this process started, even if the session fixture never finalised."""
     stop_manager(config)
     export_env.restore(config)
+    unbind_session_engine(config)
 
 
 __all__ = [
     "pd_cache_salt",
     "pd_cluster",
     "pd_cluster_factory",
+    "pd_engine",
     "pytest_timeout_cancel_timer",
     "pytest_timeout_set_timer",
 ]

@@ -23,7 +23,9 @@ from pytest_pdserve.config.bounds import (
     MAX_MODEL_LEN,
     server_keepalive_problem,
 )
-from pytest_pdserve.errors import ClusterSpecError
+from pytest_pdserve.config.extra_args import parse_extra_args
+from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError
+from pytest_pdserve.rules import connectors
 
 #: vLLM's P/D scripts default to 128-token blocks (PREFILL_BLOCK_SIZE / DECODE_BLOCK_SIZE / BLOCK_SIZE), and
 #: vLLM's CPU backend only supports 128, so one default keeps the arithmetic identical on every engine.
@@ -88,6 +90,22 @@ def _freeze_args(args: Iterable[str] | str | None, what: str) -> tuple[str, ...]
     return out
 
 
+def refuse_children(extra: Mapping[str, Any], where: str) -> None:
+    """What every vLLM version refuses in a MultiConnector's children (a child without ``kv_role``), refused when
+    the spec is built, in vLLM's words (`pytest_pdserve.rules.connectors`). pdserve sets the outer ``kv_role`` per
+    server; each child keeps its own, as vLLM builds it (``kv_both`` in vLLM's scripts).
+
+    :raises ClusterSpecError: naming the child.
+    """
+    config = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": dict(extra)}
+    for refusal in connectors.any_version_refusals(config):
+        child = (refusal.where or "").replace("kv_transfer_config.", f"{where}.", 1)
+        raise ClusterSpecError(
+            f"{child}: vLLM refuses it at start ({refusal.message}); give each MultiConnector child its own "
+            f"kv_role (vLLM's scripts give kv_both). vLLM's rule: {refusal.source}"
+        )
+
+
 def _check_int(spec: ClusterSpec, attr: str, high: int, *, optional: bool) -> None:
     value = getattr(spec, attr)
     if optional and value is None:
@@ -142,6 +160,13 @@ class ClusterSpec:
     env: tuple[tuple[str, str], ...] = ()
     prefill_env: tuple[tuple[str, str], ...] = ()
     decode_env: tuple[tuple[str, str], ...] = ()
+    #: This cluster's ``VLLM_SERVE_EXTRA_ARGS`` instead of the session's (None: the session's). A string is split
+    #: as the variable is (comma or shell form).
+    vllm_serve_extra_args: tuple[str, ...] | None = None
+    #: ``--enforce-eager`` for this cluster (None: the session's ``--pd-enforce-eager``).
+    enforce_eager: bool | None = None
+    #: ``--seed`` for this cluster (None: the session's ``--pd-seed``).
+    seed: int | None = None
     #: Free-form label shown in logs and the ready line.
     name: str = field(default="pd", compare=False)
 
@@ -155,6 +180,11 @@ class ClusterSpec:
         util = self.gpu_memory_utilization
         if util is not None and not (isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1):
             raise ClusterSpecError(f"ClusterSpec.gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if not (self.enforce_eager is None or isinstance(self.enforce_eager, bool)):
+            raise ClusterSpecError(f"ClusterSpec.enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+        seed = self.seed
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
+            raise ClusterSpecError(f"ClusterSpec.seed must be a whole number from 0 to 2**32 - 1 or None, got {seed!r}")
         for attr in ("trust_remote_code",):
             if not isinstance(getattr(self, attr), bool):
                 raise ClusterSpecError(f"ClusterSpec.{attr} must be True or False, got {getattr(self, attr)!r}")
@@ -209,12 +239,23 @@ class ClusterSpec:
             object.__setattr__(self, "kv_connector_extra_config", text)
         elif isinstance(extra, str):
             json_object(extra, "ClusterSpec.kv_connector_extra_config")
+        if self.kv_connector == "MultiConnector" and self.kv_connector_extra_config is not None:
+            refuse_children(self.extra_config() or {}, "ClusterSpec")
         for attr in ("env", "prefill_env", "decode_env"):
             object.__setattr__(self, attr, _freeze_env(getattr(self, attr)))
         for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):
             object.__setattr__(self, attr, _freeze_args(getattr(self, attr), f"ClusterSpec.{attr}"))
-        for attr in ("extra_args", "prefill_extra_args", "decode_extra_args"):
-            owned_flags.refuse(getattr(self, attr), f"ClusterSpec.{attr}")
+        session_args = self.vllm_serve_extra_args
+        if session_args is not None:
+            if isinstance(session_args, str):  # as VLLM_SERVE_EXTRA_ARGS is written: comma or shell form
+                try:
+                    session_args = parse_extra_args(session_args)
+                except ExtraArgsError as exc:
+                    raise ClusterSpecError(f"ClusterSpec.vllm_serve_extra_args: {exc}") from None
+            frozen = _freeze_args(session_args, "ClusterSpec.vllm_serve_extra_args")
+            object.__setattr__(self, "vllm_serve_extra_args", frozen)
+        for attr in ("extra_args", "prefill_extra_args", "decode_extra_args", "vllm_serve_extra_args"):
+            owned_flags.refuse(getattr(self, attr) or (), f"ClusterSpec.{attr}")
         for attr in ("env", "prefill_env", "decode_env"):
             owned_flags.check_env(dict(getattr(self, attr)), f"ClusterSpec.{attr}")
             if (problem := server_keepalive_problem(dict(getattr(self, attr)))) is not None:
@@ -241,15 +282,17 @@ class ClusterSpec:
         """The hybrid-SSM (Mamba) prefix-cache setup of vLLM's ``run_mamba_prefix_cache_test.sh``.
 
         Env ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` and ``VLLM_KV_CACHE_LAYOUT=HND`` on both servers, block size 128,
-        ``--trust-remote-code``, prefix caching on, and ``--mamba-cache-mode align`` where the installed vLLM
-        still takes that flag (the command builder drops it for vLLM >= 0.33, where it is a deprecated no-op).
+        ``--trust-remote-code`` and prefix caching on. No ``--mamba-cache-mode``: with prefix caching every vLLM
+        version's default is the mode its own script asks for (0.26: ``all`` on NemotronH; 0.32 on: ``align``;
+        `pytest_pdserve.rules.mamba`). A ``mamba_cache_mode`` given is passed as given; one the version refuses
+        (``all`` from 0.32) is refused before the start in vLLM's words. vLLM for CPU 0.32 reads ``HND`` as its alias
+        ``LBHNC`` (the ready line says so).
         """
         base: dict[str, Any] = {
             "model_kind": "nemotronh",
             "block_size": 128,
             "trust_remote_code": True,
             "enable_prefix_caching": True,
-            "mamba_cache_mode": "align",
             "env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_KV_CACHE_LAYOUT": "HND"},
             "name": "hybrid-ssm",
         }

@@ -72,20 +72,20 @@ def hybrid_env(gpu: str, ports: ServerPorts) -> dict[str, str | None]:
 def test_hybrid_ssm_on_vllm_033_exact_argv_and_env() -> None:
     spec = ClusterSpec.hybrid_ssm()
     p, d = build(spec, "prefill"), build(spec, "decode")
-    # --mamba-cache-mode is dropped: a deprecated no-op on 0.33 (prefix caching alone decides).
+    # No --mamba-cache-mode: every vLLM version's default with prefix caching is the mode its script asks for
+    # (rules/mamba.py: 0.26's all on NemotronH, align from 0.32).
     assert list(p.argv) == hybrid_argv("prefill", 20100, "kv_producer", [])
     assert list(d.argv) == hybrid_argv("decode", 21100, "kv_consumer", [])
     assert dict(p.env) == hybrid_env("0", P_PORTS)
     assert dict(d.env) == hybrid_env("1", D_PORTS)
 
 
-def test_hybrid_ssm_on_vllm_032_keeps_mamba_align() -> None:
+def test_hybrid_ssm_passes_an_asked_mamba_mode_as_asked() -> None:
     spec = ClusterSpec.hybrid_ssm()
-    p = build(spec, "prefill", VLLM_032)
-    assert list(p.argv) == hybrid_argv("prefill", 20100, "kv_producer", ["--mamba-cache-mode", "align"])
-    # "all" no longer exists on 0.32: mapped to its closest mode instead of failing argparse.
+    assert list(build(spec, "prefill", VLLM_032).argv) == hybrid_argv("prefill", 20100, "kv_producer", [])
+    # "all" is passed as asked: the plugin's pre-start check (rules/mamba.py) refuses it on 0.32 in vLLM's words.
     p_all = build(spec.with_(mamba_cache_mode="all"), "prefill", VLLM_032)
-    assert p_all.argv[p_all.argv.index("--mamba-cache-mode") + 1] == "align"
+    assert p_all.argv[p_all.argv.index("--mamba-cache-mode") + 1] == "all"
 
 
 def test_old_vllm_without_the_backend_flag_gets_the_env_var_and_kv_both() -> None:

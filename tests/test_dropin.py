@@ -23,7 +23,7 @@ from pytest_pdserve.spec import ClusterSpec
 def test_every_preset_resolves_on_every_engine() -> None:
     for name in presets.PRESETS:
         for engine, platform in (("sim", "cpu"), ("vllm", "cpu"), ("vllm", "cuda")):
-            if "multi-connector" in name and (engine, platform) == ("vllm", "cpu"):
+            if "multi-connector" in name and platform == "cpu":  # on both engines (rules/connectors.py)
                 with pytest.raises(ClusterSpecError, match="no OffloadingConnector CPU tier"):
                     presets.resolve(name, spec_type=ClusterSpec, environ={}, engine=engine, platform=platform)
                 continue
@@ -73,7 +73,9 @@ def test_fit_cpu_block_size_rounds_up_to_a_multiple_of_32() -> None:
 
 
 def test_multi_connector_edge_case_preset_is_the_scripts_configuration() -> None:
-    spec = presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}, engine="sim").spec
+    spec = presets.resolve(
+        "vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}, engine="sim", platform="cuda"
+    ).spec
     assert (spec.kv_connector, spec.block_size, spec.max_model_len) == ("MultiConnector", 128, 2048)
     assert spec.extra_args == ("--kv-cache-memory-bytes", "268435456")
     assert dict(spec.env)["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"
@@ -84,7 +86,7 @@ def test_multi_connector_edge_case_preset_is_the_scripts_configuration() -> None
 
 def test_presets_honour_their_scripts_env_vars() -> None:
     env = {"BLOCK_SIZE": "64", "MAX_MODEL_LEN": "4096", "KV_CACHE_MEMORY_BYTES": "1000", "MODEL_NAMES": "m/x"}
-    spec = presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ=env).spec
+    spec = presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ=env, platform="cuda").spec
     assert (spec.block_size, spec.max_model_len, spec.model) == (64, 4096, "m/x")
     assert spec.extra_args == ("--kv-cache-memory-bytes", "1000")
     accuracy = presets.resolve(
@@ -126,7 +128,11 @@ MULTI = {
     "kv_connector_extra_config": {
         "connectors": [
             {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-            {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1}},
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": 1},
+            },
         ]
     },
 }
@@ -263,7 +269,10 @@ def test_session_connector_applies_to_the_exported_cluster(pytester: pytest.Pyte
         test_mod="def test_c(pd_cluster):\n    assert pd_cluster.spec.kv_connector == 'MultiConnector'\n"
         "    assert '\"OffloadingConnector\"' in ' '.join(pd_cluster.prefill[0].command.argv)"
     )
-    result = _run(pytester, "--pd-export-env", f"--pd-kv-connector-config={json.dumps(MULTI)}")
+    # A simulated GPU: the OffloadingConnector's CPU tier does not run on the CPU platform (rules/connectors.py).
+    result = _run(
+        pytester, "--pd-export-env", "--pd-simulate-gpus=cuda:2", f"--pd-kv-connector-config={json.dumps(MULTI)}"
+    )
     result.assert_outcomes(passed=1)
 
 
@@ -386,11 +395,14 @@ def test_multi_connector_edge_case_preset_keeps_the_scripts_token_capacity_on_th
 
 def test_multi_connector_edge_case_preset_takes_the_callers_kv_cache_layout() -> None:
     """vLLM 0.26 refuses the 0.32+ scripts' LBHNC at engine start (measured on an H200); its CI sets HND."""
-    assert dict(presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}).spec.env)[
-        "VLLM_KV_CACHE_LAYOUT"
-    ] == ("LBHNC")
+    assert dict(
+        presets.resolve("vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={}, platform="cuda").spec.env
+    )["VLLM_KV_CACHE_LAYOUT"] == ("LBHNC")
     older = presets.resolve(
-        "vllm-multi-connector-edge-case", spec_type=ClusterSpec, environ={"VLLM_KV_CACHE_LAYOUT": "HND"}
+        "vllm-multi-connector-edge-case",
+        spec_type=ClusterSpec,
+        environ={"VLLM_KV_CACHE_LAYOUT": "HND"},
+        platform="cuda",
     )
     assert dict(older.spec.env)["VLLM_KV_CACHE_LAYOUT"] == "HND"
     assert "KV cache layout HND from $VLLM_KV_CACHE_LAYOUT instead of the script's LBHNC" in older.notes

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import _procnet
@@ -22,6 +23,7 @@ from _ports import free_port
 from pytest_pdserve.cluster import ServerHandle
 from pytest_pdserve.common import redaction
 from pytest_pdserve.config.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.config.effective import effective
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, remedy
 from pytest_pdserve.engines.vllm_compat import Version
 from pytest_pdserve.errors import ClusterSpecError, OwnedFlagError, ServerStartupError
@@ -132,18 +134,29 @@ def test_a_once_flag_given_twice_names_both(pytester: pytest.Pytester, monkeypat
     err = usage_error(pytester, "--pd-max-model-len=1024")
     assert "--max-model-len is given twice for one server: 1024 from --pd-max-model-len (command line)" in err
     assert "'--max_model_len 512' from VLLM_SERVE_EXTRA_ARGS (env)" in err
-    # A spec field and the session's extra args, or two extra-args sources of one server: when it is built.
+    # A cluster's value beats the session's extra args: the session's occurrence leaves this cluster's argv, and the
+    # override is named (the ready line shows AskedConfig.overrides).
     session = SessionDefaults(vllm_serve_extra_args=("--max-model-len", "512"), extra_args_source="X (env)")
-    for spec, expected in [
+    for spec, winner in [
         (ClusterSpec(max_model_len=1024), "1024 from ClusterSpec.max_model_len"),
         (ClusterSpec(extra_args=("--max-model-len=256",)), "'--max-model-len=256' from ClusterSpec.extra_args"),
         (ClusterSpec(decode_extra_args=("--max-m", "9")), "'--max-m 9' from ClusterSpec.decode_extra_args"),
     ]:
-        with pytest.raises(OwnedFlagError, match="given twice") as info:
-            build_server_command(spec=spec, role="decode", index=0, model="m", ports=PORTS, engine=SIM,
-                                 defaults=session, gpu_env={})  # fmt: skip
-        assert expected in str(info.value)
-        assert "'--max-model-len 512' from X (env)" in str(info.value)
+        cmd = build_server_command(spec=spec, role="decode", index=0, model="m", ports=PORTS, engine=SIM,
+                                   defaults=session, gpu_env={})  # fmt: skip
+        assert sum(a.startswith("--max-m") for a in cmd.argv) == 1, cmd.argv
+        assert "512" not in cmd.argv
+        assert (
+            f"--max-model-len: {winner} overrides '--max-model-len 512' from X (env)"
+            in effective(spec, session).overrides
+        )
+    # Two sources of the same level still conflict: the cluster's own two, or the session's own two.
+    with pytest.raises(OwnedFlagError, match="given twice") as info:
+        effective(ClusterSpec(max_model_len=1024, extra_args=("--max-model-len", "9")), session)
+    assert "1024 from ClusterSpec.max_model_len and '--max-model-len 9' from ClusterSpec.extra_args" in str(info.value)
+    with pytest.raises(OwnedFlagError, match="given twice") as info:
+        effective(ClusterSpec(), replace(session, max_model_len=2048))
+    assert "2048 from the session setting max_model_len and '--max-model-len 512' from X (env)" in str(info.value)
     with pytest.raises(OwnedFlagError, match="True from ClusterSpec.trust_remote_code"):
         build_server_command(spec=ClusterSpec(trust_remote_code=True, extra_args=("--trust-remote-code",)),
                              role="prefill", index=0, model="m", ports=PORTS, engine=SIM, defaults=SessionDefaults(),
@@ -237,11 +250,13 @@ def test_loopback_and_key_only_in_the_environment(pd_cluster):
     assert pd_cluster.complete("hello " * 20, max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
-def test_once_flag_twice_when_the_cluster_is_requested(pd_cluster_factory):
-    with pytest.raises(OwnedFlagError) as info:
-        pd_cluster_factory(max_model_len=1024)
-    assert "1024 from ClusterSpec.max_model_len and" in str(info.value)
-    assert "'--max-model-len 512' from VLLM_SERVE_EXTRA_ARGS (env)" in str(info.value)
+def test_a_cluster_value_overrides_the_session_extra_args(pd_cluster_factory):
+    cluster = pd_cluster_factory(max_model_len=1024)
+    for server in (*cluster.prefill, *cluster.decode):
+        assert server.command.argv.count("--max-model-len") == 1
+        assert server.client.get("/v1/models").json()["data"][0]["max_model_len"] == 1024
+    assert ("--max-model-len: 1024 from ClusterSpec.max_model_len overrides '--max-model-len 512' from "
+            "VLLM_SERVE_EXTRA_ARGS (env)") in cluster.describe()
 
 
 def test_key_in_server_log_text_is_redacted(pd_cluster_factory):

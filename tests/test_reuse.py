@@ -855,9 +855,11 @@ def test_a_reused_cluster_starts_with_an_empty_offloading_cpu_tier(
     would load the last run's KV from it. The attach resets it too (``?reset_external=true``)."""
     inner.pytester.makepyfile(CPU_TIER)
     monkeypatch.setenv("FIRST", "1")
-    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)  # vLLM's own modules send no salt
+    # A simulated GPU: the OffloadingConnector's CPU tier does not run on the CPU platform (rules/connectors.py).
+    gpu = "--pd-simulate-gpus=cuda:2"
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off", gpu).assert_outcomes(passed=1)  # vLLM's modules send no salt
     monkeypatch.delenv("FIRST")
-    run_reuse(inner, reuse_dir, "--pd-cache-salt=off").assert_outcomes(passed=1)
+    run_reuse(inner, reuse_dir, "--pd-cache-salt=off", gpu).assert_outcomes(passed=1)
     first, second = sorted(inner.infos(), key=lambda i: i["t"])
     assert first["reused"] is None, first
     assert first["host"] > 0, first  # not vacuous: the tier held the prompt

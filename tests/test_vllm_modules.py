@@ -127,16 +127,28 @@ def test_edge_cases_without_the_preset_would_be_vacuous(pytester: pytest.Pyteste
     assert session_hits(result, "decode-0") == 0
 
 
-def test_mamba_prefix_cache_on_the_simulator(pytester: pytest.Pytester, vllm_modules: Path) -> None:
-    result = run_module(pytester, vllm_modules, "test_mamba_prefix_cache.py", "vllm-mamba-prefix-cache", "sim")
+def test_mamba_prefix_cache_on_the_simulator(
+    pytester: pytest.Pytester, vllm_modules: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a simulated GPU: the module's ~9,000-token prompt kills vLLM for CPU's engine, and the simulator on the CPU
+    # platform follows it (rules/mamba.py). TRITON_ATTN: the script's FLASHINFER takes no heads of 32 (the tiny
+    # model's).
+    monkeypatch.setenv("ATTENTION_BACKEND", "TRITON_ATTN")
+    result = run_module(
+        pytester, vllm_modules, "test_mamba_prefix_cache.py", "vllm-mamba-prefix-cache", "sim",
+        "--pd-simulate-gpus=cuda:2",
+    )  # fmt: skip
     result.assert_outcomes(passed=1)
     assert session_hits(result, "decode-0") > 0
 
 
 def test_multi_connector_edge_cases_on_the_simulator(pytester: pytest.Pytester, vllm_modules: Path) -> None:
+    # On a simulated GPU: the OffloadingConnector's CPU tier does not run on the CPU platform, on vLLM for CPU nor on
+    # the simulator that follows it (rules/connectors.py).
     result = run_module(
-        pytester, vllm_modules, "test_multi_connector_edge_cases.py", "vllm-multi-connector-edge-case", "sim"
-    )
+        pytester, vllm_modules, "test_multi_connector_edge_cases.py", "vllm-multi-connector-edge-case", "sim",
+        "--pd-simulate-gpus=cuda:2",
+    )  # fmt: skip
     # 9/9: the offload tier (CPU->GPU after eviction) and digit-splitting token counts are simulated (issue 16).
     result.assert_outcomes(passed=9)
     result.stdout.fnmatch_lines(["*preset vllm-multi-connector-edge-case: MultiConnector[[]NixlConnector, "
@@ -215,8 +227,9 @@ def test_multi_connector_edge_cases_on_real_vllm(pytester: pytest.Pytester, real
 @pytest.mark.usefixtures("real_vllm")
 def test_mamba_prefix_cache_on_real_vllm() -> None:
     pytest.skip(
-        "vLLM for CPU 0.32's Mamba kernel cannot prefix-cache prompts longer than one chunk (IndexError in "
-        "mamba_mixer2.py) and the module's prompt is ~9000 tokens; runs on the simulator and on GPUs"
+        "vLLM for CPU 0.32's Mamba kernel cannot prefix-cache a prompt of more than one block (IndexError in "
+        "mamba_mixer2.py, pytest_pdserve/rules/mamba.py) and the module's prompt is ~9000 tokens; runs on GPUs and "
+        "on the simulator's GPU platform"
     )
 
 

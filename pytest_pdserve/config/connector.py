@@ -1,9 +1,11 @@
 """``--pd-kv-connector-config JSON``: a session-wide connector, validated, as `ClusterSpec` fields.
 
-The JSON is the part of vLLM's ``--kv-transfer-config`` that is the same on both servers; pdserve adds
+The JSON is the part of vLLM's ``--kv-transfer-config`` that is the same on both servers; pdserve adds the outer
 ``kv_role`` per server (producer / consumer). A MultiConnector's children sit in
 ``kv_connector_extra_config.connectors`` as in vLLM's scripts, each a connector config of its own (nesting
-allowed); one of the connectors must be a NixlConnector, since that is what moves KV from P to D.
+allowed) with its own ``kv_role``, which vLLM requires of every child (``kv_both`` in its scripts); one of the
+connectors must be a NixlConnector, since that is what moves KV from P to D. What else vLLM refuses of them (per
+version and platform) is `pytest_pdserve.rules.connectors`, checked before a start.
 
 pytest-free and light (stdlib + spec), since settings.py calls it while pytest configures.
 """
@@ -14,7 +16,7 @@ import json
 from typing import Any
 
 from pytest_pdserve.errors import ClusterSpecError
-from pytest_pdserve.spec import KV_CONNECTORS, ClusterSpec, json_object
+from pytest_pdserve.spec import KV_CONNECTORS, ClusterSpec, json_object, refuse_children
 
 __all__ = ["parse_kv_connector_config"]
 
@@ -79,6 +81,8 @@ def parse_kv_connector_config(text: str) -> dict[str, Any]:
         raise ClusterSpecError("kv_connector_extra_config must be a JSON object")
     if name == "MultiConnector" and not _check_children(extra, "the MultiConnector"):
         raise ClusterSpecError("a MultiConnector for P/D needs a NixlConnector among its connectors")
+    if name == "MultiConnector":
+        refuse_children(extra or {}, "kv_connector_extra_config")
     fields: dict[str, Any] = {"kv_connector": name}
     for key in ("kv_buffer_device", "kv_load_failure_policy", "kv_connector_extra_config"):
         if key in config:

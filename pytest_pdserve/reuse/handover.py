@@ -24,6 +24,7 @@ from pytest_pdserve.common import created
 from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_argv, redact_env
+from pytest_pdserve.config.effective import effective
 from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.machine.lockfiles import want_file
 from pytest_pdserve.reuse import protocol
@@ -80,7 +81,7 @@ class KeptClusters:
             try:
                 running = adopt(
                     claim, spec, api_key=defaults.api_key,
-                    max_model_len=spec.max_model_len or defaults.max_model_len, report=report,
+                    max_model_len=effective(spec, defaults).max_model_len, report=report,
                 )  # fmt: skip
             except Exception as exc:
                 claim.stop()

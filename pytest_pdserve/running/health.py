@@ -29,7 +29,7 @@ import httpx
 from pytest_pdserve import clients
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.errors import ClusterStopped, ServerDied, describe_returncode
-from pytest_pdserve.running.hints import hint_for
+from pytest_pdserve.running.hints import hint_for, lead_with_root_cause
 
 if TYPE_CHECKING:
     from pytest_pdserve.running.process import ServerProcess
@@ -252,7 +252,12 @@ def _read_tail(path: Path | None, max_bytes: int = 256 * 1024) -> str:
 
 
 def death_excerpt(log_text: str, tail_lines: int = _TAIL_LINES) -> str:
-    """The first line that says why the engine died (with the two after it), then the log's last lines."""
+    """vLLM's root cause (hints.root_cause: its last exception lines and the traceback's last frame), then the first
+    line that says why the engine died (with the two after it), then the log's last lines."""
+    return lead_with_root_cause(log_text, _death_lines(log_text, tail_lines))
+
+
+def _death_lines(log_text: str, tail_lines: int) -> str:
     lines = log_text.rstrip("\n").splitlines()
     tail_start = max(0, len(lines) - tail_lines)
     first = None

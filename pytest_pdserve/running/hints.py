@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["AUTH_HINT", "HINTS", "Hint", "hint_for"]
+__all__ = ["AUTH_HINT", "HINTS", "Hint", "hint_for", "lead_with_root_cause", "root_cause"]
 
 #: For a 401/403 during readiness (process.py); names the setting as the settings table derives it
 #: (tests/test_hints.py checks it against `settings.remedy("api_key")`).
@@ -122,3 +122,59 @@ def hint_for(log_text: str) -> str | None:
         if hint.pattern.search(log_text):
             return hint.text
     return None
+
+
+#: One exception line as vLLM's processes print it: bare, or behind a process tag (``(Worker pid=7)``) and a log
+#: prefix (``ERROR 12-06 03:28:56 [multiproc_executor.py:1063]``). The name ends in Error or Exception.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\(\w+ pid=\d+\) )?(?:(?:ERROR|CRITICAL|WARNING|INFO|DEBUG) \S+ \S+ \[[^\]]*\] )?"
+    r"(?P<line>(?:[A-Za-z_][\w]*\.)*(?P<name>\w*(?:Error|Exception)): .*\S)\s*$"
+)
+_FRAME_LINE = re.compile(r'File "(?P<path>[^"]+)", line (?P<lineno>\d+), in (?P<fn>\S+)')
+#: How many distinct exception lines the root cause shows (vLLM chains three or four: the worker's, the engine
+#: core's, the API server's).
+ROOT_CAUSE_LINES = 4
+
+
+def _short_path(path: str) -> str:
+    """``vllm/v1/kv_offload/cpu/spec.py`` for a path inside site-packages; the path itself otherwise."""
+    head, sep, tail = path.rpartition("site-packages/")
+    return tail if sep else path
+
+
+def root_cause(log_text: str) -> str:
+    """vLLM's root cause in a log: its last distinct exception lines (at most :data:`ROOT_CAUSE_LINES`, first to last,
+    without their process tags and log prefixes), the first with the last traceback frame above it; "" when the
+    log holds none. Warnings (a dying vLLM prints leak warnings last) are not exceptions."""
+    lines = log_text.splitlines()
+    firsts: dict[str, int] = {}
+    for i, raw in enumerate(lines):
+        match = _EXCEPTION_LINE.match(raw)
+        if match is None or match.group("name") == "KeyboardInterrupt":
+            continue
+        text = match.group("line")
+        if match.group("name") == "ValidationError":  # pydantic words the error on the lines below
+            body = [s.strip() for s in lines[i + 1 : i + 3] if s.startswith("  ") and not s.lstrip().startswith("File")]
+            text = " / ".join([text, *body])
+        firsts.pop(text, None)  # ordered by last occurrence: the last failure's lines come last
+        firsts[text] = i
+    if not firsts:
+        return ""
+    chosen = list(firsts.items())[-ROOT_CAUSE_LINES:]
+    chosen.sort(key=lambda item: item[1])
+    out = ["vLLM's root cause (its last errors, first to last):"]
+    for n, (text, index) in enumerate(chosen):
+        out.append(f"  {text}")
+        if n == 0:
+            frame = next((m for m in map(_FRAME_LINE.search, reversed(lines[max(0, index - 40) : index])) if m), None)
+            if frame is not None:
+                out.append(f"    (at {_short_path(frame['path'])}:{frame['lineno']}, in {frame['fn']})")
+    return "\n".join(out)
+
+
+def lead_with_root_cause(log_text: str, tail: str) -> str:
+    """``tail`` (the log's last lines) led by the log's :func:`root_cause`, when it has one."""
+    cause = root_cause(log_text)
+    if not cause:
+        return tail
+    return f"{cause}\n--- the log's last lines ---\n{tail}"

@@ -37,7 +37,7 @@ from pytest_pdserve.common import created
 from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
-from pytest_pdserve.config import commands
+from pytest_pdserve.config import acceptance, commands
 from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts, SessionDefaults
 from pytest_pdserve.config.effective import effective
 from pytest_pdserve.engines.engine import EngineSetup
@@ -162,6 +162,21 @@ class ClusterLauncher:
             label=label, fixed_port=proxy_port, report=self.report,
         )  # fmt: skip
 
+    def check_accepted(self, spec: ClusterSpec, setup: EngineSetup) -> None:
+        """Refuse what vLLM would refuse or die on (config/acceptance.py) before anything is leased, built or started:
+        one command per role, with a placeholder model and ports (the rules read neither).
+
+        :raises VllmRefuses: with vLLM's reason.
+        """
+        ports = ServerPorts(http=0, side_channel=0, vllm_port=0)
+        model = spec.model or f"<the {spec.model_kind} model>"
+        for role in ("prefill", "decode"):
+            cmd = commands.build_server_command(
+                spec=spec, role=role, index=0, model=model, ports=ports, engine=setup.info, defaults=self.defaults,
+                gpu_env={}, platform_env=setup.platform_env, platform_args=setup.platform_args,
+            )  # fmt: skip
+            acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+
     def _launch_once(
         self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
         proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease], environ: Mapping[str, str],
@@ -180,6 +195,7 @@ class ClusterLauncher:
             roles: list[tuple[Role, int]] = [("prefill", i) for i in range(spec.num_prefill)]
             roles += [("decode", j) for j in range(spec.num_decode)]
             handles: list[ServerHandle] = []
+            notes: dict[str, None] = {}  # ordered, once each: every server usually has the same
             for (role, index), positions, util in zip(roles, gpu_plan.positions, gpu_plan.utilization, strict=True):
                 ports, held = self._lease_ports(f"{label} {role}-{index}", 1)
                 port_leases += held
@@ -191,6 +207,12 @@ class ClusterLauncher:
                     defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
                     platform_args=setup.platform_args,
                 )  # fmt: skip
+                # What vLLM would refuse or die on is refused here, before any server starts (rules/).
+                verdict = acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+                for replaced in verdict.replacements:
+                    notes[replaced.describe()] = None
+                for limit in verdict.limits:
+                    notes[limit] = None
                 handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name, environ))
                 assert handles[-1].process is not None
                 processes.append(handles[-1].process)
@@ -217,13 +239,11 @@ class ClusterLauncher:
                 block_size=eff.block_size, attention_backend_asked=eff.attention_backend,
                 prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
                 proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
-                started_seconds=time.monotonic() - t0,
+                started_seconds=time.monotonic() - t0, notes=(*eff.overrides, *notes),
             )  # fmt: skip
             # What the servers really run must be what was asked (a mismatch fails the start), and P/D-ready, not
             # HTTP-ready: KV must move through the proxy. Both at once (verify.check_started).
-            pd_ready = verify.check_started(
-                cluster, max_model_len=spec.max_model_len or self.defaults.max_model_len, pd_ready=pd_ready_check
-            )
+            pd_ready = verify.check_started(cluster, max_model_len=eff.max_model_len, pd_ready=pd_ready_check)
             if pd_ready is not None:
                 cluster.pd_ready_seconds = pd_ready
                 cluster.started_seconds = time.monotonic() - t0

@@ -281,9 +281,18 @@ class ClusterManager:
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
             self.stop(victim.cluster.spec, why="its GPUs were needed for another spec")
 
+    def check_accepted(self, spec: ClusterSpec) -> None:
+        """Refuse ``spec`` before anything starts, builds or is leased when vLLM would refuse it or die at its start
+        (pytest_pdserve/rules/): a configuration error, not a start to wait for.
+
+        :raises VllmRefuses: with vLLM's reason.
+        """
+        self.launcher.check_accepted(spec, self.engine_for(spec))
+
     def _find_or_start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
         """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one; both judged by, and
         a fresh one started with, the one ``environ`` (start_env.py)."""
+        self.check_accepted(spec)  # before the model is built (tiny_model.py) or a kept cluster is claimed
         if self.reuser is not None:
             setup = self.engine_for(spec)
             model = self._resolve_model(spec, setup)

@@ -47,7 +47,7 @@ from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
-from pytest_pdserve.running.hints import AUTH_HINT, hint_for
+from pytest_pdserve.running.hints import AUTH_HINT, hint_for, lead_with_root_cause
 from pytest_pdserve.running.log_wakeup import LogWakeup
 from pytest_pdserve.running.proctree import (
     RUN_TOKEN_ENV,
@@ -102,6 +102,8 @@ def poll_interval(waited: float) -> float:
 
 _PROGRESS_EVERY = 1.0
 _TAIL_LINES = 50
+#: Lines read back to find vLLM's root cause in a dead server's log (its traceback sits above the shutdown noise).
+_CAUSE_LINES = 600
 
 _live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
 os.register_at_fork(after_in_child=_live.clear)  # a forked child's atexit net has nothing of its own to stop
@@ -247,6 +249,12 @@ class ServerProcess:
         """The last ``lines`` lines of the log (reads at most a few MB from the end)."""
         return tail_lines(self.log_path, lines)
 
+    def failure_tail(self) -> tuple[str, str | None]:
+        """The log's last lines led by vLLM's root cause (hints.root_cause, from the last few hundred lines), and
+        the hint for what they show: what a start error quotes."""
+        text = tail_lines(self.log_path, _CAUSE_LINES)
+        return lead_with_root_cause(text, self.log_tail()), hint_for(text)
+
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, inherit_fds: Sequence[int] = ()) -> ServerProcess:
@@ -300,8 +308,8 @@ class ServerProcess:
             return True
         if self._popen.poll() is not None:
             self._kill_now()
-            tail = self.log_tail()
-            raise ServerExitedEarly(self.name, self._popen.returncode, tail, hint_for(tail), str(self.log_path))
+            tail, hint = self.failure_tail()
+            raise ServerExitedEarly(self.name, self._popen.returncode, tail, hint, str(self.log_path))
         if self.health_url is not None:
             own = client is None
             client = client or readiness_client()
@@ -517,13 +525,13 @@ def _timeout(pending: list[ServerProcess], now: float) -> None:
     for p in pending:
         p._kill_now()  # kill first, then raise: a failed start must not leave an orphan
     first = pending[0]
-    tail = first.log_tail()
+    tail, hint = first.failure_tail()
     raise ServerStartupTimeout(
         first.name,
         now - first.started_at,
         first._readiness.waiting_for,
         tail,
-        hint_for(tail),
+        hint,
         str(first.log_path),
     )
 

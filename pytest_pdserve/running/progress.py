@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["StartProgress"]
+__all__ = ["StartProgress", "shorten"]
 
 Reporter = Callable[[str], None]
 
@@ -37,4 +37,16 @@ class StartProgress:
             return
         self.last[name] = now
         self.shown[name] = last_line
-        self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {last_line[-160:]}")
+        self.report(f"pdserve: starting {name} ({elapsed:.0f}s) {shorten(last_line)}")
+
+
+#: How much of a log line a progress line shows: its start (vLLM's level, time and source file, then the message).
+LINE_CHARS = 400
+
+
+def shorten(line: str, limit: int = LINE_CHARS) -> str:
+    """``line`` whole up to ``limit`` characters, else its first ``limit`` and how many more there are: a line is read
+    from its start (the log file has every line in full)."""
+    if len(line) <= limit:
+        return line
+    return f"{line[:limit]} [... {len(line) - limit} more characters in the log]"

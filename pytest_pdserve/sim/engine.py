@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.rules import mamba
 from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer, vllm_rules
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
@@ -521,6 +522,14 @@ class Engine:
             from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_work - 1) // bs)
             external = from_host
 
+        # vLLM for CPU's Mamba kernel cannot save the checkpoint a long hybrid prefill makes (rules/mamba.py).
+        if mamba.cpu_prefill_dies(
+            version=self.env.vllm_version, platform=self.env.platform, hybrid=self.shape.is_hybrid,
+            mode=self.args.mamba_cache_mode or "none", query_start=local_hit + external, query_end=n_work,
+            block_size=bs,
+        ):  # fmt: skip
+            self.pool.release(block_ids)
+            self._die_mid_request(f"IndexError: {mamba.cpu_prefill_error(local_hit + external, n_work, 64)}")
         # Everything from here to the end is synchronous: no other request interleaves.
         if self.args.enable_prefix_caching:
             for i in range(len(hit_blocks), n_work // bs):
@@ -731,13 +740,20 @@ class Engine:
             params["remote_registration_generation"] = 0  # the KV cache is registered once, at start
         return params
 
-    def _die_mid_request(self) -> NoReturn:
-        """A worker crash under a request, as vLLM logs it: the request gets HTTP 500, then the server exits."""
+    def _die_mid_request(self, cause: str | None = None) -> NoReturn:
+        """A worker crash under a request, as vLLM logs it: the request gets HTTP 500, then the server exits.
+
+        :param cause: the exception the engine core died of (its last line, as vLLM prints it); None: a worker
+            process died (``PDSERVE_SIM_ENGINE_DIES_ON_REQUEST``).
+        """
         self.dead = True
-        logger.error(
-            "Worker proc VllmWorker-0 died unexpectedly (exit code: -4), shutting down executor. "
-            "(PDSERVE_SIM_ENGINE_DIES_ON_REQUEST=%d)", self._begun,
-        )  # fmt: skip
+        if cause is None:
+            logger.error(
+                "Worker proc VllmWorker-0 died unexpectedly (exit code: -4), shutting down executor. "
+                "(PDSERVE_SIM_ENGINE_DIES_ON_REQUEST=%d)", self._begun,
+            )  # fmt: skip
+        else:
+            logger.error("EngineCore encountered a fatal error.\nTraceback (most recent call last):\n%s", cause)
         logger.error("EngineCore encountered a fatal error.")
         message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
         logger.error("vllm.v1.engine.exceptions.EngineDeadError: %s", message)

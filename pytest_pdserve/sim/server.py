@@ -28,9 +28,12 @@ import uvicorn
 
 from pytest_pdserve.common.rlimits import raise_nofile_limit
 from pytest_pdserve.engines import cpu
+from pytest_pdserve.rules import kv_layout, mamba
+from pytest_pdserve.rules.start import ServerFacts, Verdict, check_server
+from pytest_pdserve.rules.versions import release
 from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer, vllm_rules
 from pytest_pdserve.sim.app import AppState, build_app
-from pytest_pdserve.sim.cli import SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
+from pytest_pdserve.sim.cli import PROG, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
 from pytest_pdserve.sim.faults import SimEnv
 
@@ -70,6 +73,40 @@ def _startup_error(exc: BaseException) -> int:
     print("Traceback (most recent call last):", file=sys.stderr)
     print("".join(traceback.format_exception_only(type(exc), exc)).rstrip(), file=sys.stderr, flush=True)
     return 1
+
+
+def _verdict(args: ServeArgs, env: SimEnv, backend: str | None, hybrid: bool | None = None) -> Verdict:
+    """vLLM's start rules (pytest_pdserve/rules/) on this server, as the plugin asks them before a start."""
+    kv = args.kv_transfer_config
+    return check_server(ServerFacts(
+        version=env.vllm_version, platform=env.platform, kv_transfer_config=kv.raw if kv is not None else None,
+        environ=os.environ, attention_backend=backend, hybrid=hybrid, mamba_cache_mode=args.mamba_cache_mode,
+        prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+    ))  # fmt: skip
+
+
+def _refusal(verdict: Verdict, stages: tuple[str, ...]) -> int | None:
+    """Exit as vLLM exits for the verdict's first refusal when it falls in ``stages``; None: no such refusal."""
+    first = verdict.first
+    if first is None or first.stage not in stages:
+        return None
+    if first.stage == "argparse":
+        print(f"usage: {PROG} [model_tag] [options]", file=sys.stderr)
+        print(first.describe(), file=sys.stderr, flush=True)
+        return first.exit_status
+    if first.validates is not None:  # raised while vLLM builds its VllmConfig: pydantic words it
+        try:
+            start_rules.refuse_in_config(first.message)
+        except pydantic.ValidationError as exc:
+            exc.__cause__ = ValueError(first.message)
+            return _startup_error(exc)
+    if first.stage == "engine":
+        # The engine core prints its root cause; the API server then fails with vLLM's generic line.
+        logger.error("EngineCore failed to start.")
+        print(f"(EngineCore pid={os.getpid()}) {first.describe()}", file=sys.stderr)
+        return _startup_error(RuntimeError("Engine core initialization failed. See root cause above. "
+                                           "Failed core proc(s): {'EngineCore': 1}"))  # fmt: skip
+    return _startup_error(ValueError(first.message))
 
 
 def _bind(host: str | None, port: int) -> socket.socket:
@@ -129,11 +166,16 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
     except ValueError as exc:
         return _startup_error(exc)
     kv = args.kv_transfer_config
+    # vLLM's start rules (pytest_pdserve/rules/), the ones the plugin checks before a start: argparse and config
+    # refusals here, as vLLM says them; the engine's once the model is read (_serve_async).
+    refused = _refusal(_verdict(args, env, backend), ("argparse", "config"))
+    if refused is not None:
+        return refused
     if kv is not None and "kv_connector_module_path" not in kv.raw:
         problem = kv.connector_problem(env.vllm_version_tuple)
         if problem is not None:
             try:
-                start_rules.check_kv_connector(problem)
+                start_rules.refuse_in_config(problem)
             except pydantic.ValidationError as exc:
                 # vLLM's pydantic error wraps the factory's ValueError; the simulator prints it as its cause.
                 exc.__cause__ = ValueError(problem)
@@ -156,8 +198,9 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
             "Using kv_role='kv_both' with NixlConnector is deprecated. Please set "
             "kv_role='kv_producer' for prefill instances and kv_role='kv_consumer' for decode instances."
         )
-    if args.mamba_cache_mode is not None and env.vllm_version_tuple[:2] >= vllm_rules.MAMBA_FLAG_NOOP_SINCE:
-        logger.warning("%s", vllm_rules.mamba_cache_mode_warning(env.vllm_version_tuple))
+    if args.mamba_cache_mode is not None and mamba.flag_ignored(env.vllm_version):
+        major, minor, _ = release(env.vllm_version)
+        logger.warning("%s", mamba.DEPRECATION.format(next=f"{major}.{minor}.0"))
 
     try:
         sock = _bind(args.host, args.port)
@@ -256,6 +299,26 @@ async def _serve_async(
     assert backend is not None  # the CPU platform's was set in serve()
     if "block_size" not in args.non_default:  # vLLM's default for its version and the backend it runs
         args = dataclasses.replace(args, block_size=vllm_rules.default_block_size(env.vllm_version_tuple, backend))
+    verdict = _verdict(args, env, backend, hybrid=shape.is_hybrid)
+    refused = _refusal(verdict, ("engine",))
+    if refused is not None:
+        sock.close()
+        return refused
+    for replaced in verdict.replacements:
+        logger.warning("%s", replaced.describe())
+    layout = kv_layout.running(
+        os.environ.get(kv_layout.VAR),
+        version=env.vllm_version,
+        backend=backend,
+        nixl=args.kv_transfer_config is not None and args.kv_transfer_config.is_nixl,
+    )
+    if layout is not None:
+        logger.info("Using %s KV cache layout.", layout)  # vLLM's resolve_kv_cache_layout says so
+    if shape.is_hybrid:  # the mode vLLM runs (cache_config_info shows it), whatever the deprecated flag said
+        mode = mamba.running_mode(
+            args.mamba_cache_mode, prefix_caching=args.enable_prefix_caching, version=env.vllm_version
+        )
+        args = dataclasses.replace(args, mamba_cache_mode=mode)
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
         start_rules.check_kv_cache_fits(

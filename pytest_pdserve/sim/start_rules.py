@@ -23,7 +23,7 @@ models of ``tiny_model.py``:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
@@ -123,21 +123,30 @@ def check_engine_config(args: ServeArgs) -> None:
 
 @dataclass
 class VllmConfig:
-    """vLLM's ``VllmConfig`` validation of the KV connector (``KVConnectorFactory.get_connector_class``,
-    ``distributed/kv_transfer/kv_connector/factory.py``, raised while vLLM builds its ``VllmConfig``): the factory's
-    ``ValueError`` (an unknown connector name; from 0.34 a NixlConnector ``transfer_mode`` it does not know)."""
+    """vLLM's ``VllmConfig`` validation, for the refusals vLLM raises while it builds it: the KV connector's name
+    (``KVConnectorFactory.get_connector_class``, ``distributed/kv_transfer/kv_connector/factory.py``) and the rules
+    of :mod:`pytest_pdserve.rules` whose refusal says ``validates="VllmConfig"`` (a MultiConnector child without
+    ``kv_role``)."""
 
-    connector_problem: str
+    refusal: str | None = None
 
     @model_validator(mode="after")
-    def _known_connector(self) -> VllmConfig:
-        raise ValueError(self.connector_problem)
+    def _refused(self) -> VllmConfig:
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
+        return self
 
 
-def check_kv_connector(problem: str) -> None:
-    """:raises pydantic.ValidationError: vLLM's ``1 validation error for VllmConfig`` for the factory's ``problem``
+def check_kv_connector(name: str, registered: Collection[str]) -> None:
+    """:raises pydantic.ValidationError: vLLM's ``1 validation error for VllmConfig`` for an unknown connector
     (measured on vLLM for CPU 0.32: ``Value error, Unsupported connector type: BogusConnector``, exit 1)."""
-    VllmConfig(connector_problem=problem)
+    VllmConfig(refusal=None if name in registered else f"Unsupported connector type: {name}")
+
+
+def refuse_in_config(message: str) -> None:
+    """:raises pydantic.ValidationError: ``1 validation error for VllmConfig`` / ``Value error, <message>``, as vLLM
+    raises a rule's refusal while it builds its config."""
+    VllmConfig(refusal=message)
 
 
 def _format_gib(n: int) -> str:

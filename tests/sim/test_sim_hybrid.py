@@ -56,7 +56,10 @@ def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: Factory) -> N
     common = ("--block-size", str(BLOCK), "--dtype", "float32", "--kv-transfer-config", NIXL_KVC)
 
     def side() -> dict[str, str]:
-        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        # A simulated GPU: on the CPU platform vLLM's Mamba kernel kills the engine on this 300-token prefill
+        # (rules/mamba.py; test_cpu_platform_engine_dies_on_a_prefill_of_more_than_one_block).
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "PDSERVE_SIM_PLATFORM": "cuda"}  # fmt: skip
 
     p: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")
     d: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")
@@ -80,3 +83,17 @@ def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: Factory) -> N
     assert delta(d0, d1, "vllm:prompt_tokens_by_source_total", source="local_compute") == 1
     # 3 attention blocks (299 tokens) plus the request's Mamba state.
     assert delta(d0, d1, "vllm:nixl_bytes_transferred_sum") == 3 * ATTN_BLOCK_BYTES + STATE_BYTES
+
+
+def test_cpu_platform_engine_dies_on_a_prefill_of_more_than_one_block(sim_factory: Factory) -> None:
+    """vLLM for CPU's Mamba kernel drops the per-chunk states an align-mode checkpoint needs, so a hybrid prefill of
+    more than one block kills its engine (IndexError, HTTP 500, then exit: rules/mamba.py); one block or less runs.
+    The simulator on its CPU platform dies the same way; on a GPU platform it does not (test above)."""
+    server: SimServer = sim_factory("--block-size", str(BLOCK), model="pdserve-sim/tiny-nemotronh",
+                                    env={"PDSERVE_SIM_PLATFORM": "cpu"})  # fmt: skip
+    server.wait_ready()
+    assert server.complete([9] * BLOCK, max_tokens=1).status_code == 200  # one block: no checkpoint
+    assert server.complete([8] * 100 + [9] * BLOCK, max_tokens=1).status_code == 500  # 228 tokens: a checkpoint
+    log = server.log()
+    assert "IndexError: index 3 is out of bounds for dimension 0 with size 1" in log
+    assert server.wait_exit() == 1

@@ -22,7 +22,7 @@ MULTI = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, OFFLOAD]},
 }
-LMCACHE = {"kv_connector": "LMCacheConnectorV1"}
+LMCACHE = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 BLOCK_BYTES = 128 * 114_688  # Qwen/Qwen3-0.6B, bfloat16
 
 
