@@ -133,11 +133,11 @@ def _mamba(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str
         backend = "FLASHINFER"  # the script's default; elsewhere FLASHINFER does not exist
     elif platform != "cuda":
         notes.append(f"attention backend: the script's default FLASHINFER is CUDA-only, not used on {platform}")
-    # ``--mamba-cache-mode all`` as vLLM 0.26's script passes it (0.32's passes align, which the command builder
-    # maps ``all`` to there; 0.33 drops the flag).
+    # No --mamba-cache-mode: every version's own default is its script's mode (0.26: ``all`` for a hybrid with
+    # prefix caching, as its script passes; 0.32: ``align``; 0.33 on: the flag is ignored) (rules/mamba.py).
     spec = spec_type.hybrid_ssm(
         name="vllm-mamba-prefix-cache", model=_model(environ, "MODEL"), block_size=block, max_model_len=16384,
-        gpu_memory_utilization=None if platform == "cpu" else 0.8, attention_backend=backend, mamba_cache_mode="all",
+        gpu_memory_utilization=None if platform == "cpu" else 0.8, attention_backend=backend,
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 
