@@ -10,8 +10,8 @@ templates, so tests can match them. Pytest-free.
 
 The package holds its private parts: ``_completions`` (requests and responses), ``_measure`` (metrics around
 a request, the ``ClusterLike``/``ServerLike`` protocols), ``_report`` (failure texts, flip verdicts),
-``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism`` and ``_cache`` (the
-checks). Everything public is imported here; import it from ``pytest_pdserve.assertions``.
+``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism``, ``_cache`` and ``_faithful``
+(the checks). Everything public is imported here; import it from ``pytest_pdserve.assertions``.
 ``PDCluster`` / ``ServerHandle`` here are ``pytest_pdserve.PDCluster`` / ``ServerHandle`` themselves; the checks
 accept anything shaped like them (``ClusterLike`` / ``ServerLike``).
 """
@@ -48,6 +48,17 @@ from pytest_pdserve.assertions._determinism import (
     assert_deterministic,
     assert_pd_matches_single,
 )
+from pytest_pdserve.assertions._faithful import (
+    CONTEXT_EFFECT_MESSAGE,
+    DEFAULT_FAITHFUL_TOP_K,
+    KV_MISMATCH_MESSAGE,
+    MIN_CONTEXT_EFFECT,
+    NOT_TRANSFERRED_MESSAGE,
+    TOLERANCES,
+    FaithfulResult,
+    assert_kv_faithful,
+    logprob_distance,
+)
 from pytest_pdserve.assertions._measure import ClusterLike, ServerLike
 from pytest_pdserve.assertions._report import (
     CONFIDENT_FLIP,
@@ -79,6 +90,8 @@ from pytest_pdserve.cluster import PDCluster, ServerHandle
 __all__ = [
     "COLD_NOT_COLD_MESSAGE",
     "CONFIDENT_FLIP",
+    "CONTEXT_EFFECT_MESSAGE",
+    "DEFAULT_FAITHFUL_TOP_K",
     "DEFAULT_TIE_TOLERANCE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_SEED",
@@ -87,10 +100,13 @@ __all__ = [
     "EXPECT_CHOICES",
     "FIRST_TRANSFER_ZERO_MESSAGE",
     "FLASH_ATTN_HINT",
+    "KV_MISMATCH_MESSAGE",
     "LOGPROB_DRIFT_MESSAGE",
+    "MIN_CONTEXT_EFFECT",
     "NOT_REACHED_MESSAGE",
     "NO_CACHE_HIT_MESSAGE",
     "NO_KV_TRANSFER_MESSAGE",
+    "NOT_TRANSFERRED_MESSAGE",
     "NO_LOGPROBS_MESSAGE",
     "PRECONDITION_MESSAGE",
     "PROMPT_SOURCES_MESSAGE",
@@ -98,6 +114,7 @@ __all__ = [
     "RESET_FAILED_MESSAGE",
     "SETTLE_TIMEOUT",
     "TIE_FLIP",
+    "TOLERANCES",
     "TRANSFER_NOT_SHRUNK_MESSAGE",
     "UNKNOWN_FLIP",
     "VACUOUS_NO_QUERIES_MESSAGE",
@@ -108,6 +125,7 @@ __all__ = [
     "ComparisonResult",
     "Divergence",
     "Expect",
+    "FaithfulResult",
     "FlipVerdict",
     "MeasuredResult",
     "PDCluster",
@@ -116,6 +134,7 @@ __all__ = [
     "assert_batch_invariant",
     "assert_cold_warm_match",
     "assert_deterministic",
+    "assert_kv_faithful",
     "assert_kv_transferred",
     "assert_pd_matches_single",
     "assert_prefix_cache_hit",
@@ -127,6 +146,7 @@ __all__ = [
     "first_divergence",
     "format_checks",
     "format_divergence",
+    "logprob_distance",
 ]
 
 SETTLE_TIMEOUT = 5.0
