@@ -51,7 +51,7 @@ NOT_TRANSFERRED_MESSAGE = (
 )
 KV_MISMATCH_MESSAGE = (
     "decode did not compute with the right KV: P/D's first-token logprobs differ from a direct serve's on {server} "
-    "by {distance} nats over the top {top_k} (tolerance {tolerance}; {split})"
+    "by {distance} over the top {top_k} (tolerance {tolerance} nats; {split})"
 )
 CONTEXT_EFFECT_MESSAGE = (
     "assert_kv_faithful: changing the first half of the prompt moved the first token's logprobs by only {effect} "
@@ -271,13 +271,15 @@ def assert_kv_faithful(
             )
         moved, _ = on(decode, changed, context_salt)
         effect = logprob_distance(ref_top, _first_top(moved, "the changed prompt"))
-        if effect < min_context_effect:
+        if not effect >= min_context_effect:
             raise precondition_error(
                 CONTEXT_EFFECT_MESSAGE.format(effect=f"{effect:.3g}", server=decode.name, minimum=min_context_effect)
             )
     if not distance <= tol:
+        shared = len(ref_top.keys() & pd_top.keys())
+        shown = f"{distance:.4g} nats" if math.isfinite(distance) else f"everything (the lists share {shared} tokens)"
         message = KV_MISMATCH_MESSAGE.format(
-            server=decode.name, distance=f"{distance:.4g}", top_k=top_k, tolerance=tol, split=split_text
+            server=decode.name, distance=shown, top_k=len(ref_top), tolerance=tol, split=split_text
         )
         raise AssertionError(message + "\n" + _comparison(cluster, pd, direct, decode.name))
     return FaithfulResult(len(ids), split_text, distance, tol, effect, loaded, expected, decode.name, pd, direct)

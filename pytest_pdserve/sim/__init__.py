@@ -52,6 +52,9 @@ PDSERVE_SIM_FAIL_KV_PULL               0           1: this (decode) server's KV 
 PDSERVE_SIM_KV_DROP_BLOCKS             0           N: the last N blocks of each of this (decode) server's pulls
                                                    never arrive while the transfer reports success; their KV
                                                    is what those blocks held before (a partial delivery)
+PDSERVE_SIM_CONTEXT_BLIND              0           1: answers depend on the prompt's last 8 tokens only, like a tiny
+                                                   model at Hugging Face's default init: a changed beginning or
+                                                   a wrong KV moves nothing (assert_kv_faithful's precondition)
 PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  (none)      comma list of backends that are not batch-invariant
 PDSERVE_SIM_NONDETERMINISM_RATE        1.0         share of warm-prefix-cache requests (decided per prompt)
                                                    whose output differs from the cold output on those backends

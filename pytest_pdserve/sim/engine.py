@@ -593,6 +593,8 @@ class Engine:
         n_out = 1 if remote_decode else max_tokens
         before_last = self._state_after(chain, n_work - 2, state) if self.shape.is_hybrid and n_work > 1 else None
         context = kvcontent.context_digest(self.weights, digests, before_last)
+        if self.env.context_blind:  # PDSERVE_SIM_CONTEXT_BLIND: the KV before the last 8 tokens is never read
+            context = kvcontent.context_digest(self.weights, [ids_bytes(prompt_ids[-8:])], None)
         output = self._sample(context, prompt_ids, params, n_out)
         output = self._maybe_perturb(prompt_ids, output, local_hit, request_id, context)
         transfer_params: dict[str, Any] | None = None
@@ -792,12 +794,14 @@ class Engine:
         return hashlib.blake2b(self.root_hash + b"|cache_salt|" + salt.encode(), digest_size=16).digest()
 
     def _sample(self, context: bytes, prompt_ids: list[int], params: SamplingParams, count: int) -> list[int]:
-        """Output ids computed from the request's context (kvcontent.context_digest): the KV it really used."""
+        """Output ids computed from the request's context (kvcontent.context_digest: the KV it really used, which
+        covers the prompt)."""
+        del prompt_ids
         if params.temperature == 0:
-            return generate_ids(context, prompt_ids, count)
+            return generate_ids(context, (), count)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         key = f"seed={seed};t={params.temperature!r}".encode()
-        return generate_ids(context, prompt_ids, count, sample_key=key)
+        return generate_ids(context, (), count, sample_key=key)
 
     def _maybe_perturb(
         self, prompt_ids: list[int], output: list[int], local_hit: int, request_id: str, context: bytes

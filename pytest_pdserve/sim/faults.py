@@ -55,6 +55,8 @@ class SimEnv:
     fail_kv_pull: bool = False
     #: ``PDSERVE_SIM_KV_DROP_BLOCKS``: the last N blocks of each pull never arrive (the transfer reports success).
     kv_drop_blocks: int = 0
+    #: ``PDSERVE_SIM_CONTEXT_BLIND``: outputs read only the prompt's last 8 tokens (a model that ignores its context).
+    context_blind: bool = False
     #: ``VLLM_KV_CACHE_LAYOUT`` as vLLM resolves it for NIXL (kvtransfer.kv_cache_layout).
     kv_cache_layout: str = "LBHNC"
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
@@ -161,6 +163,7 @@ class SimEnv:
             spawn_workers=workers,
             fail_kv_pull=flag("PDSERVE_SIM_FAIL_KV_PULL"),
             kv_drop_blocks=integer("PDSERVE_SIM_KV_DROP_BLOCKS", 0, 0, 1 << 20) or 0,
+            context_blind=flag("PDSERVE_SIM_CONTEXT_BLIND"),
             kv_cache_layout=kv_cache_layout(environ),
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
