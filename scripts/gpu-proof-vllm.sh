@@ -12,6 +12,8 @@
 #   mamba        vLLM's test_mamba_prefix_cache.py --pd-export-env --pd-preset=vllm-mamba-prefix-cache
 #   multi        vLLM's test_multi_connector_edge_cases.py --pd-export-env --pd-preset=vllm-multi-connector-edge-case
 #   determinism  tests/gpu/vllm/test_determinism_matrix.py on FLASH_ATTN and TRITON_ATTN
+#   faithful     tests/gpu/vllm/test_kv_faithful_matrix.py (the break matrix of docs/faithful-kv.md) on FLASH_ATTN,
+#                TRITON_ATTN and FLASHINFER (PDSERVE_PROOF_BACKENDS overrides the list)
 # vLLM's modules come from .cache/vllm-tests/<version>/nixl_integration (scripts/fetch-vllm-tests.sh VERSION, run
 # where PyPI is reachable; carry ".cache/vllm-tests").
 # Files written to OUT_DIR (flat, at most 8): machine.txt, <suite>.log per suite (the last suites' logs are
@@ -21,11 +23,12 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 out=${1:-${OUT:-/tmp/gpu-proof}}
 mkdir -p "$out"
-suites=${PDSERVE_PROOF_SUITES:-examples contract edge mamba multi determinism}
+suites=${PDSERVE_PROOF_SUITES:-examples contract edge mamba multi determinism faithful}
 per_suite=${PDSERVE_PROOF_TIMEOUT:-560}
 for s in $suites; do
-  case $s in examples|contract|edge|mamba|multi|determinism) ;; *)
-    echo "gpu-proof: unknown suite '$s' in PDSERVE_PROOF_SUITES (examples contract edge mamba multi determinism)" >&2
+  case $s in examples|contract|edge|mamba|multi|determinism|faithful) ;; *)
+    echo "gpu-proof: unknown suite '$s' in PDSERVE_PROOF_SUITES (examples contract edge mamba multi determinism" \
+      "faithful)" >&2
     exit 2;; esac
 done
 
@@ -100,6 +103,11 @@ for s in $suites; do
       for backend in FLASH_ATTN TRITON_ATTN; do
         where=$repo ATTENTION_BACKEND=$backend run_suite "determinism-$backend" tests/gpu/vllm/test_determinism_matrix.py \
           "${common[@]}"
+      done ;;
+    faithful)
+      for backend in ${PDSERVE_PROOF_BACKENDS:-FLASH_ATTN TRITON_ATTN FLASHINFER}; do
+        where=$repo ATTENTION_BACKEND=$backend run_suite "faithful-$backend" tests/gpu/vllm/test_kv_faithful_matrix.py \
+          "${common[@]}" -s
       done ;;
   esac
 done

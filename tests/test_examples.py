@@ -31,7 +31,7 @@ def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str, *extra
 
 def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Path) -> None:
     result = _run_examples(pytester, tmp_path, "sim")
-    result.assert_outcomes(passed=19, skipped=2)
+    result.assert_outcomes(passed=21, skipped=2)
     result.stdout.fnmatch_lines(["*SKIPPED*rocm*needs platform rocm*"])
 
 
@@ -48,11 +48,11 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
     try:
         first = _run_examples(pytester, tmp_path, "vllm", *reuse)
         # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
-        first.assert_outcomes(passed=18, skipped=3)
+        first.assert_outcomes(passed=20, skipped=3)
         first.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache prompts longer than one chunk*"])
         first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-*, hybrid-ssm-2-* for the next --pd-reuse run*"])
         second = _run_examples(pytester, tmp_path, "vllm", *reuse)
-        second.assert_outcomes(passed=18, skipped=3)
+        second.assert_outcomes(passed=20, skipped=3)
         second.stdout.fnmatch_lines(
             ["*cluster pd (vllm, 1P x 1D) reused kept cluster pd-1-*", "*cluster hybrid-ssm (vllm, 1P x 1D) reused*"]
         )
