@@ -225,13 +225,14 @@ def test_a_correct_hybrid_cluster_passes_sim(request: pytest.FixtureRequest) -> 
 # ------------------------------------------------------------------------------- what vLLM refuses before a request
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_block_size_per_side_is_refused_before_a_start(engine: str) -> None:
+def test_a_block_size_per_side_is_refused_before_a_start() -> None:
     """The cluster's block size is one setting, read back from every server at start (a server that runs another
-    fails the start: tests/test_start_checks.py); per-side sizes are refused before anything starts. What vLLM itself
-    does with them is in docs/faithful-kv.md (tests/sim/test_sim_kvcontent.py models it)."""
-    with pytest.raises(ClusterSpecError, match="--block-size"):
-        ClusterSpec(engine=engine, prefill_extra_args=("--block-size", "64"))
+    fails the start: tests/test_start_checks.py); per-side sizes are refused before anything starts, on either engine.
+    What vLLM itself does with them is in docs/faithful-kv.md (tests/sim/test_sim_kvcontent.py models it)."""
+    for engine in ENGINES:
+        for side in ("prefill_extra_args", "decode_extra_args"):
+            with pytest.raises(ClusterSpecError, match="--block-size"):
+                ClusterSpec(engine=engine, **{side: ("--block-size", "64")})
 
 
 @pytest.mark.parametrize("engine", ENGINES)
