@@ -5,7 +5,8 @@ Each cell is one test per engine; the `[vllm]` ones form the real-vLLM tier's pa
 the GPU column). To keep real starts few, one cluster carries several cells: `bad-llama` (prefill serving other
 weights, decode under kv_load_failure_policy=recompute) holds the wrong-weights cell and the failed-pull cell (a
 pull from a prefill that is gone, recomputed by decode with its own right weights); `bad-hybrid` the same for the
-hybrid model; the healthy cells run on the shared real cluster (conftest's `real_pd_cluster`). The cells that
+hybrid model (simulator only in CI: :data:`HYBRID_ENGINES`); the healthy cells run on the shared real cluster
+(conftest's `real_pd_cluster`). The cells that
 drive prefill and decode themselves (`route=`) send what the toy proxy sends, with `kv_transfer_params` edited.
 """
 
@@ -32,6 +33,10 @@ from pytest_pdserve.proxy import prefill_body
 from pytest_pdserve.spec import ClusterSpec
 
 ENGINES = ["sim", "vllm"]
+#: The hybrid's wrong-KV cells on the simulator only in CI: on vLLM for CPU they need a second real cluster (about
+#: 60 s of starts, over the tier's budget) and were measured once (docs/faithful-kv.md); vLLM's hybrid positive
+#: control runs in examples/test_mamba_prefix_cache.py and the GPU column runs them all. Add "vllm" to run them here.
+HYBRID_ENGINES = ["sim"]
 #: A norm epsilon far from the tiny models' (1e-6 for the Llama, 1e-5 for NemotronH): the KV prefill computes has
 #: the right shapes and the wrong values (the issue's control; MoRIIO's uses 1.0).
 BAD_LLAMA = ("--hf-overrides", json.dumps({"rms_norm_eps": 0.01}))
@@ -199,7 +204,7 @@ def test_a_failed_pull_recomputed_fails_as_not_transferred(request: pytest.Fixtu
     assert "its answer matches the direct serve's" in str(info.value)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", HYBRID_ENGINES)
 def test_hybrid_prefill_serving_other_weights_fails(request: pytest.FixtureRequest, engine: str) -> None:
     """The hybrid's prefill stops one token short and sends the Mamba state: wrong weights change both."""
     cluster = _cluster(request, _bad_hybrid(engine))
@@ -207,7 +212,7 @@ def test_hybrid_prefill_serving_other_weights_fails(request: pytest.FixtureReque
         assert_kv_faithful(cluster, _request(cluster, HYBRID_TOKENS, 8))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", HYBRID_ENGINES)
 def test_hybrid_failed_pull_recomputed_fails_as_not_transferred(request: pytest.FixtureRequest, engine: str) -> None:
     cluster = _cluster(request, _bad_hybrid(engine))
     body = _request(cluster, HYBRID_TOKENS, 9)
