@@ -44,6 +44,9 @@ BAD_HYBRID = ("--hf-overrides", json.dumps({"layer_norm_epsilon": 0.01}))
 #: vLLM for CPU's Mamba kernel kills the engine on a prefix-cached hybrid prompt longer than one block.
 HYBRID_TOKENS = 40
 Route = Callable[[dict[str, Any]], Mapping[str, Any]]
+#: A cluster vLLM would not start: a server refused, or no request moved KV (ServerStartupError), or the plugin
+#: refused it before starting anything, in vLLM's words (a ClusterSpecError).
+NOT_STARTED = (ServerStartupError, ClusterSpecError)
 
 
 def _spec(engine: str, **fields: Any) -> ClusterSpec:
@@ -246,7 +249,7 @@ def test_a_kv_cache_layout_set_on_one_side_does_not_start(request: pytest.Fixtur
     """VLLM_KV_CACHE_LAYOUT=NHD on prefill only: vLLM for CPU refuses NHD at start (its CPU backend takes LBHNC, which
     HND names); where both layouts start (a GPU), the NIXL handshake refuses the pair and no P/D request moves KV."""
     spec = _spec(engine, prefill_env={"VLLM_KV_CACHE_LAYOUT": "NHD"}, name="layout-mismatch")
-    with pytest.raises(ServerStartupError) as info:
+    with pytest.raises(NOT_STARTED) as info:
         _cluster(request, spec)
     assert "kv_cache_layout" in _start_failure(request, info.value, "layout-mismatch").lower(), str(info.value)
 
@@ -256,13 +259,14 @@ def test_a_conv_state_layout_set_on_one_side_does_not_start(request: pytest.Fixt
     """VLLM_SSM_CONV_STATE_LAYOUT=SD on the hybrid's prefill only (the seed script sets DS on both): NixlConnector's
     worker refuses a hybrid model without the dim-first conv state at start (measured on vLLM for CPU)."""
     spec = ClusterSpec.hybrid_ssm(engine=engine, prefill_env={"VLLM_SSM_CONV_STATE_LAYOUT": "SD"}, name="conv-mismatch")
-    with pytest.raises(ServerStartupError) as info:
+    with pytest.raises(NOT_STARTED) as info:
         _cluster(request, spec)
     assert "VLLM_SSM_CONV_STATE_LAYOUT=DS" in _start_failure(request, info.value, "conv-mismatch"), str(info.value)
 
 
-def _start_failure(request: pytest.FixtureRequest, exc: ServerStartupError, name: str) -> str:
+def _start_failure(request: pytest.FixtureRequest, exc: BaseException, name: str) -> str:
     """What a failed start says: its message and the logs of the cluster's servers (a refusal at the NIXL handshake
     is in decode's log, while the start error is the proxy's failed round trip)."""
     logs = log_dir(request.config, request.getfixturevalue("tmp_path_factory"))
-    return exc.describe() + "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"{name}-*.log")))
+    text = exc.describe() if isinstance(exc, ServerStartupError) else str(exc)
+    return text + "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"{name}-*.log")))

@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_kv_faithful import BAD_HYBRID, BAD_LLAMA, _by_hand, _gone, _swap_first_block
+from test_kv_faithful import BAD_HYBRID, BAD_LLAMA, NOT_STARTED, _by_hand, _gone, _swap_first_block
 
 from pytest_pdserve.assertions import CONFIDENT_FLIP, assert_kv_faithful, assert_pd_matches_single
-from pytest_pdserve.errors import ServerStartupError
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
 
@@ -112,5 +111,5 @@ def test_hybrid_prefill_serving_other_weights_fails(pd_cluster_factory: Any) -> 
 def test_a_layout_set_on_one_side_does_not_start(pd_cluster_factory: Any, spec: ClusterSpec) -> None:
     """On a GPU both KV layouts may start, and then the NIXL handshake refuses the pair (no request moves KV: the
     start's round trip fails); a backend without LBNHC refuses NHD at start; a hybrid without DS is refused at start."""
-    with pytest.raises(ServerStartupError):
+    with pytest.raises(NOT_STARTED):
         pd_cluster_factory(spec)
