@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 
-from pytest_pdserve.assertions import assert_cold_warm_match, assert_deterministic, assert_pd_matches_single
+from pytest_pdserve.assertions import (
+    assert_cold_warm_match,
+    assert_deterministic,
+    assert_kv_faithful,
+    assert_pd_matches_single,
+)
 from pytest_pdserve.prompts import prompt_with_tokens, words
 
 
@@ -19,6 +24,12 @@ def test_same_request_twice(pd_cluster):
 def test_pd_matches_single_instance(pd_cluster):
     # The first prefill server, asked directly, is a plain (non-disaggregated) vLLM instance.
     assert_pd_matches_single(pd_cluster, {"prompt": prompt_with_tokens(pd_cluster, 300, seed=3), "max_tokens": 16})
+
+
+def test_decode_computed_with_the_right_kv(pd_cluster):
+    # The first token's logprobs through P/D equal a direct serve's on the decode server: the KV decode received was
+    # the KV it would have computed (not just some KV that moved); the prompt's changed beginning must show.
+    assert_kv_faithful(pd_cluster, {"prompt": prompt_with_tokens(pd_cluster, 300, seed=7), "max_tokens": 8})
 
 
 def test_cold_cache_matches_warm_cache(pd_cluster):

@@ -13,7 +13,12 @@ from __future__ import annotations
 import pytest
 
 from pytest_pdserve import session_engine
-from pytest_pdserve.assertions import assert_deterministic, assert_kv_transferred, assert_transfer_shrinks
+from pytest_pdserve.assertions import (
+    assert_deterministic,
+    assert_kv_faithful,
+    assert_kv_transferred,
+    assert_transfer_shrinks,
+)
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.spec import ClusterSpec
 
@@ -47,3 +52,11 @@ def test_short_prompt_transfers_and_repeats(hybrid_cluster):
     request = {"prompt": prompt_with_tokens(hybrid_cluster, 40, seed=31), "max_tokens": 10, "seed": 42}
     assert_kv_transferred(hybrid_cluster, request)
     assert_deterministic(hybrid_cluster, request)
+
+
+def test_decode_computed_with_the_right_kv_and_state(hybrid_cluster):
+    # Prefill stops one token short and sends the KV and the Mamba state after it; decode computes the last token.
+    # The first token must match a direct serve on decode. On CPU the prompt stays within one block (see above).
+    tokens = 40 if hybrid_cluster.engine == "vllm" and hybrid_cluster.platform == "cpu" else 300
+    request = {"prompt": prompt_with_tokens(hybrid_cluster, tokens, seed=32), "max_tokens": 8}
+    assert_kv_faithful(hybrid_cluster, request)

@@ -13,6 +13,8 @@
 #   multi        vLLM's test_multi_connector_edge_cases.py --pd-export-env --pd-preset=vllm-multi-connector-edge-case
 #   determinism  tests/gpu/vllm/test_determinism_matrix.py (tiny Llama and tiny hybrid) once per backend in
 #                PDSERVE_PROOF_BACKENDS (default: FLASHINFER FLASH_ATTN TRITON_ATTN)
+#   faithful     tests/gpu/vllm/test_kv_faithful_matrix.py (the break matrix of docs/faithful-kv.md) once per
+#                backend in PDSERVE_PROOF_BACKENDS
 #   vs-edge, vs-mamba, vs-multi
 #                benchmarks/bench_bash_vs_plugin_gpu.py: vLLM's own run_*.sh script for that module, then the
 #                plugin's command for it, timed side by side (versus.jsonl)
@@ -29,13 +31,13 @@ repo=$PWD
 t_start=$SECONDS
 out=${1:-${OUT:-/tmp/gpu-proof}}
 mkdir -p "$out"
-suites=${PDSERVE_PROOF_SUITES:-examples contract edge mamba multi determinism}
+suites=${PDSERVE_PROOF_SUITES:-examples contract edge mamba multi determinism faithful}
 backends=${PDSERVE_PROOF_BACKENDS:-FLASHINFER FLASH_ATTN TRITON_ATTN}
 per_suite=${PDSERVE_PROOF_TIMEOUT:-540}
 deadline=${PDSERVE_PROOF_DEADLINE:-540}
 for s in $suites; do
-  case $s in examples|contract|edge|mamba|multi|determinism|vs-edge|vs-mamba|vs-multi) ;; *)
-    echo "gpu-proof: unknown suite '$s' in PDSERVE_PROOF_SUITES (examples contract edge mamba multi determinism vs-edge vs-mamba vs-multi)" >&2
+  case $s in examples|contract|edge|mamba|multi|determinism|faithful|vs-edge|vs-mamba|vs-multi) ;; *)
+    echo "gpu-proof: unknown suite '$s' in PDSERVE_PROOF_SUITES (examples contract edge mamba multi determinism faithful vs-edge vs-mamba vs-multi)" >&2
     exit 2;; esac
 done
 for b in $backends; do
@@ -141,6 +143,11 @@ for s in $suites; do
       done ;;
     vs-edge|vs-mamba) versus "${s#vs-}" ;;
     vs-multi) VLLM_KV_CACHE_LAYOUT=$layout versus multi ;;
+    faithful)
+      for backend in $backends; do
+        where=$repo ATTENTION_BACKEND=$backend run_suite "faithful-$backend" tests/gpu/vllm/test_kv_faithful_matrix.py \
+          "${common[@]}" -s
+      done ;;
   esac
 done
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader >"$out/apps-after.txt" 2>&1

@@ -32,7 +32,7 @@ def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str, *extra
 def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Path) -> None:
     result = _run_examples(pytester, tmp_path, "sim")
     # The long hybrid-Mamba prompt is skipped on the CPU platform on both engines (rules/mamba.py), as on real vLLM.
-    result.assert_outcomes(passed=20, skipped=3)
+    result.assert_outcomes(passed=22, skipped=3)
     result.stdout.fnmatch_lines(["*SKIPPED*rocm*needs platform rocm*"])
     result.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache a prompt of more than one block*"])
 
@@ -55,7 +55,7 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
         first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-*, hybrid-ssm-2-* for the next --pd-reuse run*"])
         second = _run_examples(pytester, tmp_path, "vllm", *reuse)
         # The fault examples need servers this run started: on the kept cluster they skip, saying so.
-        second.assert_outcomes(passed=18, skipped=5)
+        second.assert_outcomes(passed=20, skipped=5)
         second.stdout.fnmatch_lines(["*SKIPPED*faults need servers this run started*"])
         second.stdout.fnmatch_lines(
             ["*cluster pd (vllm, 1P x 1D) reused kept cluster pd-1-*", "*cluster hybrid-ssm (vllm, 1P x 1D) reused*"]

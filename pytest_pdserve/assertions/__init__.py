@@ -10,9 +10,9 @@ templates, so tests can match them. Pytest-free.
 
 The package holds its private parts: ``_completions`` (requests and responses), ``_measure`` (metrics around
 a request, the ``ClusterLike``/``ServerLike`` protocols), ``_report`` (failure texts, flip verdicts),
-``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism``, ``_cache`` and ``_faults``
-(the checks; ``_faults``: what P/D must do about a fault a test caused, ``ServerHandle.pause``/``kill``/``restart``).
-Everything public is imported here; import it from ``pytest_pdserve.assertions``.
+``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism``, ``_cache``, ``_faithful`` and
+``_faults`` (the checks; ``_faults``: what P/D must do about a fault a test caused, ``ServerHandle.pause``/``kill``/
+``restart``). Everything public is imported here; import it from ``pytest_pdserve.assertions``.
 ``PDCluster`` / ``ServerHandle`` here are ``pytest_pdserve.PDCluster`` / ``ServerHandle`` themselves; the checks
 accept anything shaped like them (``ClusterLike`` / ``ServerLike``).
 """
@@ -48,6 +48,17 @@ from pytest_pdserve.assertions._determinism import (
     assert_cold_warm_match,
     assert_deterministic,
     assert_pd_matches_single,
+)
+from pytest_pdserve.assertions._faithful import (
+    CONTEXT_EFFECT_MESSAGE,
+    DEFAULT_FAITHFUL_TOP_K,
+    KV_MISMATCH_MESSAGE,
+    MIN_CONTEXT_EFFECT,
+    NOT_TRANSFERRED_MESSAGE,
+    TOLERANCES,
+    FaithfulResult,
+    assert_kv_faithful,
+    logprob_distance,
 )
 from pytest_pdserve.assertions._faults import (
     HANG_AFTER,
@@ -92,6 +103,8 @@ from pytest_pdserve.cluster import PDCluster, ServerHandle
 __all__ = [
     "COLD_NOT_COLD_MESSAGE",
     "CONFIDENT_FLIP",
+    "CONTEXT_EFFECT_MESSAGE",
+    "DEFAULT_FAITHFUL_TOP_K",
     "DEFAULT_TIE_TOLERANCE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_SEED",
@@ -102,12 +115,15 @@ __all__ = [
     "FLASH_ATTN_HINT",
     "HANG_AFTER",
     "HUNG_MESSAGE",
+    "KV_MISMATCH_MESSAGE",
     "LOGPROB_DRIFT_MESSAGE",
+    "MIN_CONTEXT_EFFECT",
     "NOT_PD_READY_MESSAGE",
     "NOT_REACHED_MESSAGE",
     "NOT_RECOMPUTED_MESSAGE",
     "NO_CACHE_HIT_MESSAGE",
     "NO_KV_TRANSFER_MESSAGE",
+    "NOT_TRANSFERRED_MESSAGE",
     "NO_LOGPROBS_MESSAGE",
     "PRECONDITION_MESSAGE",
     "PROMPT_SOURCES_MESSAGE",
@@ -117,6 +133,7 @@ __all__ = [
     "SILENT_MESSAGE",
     "SUCCEEDED_MESSAGE",
     "TIE_FLIP",
+    "TOLERANCES",
     "TRANSFER_NOT_SHRUNK_MESSAGE",
     "UNKNOWN_FLIP",
     "VACUOUS_NO_QUERIES_MESSAGE",
@@ -127,6 +144,7 @@ __all__ = [
     "ComparisonResult",
     "Divergence",
     "Expect",
+    "FaithfulResult",
     "FastFailure",
     "FlipVerdict",
     "MeasuredResult",
@@ -137,6 +155,7 @@ __all__ = [
     "assert_cold_warm_match",
     "assert_deterministic",
     "assert_fails_fast",
+    "assert_kv_faithful",
     "assert_kv_recomputed",
     "assert_kv_transferred",
     "assert_pd_matches_single",
@@ -150,6 +169,7 @@ __all__ = [
     "first_divergence",
     "format_checks",
     "format_divergence",
+    "logprob_distance",
 ]
 
 SETTLE_TIMEOUT = 5.0

@@ -119,7 +119,7 @@ def complete(
     resp = client.post(path, json=dict(request))
     if request_failed(resp):
         _request_failed(label, path, resp)
-    return _from_json(resp.json(), label)
+    return from_json(resp.json(), label)
 
 
 def _request_failed(label: str, path: str, resp: httpx.Response) -> None:
@@ -155,7 +155,8 @@ def _logprob_fields(
     return tokens, chosen, top
 
 
-def _from_json(data: Any, label: str) -> Completion:
+def from_json(data: Any, label: str) -> Completion:
+    """The first choice of a completion/chat response's JSON as a :class:`Completion` (*label* names its source)."""
     __tracebackhide__ = True
     try:
         choice = data["choices"][0]

@@ -10,10 +10,13 @@ It speaks vLLM's HTTP interface (``/health``, ``/v1/models``, ``/v1/completions`
 ``/reset_prefix_cache``, ``/reset_mm_cache``, ``/reset_encoder_cache``, ``/sleep``, ``/wake_up``,
 ``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``, ``/update_weight_version``), keeps a
 block-granular prefix cache with vLLM's arithmetic, exports vLLM's metric names, and performs real
-P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel.
+P/D (NixlConnector pull mode) KV transfers between two processes over a TCP side channel. Its answers are computed
+from the KV a request really used (``kvcontent``): a decode that received KV computed with other weights
+(``--hf-overrides``), or blocks of another prompt, answers differently, as vLLM does.
 
 Modules: ``cli`` (argv, stdlib only), ``faults`` (environment knobs, orphan workers, hang),
-``tokenizer`` (synthetic tokenizer and model), ``engine`` (prefix cache, leases, pulls, generation),
+``tokenizer`` (synthetic tokenizer and model), ``kvcontent`` (what the KV cache holds),
+``engine`` (prefix cache, leases, pulls, generation),
 ``kvtransfer`` (side channel), ``metrics`` (Prometheus families), ``app`` (starlette routes),
 ``server`` (process lifecycle).
 
@@ -46,6 +49,12 @@ PDSERVE_SIM_SPAWN_WORKERS              0           N: start N detached (setsid) 
                                                    killed on a graceful exit, orphaned when the server
                                                    is SIGKILLed
 PDSERVE_SIM_FAIL_KV_PULL               0           1: this (decode) server's KV pulls fail after the handshake
+PDSERVE_SIM_KV_DROP_BLOCKS             0           N: the last N blocks of each of this (decode) server's pulls
+                                                   never arrive while the transfer reports success; their KV
+                                                   is what those blocks held before (a partial delivery)
+PDSERVE_SIM_CONTEXT_BLIND              0           1: answers depend on the prompt's last 8 tokens only, like a tiny
+                                                   model at Hugging Face's default init: a changed beginning or
+                                                   a wrong KV moves nothing (assert_kv_faithful's precondition)
 PDSERVE_SIM_NONDETERMINISTIC_BACKENDS  (none)      comma list of backends that are not batch-invariant
 PDSERVE_SIM_NONDETERMINISM_RATE        1.0         share of warm-prefix-cache requests (decided per prompt)
                                                    whose output differs from the cold output on those backends
@@ -59,6 +68,9 @@ PDSERVE_SIM_GPU                        0           1: import torch, hold a 16 Mi
 PDSERVE_SIM_PLATFORM                   cpu         cpu, cuda or rocm: the simulated platform (cuda with
                                                    PDSERVE_SIM_GPU=1); pytest passes the session's. On cpu
                                                    any --attention-backend runs CPU_ATTN, as on vLLM for CPU
+VLLM_KV_CACHE_LAYOUT                   LBHNC       the KV cache layout registered with NIXL (NHD, HND: vLLM's
+                                                   aliases of LBNHC, LBHNC); a P/D pair whose layouts differ
+                                                   fails the handshake, as in vLLM
 VLLM_ALLOW_LONG_MAX_MODEL_LEN          0           1/true: --max-model-len may exceed the model's
                                                    max_position_embeddings (else refused at start, as vLLM does)
 PDSERVE_SIM_VLLM_VERSION               0.34.0      the vLLM version reported and followed (``sim/vllm_rules.py``:

@@ -317,21 +317,26 @@ blocks /health, other requests or a SIGTERM shutdown (issue 16)."""
 
 
 def _top(engine: Engine, gen: Generation, position: int, count: int) -> list[tuple[int, float]]:
+    """The ranked (token, logprob) pairs at an output position, from the context the request computed with."""
     chosen = gen.output_ids[position]
-    base = tokenizer.logprob_of(engine.model_key, gen.prompt_ids, position, chosen) / 3.0
-    ids = tokenizer.top_alternatives(chosen, position, max(count, 1))
     packed = tokenizer.ids_bytes(gen.prompt_ids)
     tie = engine.env.tie_flip and position == faults.tie_position(packed, len(gen.output_ids))
-    return [(tid, base - (faults.TIE_GAP if tie and rank == 1 else 0.75 * rank)) for rank, tid in enumerate(ids)]
+    values = tokenizer.top_logprobs(gen.context, position, chosen, faults.TIE_GAP if tie else None)
+    ids = tokenizer.top_alternatives(chosen, position, max(count, 1), salt=gen.context)
+    # Beyond rank 19 (a count over vLLM's default --max-logprobs) each further rank is 0.5 nats lower.
+    return [(tid, values[rank] if rank < len(values) else values[-1] - 0.5 * (rank - len(values) + 1))
+            for rank, tid in enumerate(ids)]  # fmt: skip
 
 
-async def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> dict[str, Any]:
+async def _completion_logprobs(engine: Engine, gen: Generation, count: int, as_ids: bool = False) -> dict[str, Any]:
+    """vLLM's completion logprobs; ``as_ids``: ``return_tokens_as_token_ids``, every token (and top-logprobs key)
+    written ``token_id:N``."""
     offsets, tokens, lps, tops = [], [], [], []
     offset = 0
     for pos, tid in enumerate(gen.output_ids):
         if pos % YIELD_EVERY == YIELD_EVERY - 1:
             await asyncio.sleep(0)
-        text = engine.token_text(tid)
+        text = f"token_id:{tid}" if as_ids else engine.token_text(tid)
         # The entries are keyed by text, and two alternatives can decode alike (byte-level pieces of a character
         # all read "\ufffd"). vLLM rewrites such a piece from the sampled context (v1/engine/logprobs.py,
         # _verify_tokens), and its keys stayed distinct in every differential run; the simulator cannot, so it
@@ -344,9 +349,9 @@ async def _completion_logprobs(engine: Engine, gen: Generation, count: int) -> d
         for t, lp in top:
             if len(entries) == max(count, 1):
                 break
-            entries.setdefault(engine.token_text(t), lp)
+            entries.setdefault(f"token_id:{t}" if as_ids else engine.token_text(t), lp)
         tops.append(entries)
-        offset += len(text)
+        offset += len(engine.token_text(tid))
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 
 
@@ -607,7 +612,9 @@ def build_app(state: AppState) -> Starlette:
                                        f"{rid}-0")  # fmt: skip
         created = int(time.time())
         want_ids = bool(body.get("return_token_ids"))
-        lps = [await _completion_logprobs(engine, gen, logprobs) if logprobs is not None else None for gen in gens]
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        lps = [await _completion_logprobs(engine, gen, logprobs, as_ids) if logprobs is not None else None
+               for gen in gens]  # fmt: skip
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated
             return _stream(engine, model, gens, rid, created, "text_completion", include_usage, want_ids, lps,

@@ -212,6 +212,8 @@ class ServeArgs:
     distributed_executor_backend: str | None = None
     revision: str | None = None
     tokenizer: str | None = None
+    #: ``--hf-overrides``: config values that change the weights the server computes with (sim/kvcontent.py).
+    hf_overrides: Mapping[str, Any] | None = None
     non_default: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -313,6 +315,17 @@ def resolve_attention_backend(value: str | None) -> str | None:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"Unknown attention backend: '{value}'. Valid options are: {', '.join(ATTENTION_BACKENDS)}")
     return name
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    """A JSON object flag (vLLM's dict-typed fields: ``--hf-overrides``)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object")
+    return parsed
 
 
 def _port(value: str) -> int:
@@ -442,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--revision", default=None, help="accepted (no effect)")
     p.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="model config values to override; changes the weights the KV is computed with",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -494,5 +514,6 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         distributed_executor_backend=ns.distributed_executor_backend,
         revision=ns.revision,
         tokenizer=ns.tokenizer,
+        hf_overrides=ns.hf_overrides,
         non_default=non_default,
     )

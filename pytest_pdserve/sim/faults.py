@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pytest_pdserve.common.digits import parse_float, parse_int
 from pytest_pdserve.config.bounds import SERVER_KEEPALIVE_ENV
+from pytest_pdserve.sim.kvtransfer import kv_cache_layout
 from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
 
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
@@ -52,6 +53,12 @@ class SimEnv:
     ignore_sigterm: bool = False
     spawn_workers: int = 0
     fail_kv_pull: bool = False
+    #: ``PDSERVE_SIM_KV_DROP_BLOCKS``: the last N blocks of each pull never arrive (the transfer reports success).
+    kv_drop_blocks: int = 0
+    #: ``PDSERVE_SIM_CONTEXT_BLIND``: outputs read only the prompt's last 8 tokens (a model that ignores its context).
+    context_blind: bool = False
+    #: ``VLLM_KV_CACHE_LAYOUT`` as vLLM resolves it for NIXL (kvtransfer.kv_cache_layout).
+    kv_cache_layout: str = "LBHNC"
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
     nondeterminism_rate: float = 1.0
     gpu: bool = False
@@ -155,6 +162,9 @@ class SimEnv:
             ignore_sigterm=flag("PDSERVE_SIM_IGNORE_SIGTERM"),
             spawn_workers=workers,
             fail_kv_pull=flag("PDSERVE_SIM_FAIL_KV_PULL"),
+            kv_drop_blocks=integer("PDSERVE_SIM_KV_DROP_BLOCKS", 0, 0, 1 << 20) or 0,
+            context_blind=flag("PDSERVE_SIM_CONTEXT_BLIND"),
+            kv_cache_layout=kv_cache_layout(environ),
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
             gpu=flag("PDSERVE_SIM_GPU"),

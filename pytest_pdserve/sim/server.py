@@ -321,6 +321,8 @@ async def _serve_async(
         args = dataclasses.replace(args, mamba_cache_mode=mode)
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
+        if engine.nixl and (refusal := kvtransfer.conv_state_layout_problem(shape.is_hybrid, os.environ)):
+            raise start_rules.StartRefused(refusal)
         start_rules.check_kv_cache_fits(
             engine.max_model_len, engine.block_size, engine.bytes_per_block, engine.mamba_state_bytes,
             kv_cache_bytes(args),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import re
 from array import array
 from collections.abc import Sequence
@@ -276,7 +277,8 @@ def _token_from(digest: bytes) -> int:
 
 
 def generate_ids(model_key: bytes, prompt_ids: Sequence[int], count: int, sample_key: bytes = b"") -> list[int]:
-    """``count`` generated ids: a blake2b chain seeded by the model, the prompt and ``sample_key``.
+    """``count`` generated ids: a blake2b chain seeded by ``model_key`` (the engine passes the request's context:
+    ``kvcontent.context_digest``, the weights and the KV it computed with), the prompt and ``sample_key``.
 
     ``sample_key`` is empty for greedy decoding (temperature 0); for sampling it carries the request
     seed and temperature so that a seeded request is reproducible and different seeds differ.
@@ -296,17 +298,38 @@ def perturb(token_id: int, salt: bytes) -> int:
     return FIRST_REGULAR_ID + (token_id - FIRST_REGULAR_ID + offset) % (VOCAB_SIZE - FIRST_REGULAR_ID)
 
 
-def logprob_of(model_key: bytes, prompt_ids: Sequence[int], position: int, token_id: int) -> float:
-    """A deterministic log-probability in (-3, 0) for a token at a position."""
-    digest = hashlib.blake2b(
-        model_key + ids_bytes(prompt_ids[-8:]) + position.to_bytes(4, "little") + token_id.to_bytes(4, "little"),
-        digest_size=4,
-    ).digest()
-    return -3.0 * (int.from_bytes(digest, "little") / 2**32) - 1e-4
+TOP_RANKS = 20
+"""Ranks :func:`top_logprobs` computes (vLLM's default ``--max-logprobs``): the values do not depend on how many
+a request asks for."""
+MIN_GAP = 0.06
+"""Nats: the smallest gap between neighbouring ranks, so the simulator has no near-ties of its own (under the
+assertions' 0.05 tie tolerance); ``PDSERVE_SIM_TIE_FLIP`` makes one on purpose."""
 
 
-def top_alternatives(token_id: int, position: int, n: int) -> list[int]:
-    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0).
+def top_logprobs(context: bytes, position: int, token_id: int, tie_gap: float | None = None) -> list[float]:
+    """The logprobs of ranks 0..19 at an output position: a normalized distribution drawn from ``context`` (the
+    request's ``kvcontent.context_digest``), so they move when the context does.
+
+    Neighbouring ranks are ``MIN_GAP`` plus an exponential draw (mean 0.7 nats) apart, the first gap ``tie_gap``
+    when given; the tokens beyond rank 19 share a tail mass. Confident like the tiny models of ``tiny_model.py``:
+    the top-1 probability is typically 0.6-0.9.
+    """
+    raw = hashlib.shake_256(b"lp|" + context + position.to_bytes(4, "little") + token_id.to_bytes(4, "little")).digest(
+        4 * (TOP_RANKS + 1)
+    )
+    u = [(int.from_bytes(raw[4 * i : 4 * i + 4], "little") + 0.5) / 2**32 for i in range(TOP_RANKS + 1)]
+    logits = [0.0]
+    for rank in range(1, TOP_RANKS):
+        gap = tie_gap if rank == 1 and tie_gap is not None else MIN_GAP - 0.7 * math.log(u[rank])
+        logits.append(logits[-1] - gap)
+    tail = -1.0 + 1.5 * math.log(u[TOP_RANKS])  # the log-mass of every other token together
+    norm = math.log(sum(math.exp(x) for x in logits) + math.exp(tail))
+    return [x - norm for x in logits]
+
+
+def top_alternatives(token_id: int, position: int, n: int, salt: bytes = b"") -> list[int]:
+    """``n`` distinct ids, the first being ``token_id`` (the sampled token ranks first at temperature 0); ``salt``
+    (the request's context) makes another context rank other alternatives.
 
     Bounded by construction: at most ``2 * n`` hash draws, then a linear fill. (Iterating ``perturb`` on
     its own output, as an earlier version did, can enter a cycle shorter than ``n`` and never return:
@@ -316,7 +339,7 @@ def top_alternatives(token_id: int, position: int, n: int) -> list[int]:
     n = min(n, span)
     out = [token_id]
     seen = {token_id}
-    salt = position.to_bytes(4, "little")
+    salt = salt + position.to_bytes(4, "little")
     for draw in range(2 * n):
         if len(out) >= n:
             return out

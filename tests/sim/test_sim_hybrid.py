@@ -14,7 +14,7 @@ from pytest_pdserve.sim.faults import SimEnv
 from ._simproc import NIXL_KVC, Factory, Metrics, SimServer, free_port, metric
 
 BLOCK = 128
-# tiny-nemotronh under --dtype float32: 1 attention layer x K,V x 2 heads x 32 x 4 B = 512 B/token;
+# tiny-nemotronh under --dtype float32: 1 attention layer x K,V x 1 head x 64 x 4 B = 512 B/token;
 # Mamba2 state: conv 288 x 3 x 4 B + SSM 8 x 32 x 16 x 4 B (float32) = 19,840 B per request.
 ATTN_BLOCK_BYTES = BLOCK * 512
 STATE_BYTES = 288 * 3 * 4 + 8 * 32 * 16 * 4
@@ -58,8 +58,10 @@ def test_pd_moves_mamba_state_and_backs_off_one_token(sim_factory: Factory) -> N
     def side() -> dict[str, str]:
         # A simulated GPU: on the CPU platform vLLM's Mamba kernel kills the engine on this 300-token prefill
         # (rules/mamba.py; test_cpu_platform_engine_dies_on_a_prefill_of_more_than_one_block).
+        # VLLM_SSM_CONV_STATE_LAYOUT=DS: NixlConnector refuses a hybrid model without it (test_sim_kvcontent.py).
         return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                "PDSERVE_SIM_PLATFORM": "cuda"}  # fmt: skip
+                "PDSERVE_SIM_PLATFORM": "cuda",
+                "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}  # fmt: skip
 
     p: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")
     d: SimServer = start(*common, env=side(), model="pdserve-sim/tiny-nemotronh")

@@ -130,6 +130,8 @@ def test_the_hybrid_checkpoint_as_transformers_5_writes_it_loads(tmp_path: Path)
     shape = model.resolve(str(tmp_path))
     assert (shape.num_attention_layers, shape.num_mamba_layers, shape.mamba) == (1, 1, model.TINY_NEMOTRONH.mamba)
     assert shape.kv_bytes_per_token("auto", "auto") == model.TINY_NEMOTRONH.kv_bytes_per_token("auto", "auto")
+    # the built-in shape is the recipe's (heads of 64 since issue 44)
+    assert (shape.num_kv_heads, shape.head_dim) == (model.TINY_NEMOTRONH.num_kv_heads, model.TINY_NEMOTRONH.head_dim)
     bad = {**json.loads(recorded.read_text()), "layers_block_type": ["linear_attention", "sparkle"]}
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(model.ModelConfigError, match=r"layers_block_type has unknown layer types \['sparkle'\]"):
