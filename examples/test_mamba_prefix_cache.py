@@ -56,7 +56,8 @@ def test_short_prompt_transfers_and_repeats(hybrid_cluster):
 
 def test_decode_computed_with_the_right_kv_and_state(hybrid_cluster):
     # Prefill stops one token short and sends the KV and the Mamba state after it; decode computes the last token.
-    # The first token must match a direct serve on decode. On CPU the prompt stays within one block (see above).
-    tokens = 40 if hybrid_cluster.engine == "vllm" and hybrid_cluster.platform == "cpu" else 300
+    # The first token must match a direct serve on decode. On the CPU platform the prompt stays within one block
+    # (see above: both engines' CPU Mamba kernel dies on a longer prefill).
+    tokens = 40 if hybrid_cluster.platform == "cpu" else 300
     request = {"prompt": prompt_with_tokens(hybrid_cluster, tokens, seed=32), "max_tokens": 8}
     assert_kv_faithful(hybrid_cluster, request)
