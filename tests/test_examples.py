@@ -50,7 +50,7 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
     try:
         first = _run_examples(pytester, tmp_path, "vllm", *reuse)
         # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
-        first.assert_outcomes(passed=20, skipped=3)
+        first.assert_outcomes(passed=22, skipped=3)
         first.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache a prompt of more than one block*"])
         first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-*, hybrid-ssm-2-* for the next --pd-reuse run*"])
         second = _run_examples(pytester, tmp_path, "vllm", *reuse)
