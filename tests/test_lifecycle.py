@@ -42,20 +42,18 @@ def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
     p, d = servers["prefill-0"], servers["decode-0"]
     p_ready_at = p["started_at"] + p["ready_seconds"]
     d_ready_at = d["started_at"] + d["ready_seconds"]
-    # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa.
-    assert d["started_at"] < p_ready_at, (p, d)
-    assert p["started_at"] < d_ready_at, (p, d)
     assert p["ready_seconds"] >= 2
     assert d["ready_seconds"] >= 2
-    # Spawned one right after the other: in series the second spawn would wait for the first's >= 2 s startup.
-    # (Relative to the startups, which a loaded machine slows as much: 0.018 s apart at load 13, 3 s startups.)
-    assert abs(d["started_at"] - p["started_at"]) < min(p["ready_seconds"], d["ready_seconds"]) / 4, (p, d)
+    # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa. In series the second
+    # spawn waits for the first's ready; in parallel the two spawns are one Popen apart (0.018 s at load 13), and
+    # each start lasts at least its 2 s delay, a sleep that no load shortens. (How fast the cluster is up is
+    # bench_startup's.)
+    assert d["started_at"] < p_ready_at, (p, d)  # timing: the 2 s delay against one Popen (see above)
+    assert p["started_at"] < d_ready_at, (p, d)  # timing: the same, the other way round
     print(
         f"spawned {abs(d['started_at'] - p['started_at']):.3f}s apart; cluster up in {info['started_seconds']:.2f}s,"
         f" P and D ready in {p['ready_seconds']:.2f}s and {d['ready_seconds']:.2f}s"
     )
-    # In series it would take at least both startups; in parallel about one (plus the proxy).
-    assert info["started_seconds"] < p["ready_seconds"] + d["ready_seconds"]
     inner.assert_nothing_left([info])
 
 
@@ -108,46 +106,52 @@ def test_failed_cluster_fails_every_test_fast_without_restarting(inner: Inner) -
             pass
         """
     )
-    result = inner.run("--durations=0", "-vv")
+    result = inner.run("-vv")
     result.assert_outcomes(errors=4)
     out = result.stdout.str()
     assert out.count("decode-0: server process exited with exit code 1 before it became ready") >= 4
-    # One start attempt: one decode log file, one "starting" line in it.
+    # One start attempt: one decode log file, one "starting" line in it; the three later tests failed from the
+    # cached error. (Counted, not timed: a ratio of setup times failed on a loaded machine's stalls.)
     decode_logs = list(inner.run_logs().glob("*-decode-0.log"))
     assert len(decode_logs) == 1, decode_logs
     assert decode_logs[0].read_text().count("pdserve: starting decode-0") == 1
-    # The three later tests fail from the cached error: each setup takes a fraction of the one that tried to start
-    # (a ratio, not seconds: a loaded machine slows both; milliseconds against about a second measured).
-    setups = [float(line.split("s setup")[0]) for line in out.splitlines() if "s setup " in line]
-    assert len(setups) == 4, setups
-    first, *later = sorted(setups, reverse=True)
-    print(f"setups: the start attempt {first:.2f}s, the cached failures {later}")
-    assert max(later) < first / 4, setups
     inner.assert_nothing_left()
+
+
+#: The clock of the test below, and the stop that must outlast it (SIGTERM ignored, --pd-shutdown-timeout): the
+#: test's own billed work is its fixture setups and one assert, milliseconds on a loaded machine too.
+UNBILLED_TIMEOUT_S = 10
+UNBILLED_STOP_S = 12
 
 
 @pytest.mark.parametrize("stopped", ["at the session's end", "after its last user"])
 def test_session_start_and_stop_are_not_billed_to_a_tests_timeout(inner: Inner, stopped: str) -> None:
-    """A start of 5 s and a stop of 5 s (SIGTERM ignored, --pd-shutdown-timeout=5) under --timeout=3: neither is the
-    test's (pytest-timeout #96), and the 3 s are the test's own margin on a loaded machine (one completion). On a
-    loaded machine the stop alone once outlasted a 2 s timeout and errored the test. With a
-    test in a second module, the cluster a test body asked for is stopped at its module's end (glue/last_user.py),
-    not by the factory's teardown."""
+    """A start (first case) and a stop (both) of 12 s under --timeout=10: neither is the test's (pytest-timeout #96).
+    A start or a stop billed to the test outlasts the clock whatever the machine's speed, and what is billed (the
+    fixture setups, one assert) stays far below it on a loaded machine too: a completion in the body, and the
+    manager's build before the start was paused, once took longer than a 2-3 s timeout there. With a test in a
+    second module, the cluster a test body asked for is stopped at its module's end (glue/last_user.py), not by
+    the factory's teardown. (One start of 12 s is enough: the second case proves the stop after its last user.)"""
+    delay = UNBILLED_STOP_S if stopped == "at the session's end" else 0
     files = {
-        "test_a": """
+        "test_a": f"""
             from pytest_pdserve.spec import ClusterSpec
 
             def test_first(pd_cluster_factory):
-                env = {"PDSERVE_SIM_STARTUP_DELAY": "5", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}
+                env = {{"PDSERVE_SIM_STARTUP_DELAY": "{delay}", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}}
                 cluster = pd_cluster_factory(ClusterSpec(env=env))
-                assert cluster.started_seconds >= 5
-                cluster.complete("hello " * 20, max_tokens=2)
+                assert cluster.started_seconds >= {delay}
             """
     }
     if stopped == "after its last user":
         files["test_b"] = "def test_later():\n    pass\n"
     inner.pytester.makepyfile(**files)
-    result = inner.run("--timeout=3", "--pd-shutdown-timeout=5", "-p", "no:randomly")
+    result = inner.run(
+        f"--timeout={UNBILLED_TIMEOUT_S}",  # timing: outlasted by the 12 s start and stop (see above)
+        f"--pd-shutdown-timeout={UNBILLED_STOP_S}",
+        "-p",
+        "no:randomly",
+    )
     result.assert_outcomes(passed=len(files))
     if len(files) == 2:
         result.stdout.fnmatch_lines(["*stopping cluster pd: no remaining test uses it*test_a.py::test_first)*"])
