@@ -189,7 +189,10 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
 def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The process-wide manager, created on first use and stopped at unconfigure."""
     if MANAGER not in config.stash:
-        config.stash[MANAGER] = build_manager(config, tmp_path_factory)
+        # The build (its imports, the GPU inventory's probes) is the first cluster start's: seconds on a loaded
+        # machine, not billed to the timer of whichever test asked first either.
+        with timeout_paused(config.stash.get(CURRENT_ITEM, None)):
+            config.stash[MANAGER] = build_manager(config, tmp_path_factory)
     return config.stash[MANAGER]
 
 
@@ -210,13 +213,11 @@ def stop_manager(config: pytest.Config) -> None:
 def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster:
     config = request.config
     cfg = config.stash[PDSERVE_CONFIG]
+    manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
     skip_reason = fail_reason = None
     item = config.stash.get(CURRENT_ITEM, None)
     try:
         with timeout_paused(item):
-            # The manager's build (its imports, the GPU inventory's probes) is part of the first start: seconds on a
-            # loaded machine, which the timer of whichever test asked first must not be billed either.
-            manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
             if cfg.attach_mode:
                 cluster = manager.attached(spec, cfg)
             else:
