@@ -121,8 +121,10 @@ def test_server_crashing_mid_session_fails_the_test_with_its_log(inner: Inner) -
 
         @pytest.fixture
         def cluster(pd_cluster_factory):
-            # Request 1 is the P/D-ready round trip at start; the engine dies after test_first's request.
-            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_CRASH_AFTER_REQUESTS": "2"}))
+            # Request 1 is the P/D-ready round trip at start, 2 test_first's; the engine dies during test_second's,
+            # which gets its 500 whatever the machine's speed (an engine dead after test_first's had exited a second
+            # later, before a loaded machine's test_second asked).
+            return pd_cluster_factory(ClusterSpec(decode_env={"PDSERVE_SIM_ENGINE_DIES_ON_REQUEST": "3"}))
 
         def test_first(cluster, pdinfo):
             pdinfo(cluster)
