@@ -209,7 +209,7 @@ class _Scanner(ast.NodeVisitor):
     def visit_Assert(self, node: ast.Assert) -> None:  # noqa: N802 (ast API)
         for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
             operands = [compare.left, *compare.comparators]
-            for left, op, right in zip(operands, compare.ops, operands[1:]):
+            for left, op, right in zip(operands, compare.ops, operands[1:], strict=False):
                 if isinstance(op, (ast.Gt, ast.GtE)):
                     left, right = right, left  # read every comparison as `small < big`
                 elif not isinstance(op, (ast.Lt, ast.LtE)):
@@ -244,9 +244,9 @@ class _Scanner(ast.NodeVisitor):
             bound = node.args[0]
         if self._below(bound, BOUND_FLOOR_S) and not self.polls:
             self._flag(node, "short-wait")
-        if name == "timeout" and isinstance(node.func, ast.Attribute) and node.args:
-            if self._below(node.args[0], TIMEOUT_FLOOR_S):  # @pytest.mark.timeout(N)
-                self._flag(node, "inner-timeout")
+        is_mark = name == "timeout" and isinstance(node.func, ast.Attribute) and node.args
+        if is_mark and self._below(node.args[0], TIMEOUT_FLOOR_S):  # @pytest.mark.timeout(N)
+            self._flag(node, "inner-timeout")
         self.generic_visit(node)
 
     def visit_Expr(self, node: ast.Expr) -> None:  # noqa: N802 (ast API)

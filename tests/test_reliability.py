@@ -173,7 +173,8 @@ def test_hanging_server_times_out_with_clear_message(inner: Inner) -> None:
     print(f"gave up {seconds:.2f}s after the start, for --pd-startup-timeout={HANG_STARTUP_TIMEOUT_S}")
     # Never before the timeout; after it, only the kill (10x for a loaded machine, far below the default 1200 s).
     assert HANG_STARTUP_TIMEOUT_S <= seconds < 10 * HANG_STARTUP_TIMEOUT_S, seconds
-    named = re.search(r"(prefill|decode)-0: not ready after \d+\.\ds", out)  # from its spawn; the timeout from the lease
+    # Counted from the server's spawn; the timeout from the lease.
+    named = re.search(r"(prefill|decode)-0: not ready after \d+\.\ds", out)
     assert named, out[-3000:]
     assert "raise --pd-startup-timeout" in out
     assert "still waiting for GET http://127.0.0.1:" in out
