@@ -67,11 +67,15 @@ class Finding:
 
 
 def _pragma_lines(source: str) -> set[int]:
+    """The lines that carry ``# timing: <why>``; a comment alone on its line counts for the line below it too."""
     lines: set[int] = set()
+    text = source.splitlines()
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type == tokenize.COMMENT and PRAGMA.search(tok.string):
                 lines.add(tok.start[0])
+                if text[tok.start[0] - 1].strip().startswith("#"):
+                    lines.add(tok.start[0] + 1)
     except (tokenize.TokenError, IndentationError, SyntaxError):
         pass
     return lines
@@ -232,7 +236,7 @@ class _Scanner(ast.NodeVisitor):
         name = _call_name(node)
         bound: ast.expr | None = None
         for keyword in node.keywords:
-            if keyword.arg == "timeout":
+            if keyword.arg == "timeout" and name != "join":
                 bound = keyword.value
         if bound is None and isinstance(node.func, ast.Name) and name in WAIT_FUNCS:
             index = WAIT_FUNCS[name]
