@@ -204,7 +204,7 @@ class Inner:
         stacks = self.info_dir / f"stacks-{proc.pid}.txt"
         with contextlib.suppress(OSError, AssertionError):
             os.kill(proc.pid, signal.SIGUSR2)
-            wait_for(lambda: stacks.stat().st_size > 0, 5, "the inner session's stacks")
+            wait_for(lambda: stacks.stat().st_size > 0, GONE_WITHIN_S, "the inner session's stacks")
         with contextlib.suppress(OSError, AssertionError):
             print(f"--- the inner pytest (pid {proc.pid}) was still running; its threads:\n{stacks.read_text()}")
         with contextlib.suppress(OSError):

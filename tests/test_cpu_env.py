@@ -9,7 +9,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 

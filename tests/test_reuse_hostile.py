@@ -604,7 +604,7 @@ def test_a_state_naming_live_bystanders_with_absurd_numbers_is_parsed_defensivel
     finally:
         for p in bystanders:
             p.kill()
-            p.wait(10)
+            p.wait(30)
     assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
     inner.gone_within()
 
@@ -751,7 +751,7 @@ def test_a_state_whose_keeper_pid_is_a_bystander_is_cleaned_by_stop_all(tmp_path
         assert states(reuse_dir) == []
     finally:
         bystander.kill()
-        bystander.wait(10)
+        bystander.wait(30)
 
 
 def test_a_kept_server_pid_that_is_another_process_now_is_not_attached(inner: Inner, reuse_dir: Path) -> None:

@@ -23,6 +23,7 @@ from pytest_pdserve.sim.app import MAX_LOGPROBS, AppState, build_app
 from pytest_pdserve.sim.cli import parse_serve_args
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
+
 from ._simproc import BOUND_S, Factory, SimServer
 
 SEEDS_OF_THE_ISSUE = (9, 15, 36, 42, 63, 69, 501)
