@@ -48,6 +48,7 @@ PRAGMA = re.compile(r"#\s*timing:\s*\S")
 DURATION_NAME = re.compile(r"(^|_)(seconds|elapsed|took|latenc(y|ies)|waited|duration|ran)$|_at$")
 TIME_CALLS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns"}
 WAIT_FUNCS = {"wait_for": 1, "wait_until": 1, "wait_all_gone": 1, "gone_within": 0, "wait_info": 0, "log_value": 2}
+HTTPX_CALLS = {"get", "post", "put", "patch", "delete", "head", "options", "request", "stream", "Client", "AsyncClient"}
 #: ``Thread.join(N)`` is left out: it returns after N s whatever happened, and decides nothing by itself.
 WAIT_METHODS = {"wait": 0, "communicate": 1}
 INNER_TIMEOUT = re.compile(r"(?:--timeout[= ]|(?:^|\n|-o\s?)\s*timeout\s*=\s*)(\d+(?:\.\d+)?)\b", re.MULTILINE)
@@ -248,10 +249,22 @@ class _Scanner(ast.NodeVisitor):
             bound = node.args[0]
         if self._below(bound, BOUND_FLOOR_S) and not self.polls:
             self._flag(node, "short-wait")
+        if self._httpx_default_timeout(node):
+            self._flag(node, "short-wait")
         is_mark = name == "timeout" and isinstance(node.func, ast.Attribute) and node.args
         if is_mark and self._below(node.args[0], TIMEOUT_FLOOR_S):  # @pytest.mark.timeout(N)
             self._flag(node, "inner-timeout")
         self.generic_visit(node)
+
+    @staticmethod
+    def _httpx_default_timeout(node: ast.Call) -> bool:
+        """``httpx.get(url)`` or ``httpx.Client()`` to a real socket without ``timeout=``: httpx's own 5 s."""
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "httpx"):
+            return False
+        if func.attr not in HTTPX_CALLS:
+            return False
+        return not any(k.arg in ("timeout", "transport") or k.arg is None for k in node.keywords)
 
     def visit_Expr(self, node: ast.Expr) -> None:  # noqa: N802 (ast API)
         value = node.value.value if isinstance(node.value, ast.Await) else node.value

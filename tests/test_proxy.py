@@ -407,7 +407,7 @@ def test_prefill_down_gives_502_naming_prefill(tmp_path: Path) -> None:
         proxy = start_proxy(tmp_path, [dead_url], [d_server.url])
         try:
             resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
-            metrics = parse_metrics(httpx.get(proxy.url + "/metrics").text)
+            metrics = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=60).text)
         finally:
             stop_proxy(proxy)
     assert resp.status_code == 502
@@ -425,7 +425,10 @@ def test_api_key_replaces_client_authorization() -> None:
         config = ProxyConfig((p.url,), (d.url,), api_key="KEY", log=io.StringIO())
         with ThreadedServer(create_app(config), lifespan="on") as proxy:
             resp = httpx.post(
-                proxy.url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer other"}
+                proxy.url + "/v1/completions",
+                json={"prompt": "x"},
+                headers={"Authorization": "Bearer other"},
+                timeout=60,
             )
     assert resp.status_code == 200
     assert [f.received[0].headers["authorization"] for f in fakes] == ["Bearer KEY", "Bearer KEY"]
@@ -459,8 +462,8 @@ def test_a_failing_log_write_never_changes_an_answer() -> None:
     with ThreadedServer(fakes[0].app()) as p, ThreadedServer(fakes[1].app()) as d:
         config = ProxyConfig((p.url,), (d.url,), log=_FullDisk())
         with ThreadedServer(create_app(config), lifespan="on") as proxy:
-            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"})
-            metrics = httpx.get(proxy.url + "/metrics").text
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=60)
+            metrics = httpx.get(proxy.url + "/metrics", timeout=60).text
     assert resp.status_code == 200, resp.text
     assert len(fakes[1].received) == 1
     assert "pdserve_proxy_log_write_failures_total 1.0" in metrics
@@ -539,9 +542,9 @@ def test_the_proxy_does_not_reuse_an_upstream_connection_idle_past_the_expiry() 
         config = ProxyConfig((p.url,), (d.url,), log=io.StringIO())
         with ThreadedServer(create_app(config), lifespan="on") as proxy:
             body = {"prompt": "x", "max_tokens": 1}
-            codes = [httpx.post(proxy.url + "/v1/completions", json=body).status_code]
+            codes = [httpx.post(proxy.url + "/v1/completions", json=body, timeout=60).status_code]
             time.sleep(KEEPALIVE_EXPIRY_S + 0.5)  # timing: the idle time is the condition tested
-            codes.append(httpx.post(proxy.url + "/v1/completions", json=body).status_code)
+            codes.append(httpx.post(proxy.url + "/v1/completions", json=body, timeout=60).status_code)
     assert codes == [200, 200]
     assert (p.crossed, d.crossed) == (0, 0)
     assert (p.answered, d.answered) == (2, 2)
@@ -580,7 +583,7 @@ def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch,
         config = ProxyConfig((p.url,), (d.url,), log=io.StringIO())
         with ThreadedServer(create_app(config), lifespan="on") as proxy:
             warmed = list(tried)  # before any request reached the proxy
-            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"})
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=60)
     assert warmed == ["listen" if fault == "no-listener" else "request"]
     assert resp.status_code == 200
     assert [len(f.received) for f in fakes] == [1, 1]

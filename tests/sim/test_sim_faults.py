@@ -115,7 +115,7 @@ def test_ignore_sigterm(sim_factory: Factory) -> None:
 
 def test_workers_are_orphaned_by_sigkill(sim_factory: Factory, kill_pids: list[int]) -> None:
     server = sim_factory(env={"PDSERVE_SIM_SPAWN_WORKERS": "2", "PDSERVE_RUN_TOKEN": "tok-123"}).wait_ready()
-    pids = httpx.get(server.url + "/version").json()["pdserve_sim"]["worker_pids"]
+    pids = httpx.get(server.url + "/version", timeout=60).json()["pdserve_sim"]["worker_pids"]
     kill_pids.extend(pids)
     assert len(pids) == 2
     names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids]
@@ -131,7 +131,7 @@ def test_workers_are_orphaned_by_sigkill(sim_factory: Factory, kill_pids: list[i
 
 def test_graceful_sigterm_stops_workers(sim_factory: Factory, kill_pids: list[int]) -> None:
     server = sim_factory(env={"PDSERVE_SIM_SPAWN_WORKERS": "1"}).wait_ready()
-    (pid,) = httpx.get(server.url + "/version").json()["pdserve_sim"]["worker_pids"]
+    (pid,) = httpx.get(server.url + "/version", timeout=60).json()["pdserve_sim"]["worker_pids"]
     kill_pids.append(pid)
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait_exit() == 0
