@@ -301,17 +301,24 @@ def _strings(tree: ast.AST, scope: _Scope) -> Iterator[tuple[str, int, ast.stmt]
 def _inner_timeouts(path: str, tree: ast.Module, source: str, pragmas: set[int], offset: int) -> list[Finding]:
     """``--timeout`` / ``timeout =`` / ``mark.timeout(...)`` in string literals: an inner session's clock."""
     findings: list[Finding] = []
+    lines = source.splitlines()
     for text, lineno, stmt in _strings(tree, _Scope(tree)):
+        matches = [
+            m
+            for m in (*INNER_TIMEOUT.finditer(text), *MARK_TIMEOUT.finditer(text))
+            if 0 < float(m.group(1)) < TIMEOUT_FLOOR_S
+        ]
+        if not matches:
+            continue
         first, last = stmt.lineno, stmt.end_lineno or stmt.lineno
-        statement = ast.get_source_segment(source, stmt) or ""
+        statement = "\n".join(lines[first - 1 : last])
         if FUNC_ONLY.search(statement) or any(line in pragmas for line in range(first, last + 1)):
             continue
         inner_pragmas = _pragma_lines(text)
-        for match in (*INNER_TIMEOUT.finditer(text), *MARK_TIMEOUT.finditer(text)):
-            if 0 < float(match.group(1)) < TIMEOUT_FLOOR_S:
-                line = text.count("\n", 0, match.start())
-                if line + 1 not in inner_pragmas:
-                    findings.append(Finding(path, lineno + line + offset, "inner-timeout", match.group(0).strip()))
+        for match in matches:
+            line = text.count("\n", 0, match.start())
+            if line + 1 not in inner_pragmas:
+                findings.append(Finding(path, lineno + line + offset, "inner-timeout", match.group(0).strip()))
     return findings
 
 
