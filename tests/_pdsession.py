@@ -175,8 +175,9 @@ class Inner:
         [run] = [p for p in self.log_dir.iterdir() if p.is_dir()]
         return run
 
-    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
-        """Run the inner pytest to its end in a subprocess."""
+    def run(self, *extra: str, timeout: float = 240) -> pytest.RunResult:
+        """Run the inner pytest to its end in a subprocess (bounded far beyond a loaded machine's tens of seconds,
+        and below the outer test's own 300 s)."""
         return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
 
     @contextlib.contextmanager
@@ -218,7 +219,7 @@ class Inner:
         """Every ``pdinfo`` record written so far (JSON, so ``Any`` values; each test knows the keys it wrote)."""
         return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
 
-    def wait_info(self, timeout: float = 60) -> dict[str, Any]:
+    def wait_info(self, timeout: float = 120) -> dict[str, Any]:
         """The first ``pdinfo`` record, once one is written."""
         wait_for(lambda: list(self.info_dir.glob("*.json")), timeout, f"cluster up ({self.output()[-3000:]})")
         return self.infos()[0]
