@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: The least ``--timeout`` an inner session may be given (pytest-timeout's clock covers a test's setup and
-#: teardown). Its own work outside the paused cluster start takes well under a second quiet and a few seconds at
-#: load average 16-18 on 2 cores (docs/benchmarks.md, "Verdicts on a loaded machine"); 60 s is ten times that.
+#: teardown). What it bills besides the paused start and stop took over 3 s at load average 16-18 on 2 cores
+#: (docs/benchmarks.md, "Verdicts on a loaded machine"); 60 s is an order of magnitude above.
 TIMEOUT_FLOOR_S = 60.0
 #: The least upper bound on a measured duration, a deadline or a wait: the waits it bounds take milliseconds to a
 #: few seconds quiet and at most a few times that loaded; 30 s is the margin ``GONE_WITHIN_S`` set first.
