@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from pytest_pdserve.common.client_options import OPTIONS, ClientOptions, salt_for, salted
-from pytest_pdserve.common.deadline import TOTAL, connection_limits, http_transport
+from pytest_pdserve.common.deadline import TOTAL, bound_async, connection_limits, http_transport
 from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.errors import PrefixCacheHeld, RequestFailed
 
@@ -163,7 +163,7 @@ class _AsyncTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         request = _with_salt(request)
         try:
-            return await self._inner.handle_async_request(request)
+            return await bound_async(request, self._inner.handle_async_request)  # bounded as the sync clients
         except httpx.TimeoutException as exc:
             raise _timed_out(exc, self._server, request) from exc
 

@@ -8,7 +8,8 @@ mode (servers someone else started) in `attach.py`. Both build on this module, w
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,17 @@ from pytest_pdserve.config.commands import ServerCommand, ServerPorts
 from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS as SIM_DEFAULT_MODELS  # named here too (older imports)
 from pytest_pdserve.engines.engine import SIM_VERSION as SIM_VERSION
 from pytest_pdserve.engines.engine import EngineSetup as EngineSetup
-from pytest_pdserve.errors import RequestFailed
+from pytest_pdserve.errors import PDServeError, RequestFailed
 from pytest_pdserve.metrics import MetricsSnapshot, scrape
+from pytest_pdserve.running import proctree
 from pytest_pdserve.running.health import AsyncGuardedTransport, ClusterHealth, GuardedTransport
 from pytest_pdserve.running.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
 
 REQUEST_FAILED_MESSAGE = "{name}: {method} {url}{path} -> {status}: {body}\n  request: {request}"
+
+#: Starts a stopped server of a running cluster again and waits until it answers (the launcher's ``respawn``).
+Respawner = Callable[[ServerProcess], ServerProcess]
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class ServerHandle:
     _client: httpx.Client | None = field(default=None, repr=False)
     #: The served model id (set by the cluster), the default ``model`` of :meth:`complete` / :meth:`chat`.
     model: str | None = None
+    #: How :meth:`restart` starts this server again (set by the launcher; None for attached and reused servers).
+    respawn: Respawner | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -172,6 +179,105 @@ class ServerHandle:
     def metrics(self) -> MetricsSnapshot:
         """Scrape ``/metrics`` now."""
         return scrape(self.client)
+
+    # ------------------------------------------------------------------ faults a test causes on purpose
+    # The cluster's death detection (running/health.py) is told of each: while this server is down on purpose, what
+    # requests meet because of it (a refused connection, a proxy's 502, a KV load that fails) is passed through for
+    # the test to assert on, never turned into ServerDied. A server still down at the end of the test is resumed, or
+    # its cluster stopped (glue/fixtures.py), so the next test never meets it.
+
+    def unread_bytes(self) -> int:
+        """Bytes that reached this server's HTTP port and that it has not read yet (Linux: /proc/net/tcp): above 0
+        while a paused server holds a request, so a test can wait until its request is really waiting on it."""
+        return proctree.unread_bytes(self.port)
+
+    @property
+    def down(self) -> str | None:
+        """Why this server is down on purpose (``"paused by the test"``, ...), None when it is not."""
+        return self.health.expected.get(self.name) if self.health is not None else None
+
+    @contextlib.contextmanager
+    def expect_down(self, why: str = "down on purpose") -> Iterator[ServerHandle]:
+        """Tell the cluster's death detection that this server is down on purpose for the block (a fault the test
+        causes some other way: a signal of its own, a firewall rule); :meth:`pause` and :meth:`kill` use it."""
+        self._expect(why)
+        try:
+            yield self
+        finally:
+            self._unexpect()
+
+    def pause(self) -> None:
+        """SIGSTOP this server and every process it started (a hung server: it keeps its ports and connections,
+        accepts and answers nothing) until :meth:`resume`."""
+        proc = self._own_process("pause")
+        self._expect("paused by the test")
+        proc.pause()
+
+    def resume(self) -> None:
+        """SIGCONT what :meth:`pause` stopped; the server is expected to be up again."""
+        self._own_process("resume").resume()
+        self._unexpect()
+
+    def kill(self) -> None:
+        """SIGKILL this server and every process it started (a crash), its log kept; down on purpose until
+        :meth:`restart`."""
+        proc = self._own_process("kill")
+        self._expect("killed by the test")
+        proc.stop(grace=0)
+
+    def restart(self) -> float:
+        """Start this server again, with the same command, ports, GPUs and log (appended to), stopping it first if it
+        still runs; returns the seconds until it answered ``/health`` and listed its model. That is HTTP-ready: for
+        P/D-ready, ``assertions.assert_pd_ready(cluster)``.
+
+        :raises PDServeError: an attached or reused server (pdserve did not start it in this run).
+        :raises ServerStartupError: it did not come up again (its log tail and a hint, as at a start).
+        """
+        proc = self._own_process("restart")
+        if self.respawn is None:
+            raise PDServeError(f"{self.name}: this run did not start it, so it cannot start it again")
+        self._expect("restarting")
+        fresh = self.respawn(proc)
+        self.process = fresh
+        if self._client is not None:  # its connections went with the old process
+            self._client.close()
+            self._client = None
+        self._unexpect()
+        return fresh.ready_seconds()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[ServerHandle]:
+        """:meth:`pause` for the block, :meth:`resume` after it (also when the block fails)."""
+        self.pause()
+        try:
+            yield self
+        finally:
+            self.resume()
+
+    @contextlib.contextmanager
+    def killed(self) -> Iterator[ServerHandle]:
+        """:meth:`kill` for the block, :meth:`restart` after it (also when the block fails)."""
+        self.kill()
+        try:
+            yield self
+        finally:
+            self.restart()
+
+    def _own_process(self, what: str) -> ServerProcess:
+        if self.process is None:
+            raise PDServeError(
+                f"{self.name} ({self.url}): cannot {what} it: pdserve did not start it in this run (an attached or"
+                " a reused kept server), so it has no process to signal"
+            )
+        return self.process
+
+    def _expect(self, why: str) -> None:
+        if self.health is not None:
+            self.health.expected[self.name] = why
+
+    def _unexpect(self) -> None:
+        if self.health is not None:
+            self.health.expected.pop(self.name, None)
 
     def log_offset(self) -> int:
         """Current size of the log file (0 for attached servers)."""

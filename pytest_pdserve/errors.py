@@ -42,6 +42,7 @@ __all__ = [
     "ClusterUnavailable",
     "EffectiveConfigError",
     "EngineVersionUnknown",
+    "EnvironmentRefused",
     "ExtraArgsError",
     "InventoryError",
     "LeaseTimeout",
@@ -50,6 +51,7 @@ __all__ = [
     "MetricsScrapeError",
     "MetricsSettleTimeout",
     "NotALockFile",
+    "NotOwner",
     "NotPDReady",
     "OwnedFlagError",
     "PDServeError",
@@ -57,6 +59,7 @@ __all__ = [
     "PortInUse",
     "PrefixCacheHeld",
     "RequestFailed",
+    "ResponseTooLarge",
     "ReuseError",
     "ServerDied",
     "ServerExitedEarly",
@@ -196,6 +199,42 @@ class PortInUse(PDServeError):
 
 class LeaseTimeout(PDServeError):
     """GPUs or ports could not be leased before the wait timeout (the message names the holders)."""
+
+
+class ResponseTooLarge(PDServeError):
+    """A server sent a body larger than the plugin reads of any one answer (``common/deadline.py``).
+
+    Never retried, and never swallowed by a best-effort check: reading the same endless stream again would only
+    spend the same memory again.
+
+    :param url: what was asked (``http://127.0.0.1:8100/metrics``).
+    :param limit: the bound, in bytes.
+    :param why: how it was found out (``its content-length says 2147483648``, or empty: by counting).
+    """
+
+    def __init__(self, url: str, limit: int, why: str = "") -> None:
+        super().__init__(url, limit, why)
+        self.url = url
+        self.limit = limit
+
+    def describe(self) -> str:
+        url, limit, why = self.args
+        return (
+            f"{url} sent more than {limit} bytes ({limit >> 20} MiB){f': {why}' if why else ''}; pdserve reads no "
+            "more of one answer (a real vLLM's /metrics is about 100 KB): is something other than a vLLM server "
+            "on that port?"
+        )
+
+
+class EnvironmentRefused(PDServeError):
+    """The environment a cluster would start with is refused (``running/start_env.py``): a variable pdserve read
+    when pytest configured (a setting, a GPU visibility variable) has another value now, or one the servers would
+    inherit breaks the plugin's clients (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` below 2 s). The message names each."""
+
+
+class NotOwner(PDServeError):
+    """A process other than the one that started the clusters (a forked child of pytest) asked to start one
+    (``running/owner.py``)."""
 
 
 class ClusterUnavailable(PDServeError):

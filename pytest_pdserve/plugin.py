@@ -27,6 +27,7 @@ from pytest_pdserve.glue import export_env, kv_moved, last_user, logs
 from pytest_pdserve.glue.fixtures import (
     CURRENT_ITEM,
     MANAGER,
+    end_faults,
     ensure_watchdog,
     fail_if_cluster_died,
     get_manager,
@@ -177,10 +178,12 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-    """Once the test's fixtures are torn down: stop each cluster no remaining test uses (glue/last_user.py)."""
+    """Once the test's fixtures are torn down: end the faults it left (a paused server resumed, a killed one's cluster
+    stopped), then stop each cluster no remaining test uses (glue/last_user.py)."""
     try:
         return (yield)
     finally:
+        end_faults(item)
         stop_unused_clusters(item)
 
 

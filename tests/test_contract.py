@@ -282,6 +282,8 @@ def test_prefill_returns_nixl_kv_transfer_params(cluster: PDCluster) -> None:
     assert params["do_remote_decode"] is False
     if _newer_fields(cluster):
         assert params["transfer_mode"] == "pull"
+    if cluster.vllm_version is None or vllm_compat.Version(cluster.vllm_version).release >= (0, 33):
+        assert params.get("remote_registration_generation") == 0  # NIXL_CONNECTOR_VERSION 15 (0.33): registered once
     assert params["remote_host"] == commands.SIDE_CHANNEL_HOST
     assert params["remote_port"] == cluster.prefill[0].side_channel_port
     assert params["tp_size"] == 1

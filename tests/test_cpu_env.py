@@ -357,6 +357,18 @@ def test_recipe_hash_depends_on_kind_and_versions() -> None:
     assert h != tiny_model.recipe_hash("llama", {**v, "torch": "2.14.0"})
 
 
+def test_recipe_hash_covers_the_recipe() -> None:
+    """The hashed section is the recipe itself (its builders and weight scale), so editing it changes the cache key:
+    the marker strings also occur in their constants, and matching those once hashed 40 characters of nothing."""
+    text = Path(tiny_model.__file__).read_text(encoding="utf-8")
+    section = tiny_model._recipe_source(text)
+    for part in ("_build_llama", "_build_nemotronh", "_INIT_RANGE", "_HEAD_SCALE", "_BUILDERS"):
+        assert part in section, part
+    edited = text.replace("_HEAD_SCALE = ", "_HEAD_SCALE = 1 + ", 1)
+    assert edited != text
+    assert tiny_model._recipe_source(edited) != section
+
+
 def test_ensure_rejects_unknown_kind(tmp_path: Path) -> None:
     with pytest.raises(tiny_model.TinyModelError, match=r"'gpt2'.*llama, nemotronh"):
         tiny_model.ensure_tiny_model("gpt2", sys.executable, cache_dir=tmp_path)

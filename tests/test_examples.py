@@ -31,7 +31,7 @@ def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str, *extra
 
 def test_examples_pass_on_the_simulator(pytester: pytest.Pytester, tmp_path: Path) -> None:
     result = _run_examples(pytester, tmp_path, "sim")
-    result.assert_outcomes(passed=19, skipped=2)
+    result.assert_outcomes(passed=21, skipped=2)
     result.stdout.fnmatch_lines(["*SKIPPED*rocm*needs platform rocm*"])
 
 
@@ -48,20 +48,22 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
     try:
         first = _run_examples(pytester, tmp_path, "vllm", *reuse)
         # The long hybrid-Mamba prompt is skipped on CPU with the reason that names vLLM's CPU kernel limit.
-        first.assert_outcomes(passed=18, skipped=3)
+        first.assert_outcomes(passed=20, skipped=3)
         first.stdout.fnmatch_lines(["*SKIPPED*CPU Mamba kernel cannot prefix-cache prompts longer than one chunk*"])
         first.stdout.fnmatch_lines(["*pdserve: reuse: kept pd-1-*, hybrid-ssm-2-* for the next --pd-reuse run*"])
         second = _run_examples(pytester, tmp_path, "vllm", *reuse)
-        second.assert_outcomes(passed=18, skipped=3)
+        # The fault examples need servers this run started: on the kept cluster they skip, saying so.
+        second.assert_outcomes(passed=18, skipped=5)
+        second.stdout.fnmatch_lines(["*SKIPPED*faults need servers this run started*"])
         second.stdout.fnmatch_lines(
             ["*cluster pd (vllm, 1P x 1D) reused kept cluster pd-1-*", "*cluster hybrid-ssm (vllm, 1P x 1D) reused*"]
         )
         out = second.stdout.str()
-        assert out.count("reused kept cluster") == 2, "the second run started a cluster of its own"
+        assert out.count("reused kept cluster") == 3, "the second run started a cluster of its own"
         assert "starting a fresh cluster" not in out
         # Each kept vLLM server's IPC sockets live in its own directory (rpc_dirs.py), not loose in /tmp.
         rpc_dirs = [Path(s["rpc_dir"]) for p in reuse_dir.glob("*.json") for s in json.loads(p.read_text())["servers"]]
-        assert len(rpc_dirs) == 4, rpc_dirs
+        assert len(rpc_dirs) == 6, rpc_dirs
         assert all(any(e.is_socket() for e in d.iterdir()) for d in rpc_dirs), rpc_dirs
     finally:
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0

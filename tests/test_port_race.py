@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _pdsession import INNER_CONFTEST, Inner
+from _hostile import hostile_server
+from _pdsession import INNER_CONFTEST, Inner, unheld_locks
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly
 from pytest_pdserve.machine.port_leases import acquire_ports
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 BIND_FAILED_TAIL = "OSError: [Errno 98] Address already in use\n"
 
 #: The inner sessions' squatter: binds (and, with SQUAT_LISTEN=1, listens on) the port of each of the first
-#: SQUAT_COUNT leases whose purpose ends with "prefill-0 http", before the server is spawned; SQUAT_OUT lists them.
+#: SQUAT_COUNT leases whose purpose ends with SQUAT_PURPOSE, before the server is spawned; SQUAT_OUT lists them.
 SQUATTER = r"""
 import os, socket
 from pathlib import Path
@@ -38,7 +39,8 @@ _acquire_ports = _leases.acquire_ports
 
 def _squat(*args, **kwargs):
     lease = _acquire_ports(*args, **kwargs)
-    if kwargs.get("purpose", "").endswith("prefill-0 http") and len(_taken) < int(os.environ["SQUAT_COUNT"]):
+    purpose = kwargs.get("purpose", "")
+    if purpose.endswith(os.environ["SQUAT_PURPOSE"]) and len(_taken) < int(os.environ["SQUAT_COUNT"]):
         sock = socket.socket()  # no SO_REUSEADDR: an exclusive bind, as most programs make
         sock.bind(("127.0.0.1", lease.base))
         if os.environ["SQUAT_LISTEN"] == "1":
@@ -56,10 +58,13 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
     return Inner(pytester, monkeypatch)
 
 
-def squat(inner: Inner, monkeypatch: pytest.MonkeyPatch, *, listen: bool, count: int) -> Path:
+def squat(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, *, listen: bool, count: int, purpose: str = "prefill-0 http"
+) -> Path:
     """The squatter in the inner session's conftest; the file that lists the ports it took."""
     (inner.pytester.path / "conftest.py").write_text(INNER_CONFTEST + SQUATTER)
     out = inner.pytester.path / "squatted"
+    monkeypatch.setenv("SQUAT_PURPOSE", purpose)
     monkeypatch.setenv("SQUAT_COUNT", str(count))
     monkeypatch.setenv("SQUAT_LISTEN", "1" if listen else "0")
     monkeypatch.setenv("SQUAT_OUT", str(out))
@@ -103,6 +108,31 @@ def test_a_squatter_on_every_attempt_fails_after_the_last(inner: Inner, monkeypa
     result.stdout.fnmatch_lines(["*(attempt 3 of 3)*", "*Address already in use*"])
     assert "attempt 4" not in result.stdout.str()
     inner.assert_nothing_left()
+
+
+@pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound"])
+def test_attach_modes_proxy_is_leased_again_as_the_servers_are(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, listen: bool
+) -> None:
+    """Issue 43, class 6: the retry wrapped a cluster's servers but not attach mode's built-in proxy (PortInUse on
+    a single squat). One rule for every listener pdserve starts on a leased port."""
+    inner.pytester.makepyfile(
+        """
+        def test_up(pd_cluster):
+            print("PROXY", pd_cluster.proxy.port)
+            assert pd_cluster.client.get("/health").status_code == 200
+        """
+    )
+    out = squat(inner, monkeypatch, listen=listen, count=1, purpose="attached proxy")
+    with hostile_server({}) as deployment:
+        result = inner.run("-s", f"--pd-prefill-url={deployment.url}", f"--pd-decode-url={deployment.url}")
+    assert taken(out), f"the squatter never took the proxy's port: the test proved nothing\n{result.stdout}"
+    [port] = taken(out)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*attached: proxy: port {port}, leased by pdserve, was taken*(attempt 2 of 3)*"])
+    assert f"PROXY {port}" not in result.stdout.str()
+    inner.assert_nothing_left()
+    unheld_locks(inner.lease_dir)
 
 
 # ------------------------------------------------------------------------------------ the rule, unit by unit

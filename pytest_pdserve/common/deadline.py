@@ -1,13 +1,25 @@
-"""A request with a total deadline: the one way the plugin's own checks talk HTTP. [pytest-free]
+"""A request with a total deadline and a bounded body: the one way the plugin's own checks talk HTTP. [pytest-free]
 
-httpx's timeouts are per operation: a read timeout of 2 s is met by a server that sends one byte every second, so an
-attach target that sends its headers and then trickles its body held the attach check forever. :func:`get_within`
-gives a GET a deadline for the whole exchange (connecting, headers, body): at the deadline the request's socket is
-shut down, which ends a read blocked in any phase, and the call raises ``httpx.ReadTimeout`` saying so.
+**Time.** httpx's timeouts are per operation: a read timeout of 2 s is met by a server that sends one byte every
+second, so an attach target that sends its headers and then trickles its body held the attach check forever.
+:func:`get_within` gives a GET a deadline for the whole exchange (connecting, headers, body): at the deadline the
+request's socket is shut down, which ends a read blocked in any phase, and the call raises ``httpx.ReadTimeout``
+saying so.
+
+**Size.** Every answer read through a client the plugin builds is bounded too: more than :data:`MAX_BODY_BYTES` of
+one body raises :class:`~pytest_pdserve.errors.ResponseTooLarge` (``<url> sent more than N bytes``), whether the
+body is read whole (a check) or as a stream (a test's own ``client.stream``), and a ``content-length`` above it is
+refused before a byte is read. The rule: time is bounded by a deadline, size by this bound, so an attached server
+that streams an endless ``/metrics`` fails the check with that message instead of ending in ``MemoryError``. The
+plugin asks for ``accept-encoding: identity`` and refuses an answer encoded anyway: a compressed body's decoded
+size cannot be bounded by the bytes read. ``ResponseTooLarge`` is no ``httpx.HTTPError``, so no caller that retries
+a failed request (the readiness poll) or treats one as "not there" (a best-effort check) reads the stream again.
+The built-in proxy (``proxy/app.py``) applies the same bound to what it buffers (the prefill answer, a JSON decode
+answer, the model list), not to a stream it passes through.
 
 It works through :class:`DeadlineTransport`, which :func:`http_transport` returns, so every
 client the plugin builds (readiness, health probes, each server's ``client``) honours a request that carries the
-:data:`TOTAL` extension; a request without it (a test's own, a long stream) is passed through as it is.
+:data:`TOTAL` extension; a request without it (a test's own, a long stream) keeps httpx's own timeouts.
 """
 
 from __future__ import annotations
@@ -19,20 +31,25 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
 
 from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
+from pytest_pdserve.errors import ResponseTooLarge
 
 __all__ = [
+    "MAX_BODY",
+    "MAX_BODY_BYTES",
     "TOTAL",
     "DeadlineTransport",
+    "bound_async",
     "connection_limits",
     "get_within",
     "http_transport",
+    "refuse_unbounded",
     "within",
 ]
 
@@ -41,6 +58,16 @@ log = logging.getLogger(__name__)
 
 #: The request extension naming the whole exchange's deadline, in seconds.
 TOTAL = "pdserve.total_timeout"
+
+#: The most bytes the plugin reads of one answer (the plugin's clients and the built-in proxy's buffers). Why 64 MiB:
+#: a real vLLM's ``/metrics`` is about 100 KB (a few MB with many LoRA adapters or label values), its model list and
+#: health answers are bytes, and a completion that large would need tens of thousands of prompt logprobs; far
+#: below, on any test machine, the memory whose exhaustion (``MemoryError``) a hostile server could otherwise cause.
+MAX_BODY_BYTES = 64 << 20
+#: The request extension that sets one request's bound in bytes, when it must differ from :data:`MAX_BODY_BYTES`.
+MAX_BODY = "pdserve.max_body_bytes"
+
+_IDENTITY = ("", "identity")
 
 
 def within(seconds: float) -> dict[str, Any]:
@@ -179,9 +206,14 @@ class DeadlineTransport(httpx.BaseTransport):
         self._inner = inner
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        limit = int(request.extensions.get(MAX_BODY, MAX_BODY_BYTES))
+        request.headers["accept-encoding"] = "identity"  # a compressed body's decoded size is not the bytes read
         total = request.extensions.get(TOTAL)
         if total is None:
-            return self._inner.handle_request(request)
+            response = self._inner.handle_request(request)
+            _refuse_before_reading(response, request, limit)
+            response.stream = _BoundedStream(response.stream, limit, str(request.url))  # type: ignore[arg-type]
+            return response
         deadline = time.monotonic() + float(total)
         cutter = _Cutter()
         request.extensions["trace"] = cutter.trace(request.extensions.get("trace"))
@@ -194,8 +226,9 @@ class DeadlineTransport(httpx.BaseTransport):
             response = self._inner.handle_request(request)
             cutter.add(response.extensions.get("network_stream"))  # a pooled connection made no connect event
             try:
+                _refuse_before_reading(response, request, limit)
                 chunks = []
-                for chunk in response.stream:  # type: ignore[union-attr]  # a transport's stream is iterable
+                for chunk in _BoundedStream(response.stream, limit, str(request.url)):  # type: ignore[arg-type]
                     chunks.append(chunk)
                     if time.monotonic() > deadline:
                         raise late()
@@ -215,6 +248,84 @@ class DeadlineTransport(httpx.BaseTransport):
 
     def close(self) -> None:
         self._inner.close()
+
+
+def refuse_unbounded(headers: httpx.Headers, url: str, limit: int = MAX_BODY_BYTES) -> None:
+    """Raise `ResponseTooLarge` for a body that says it is over ``limit``, or is encoded (its decoded size is not the
+    bytes read), before a byte of it is read. The built-in proxy calls it too."""
+    why = None
+    declared = headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        why = f"its content-length says {declared}"
+    elif (encoding := headers.get("content-encoding", "").strip().lower()) not in _IDENTITY:
+        why = f"an answer encoded {encoding!r}, which pdserve did not ask for (accept-encoding: identity)"
+    if why is not None:
+        raise ResponseTooLarge(url, limit, why)
+
+
+def _refuse_before_reading(response: httpx.Response, request: httpx.Request, limit: int) -> None:
+    try:
+        refuse_unbounded(response.headers, str(request.url), limit)
+    except ResponseTooLarge:
+        response.close()
+        raise
+
+
+class _BoundedStream(httpx.SyncByteStream):
+    """A response body that raises `ResponseTooLarge` once more than ``limit`` bytes came."""
+
+    def __init__(self, inner: httpx.SyncByteStream, limit: int, url: str) -> None:
+        self._inner = inner
+        self._limit = limit
+        self._url = url
+
+    def __iter__(self) -> Iterator[bytes]:
+        seen = 0
+        for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise ResponseTooLarge(self._url, self._limit)
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+async def bound_async(
+    request: httpx.Request, send: Callable[[httpx.Request], Awaitable[httpx.Response]]
+) -> httpx.Response:
+    """The same bound for the async clients the plugin hands out (``clients.make_async_client``): ``send(request)``
+    asking for no encoding, its answer refused unread or counted as it is read."""
+    limit = int(request.extensions.get(MAX_BODY, MAX_BODY_BYTES))
+    request.headers["accept-encoding"] = "identity"
+    response = await send(request)
+    try:
+        refuse_unbounded(response.headers, str(request.url), limit)
+    except ResponseTooLarge:
+        await response.aclose()
+        raise
+    response.stream = _AsyncBoundedStream(response.stream, limit, str(request.url))  # type: ignore[arg-type]
+    return response
+
+
+class _AsyncBoundedStream(httpx.AsyncByteStream):
+    """The async twin of :class:`_BoundedStream`."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, limit: int, url: str) -> None:
+        self._inner = inner
+        self._limit = limit
+        self._url = url
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise ResponseTooLarge(self._url, self._limit)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def connection_limits() -> httpx.Limits:

@@ -162,7 +162,7 @@ def read_since(path: Path | None, since: int = 0, max_bytes: int = 256 * 1024) -
             size = fh.seek(0, os.SEEK_END)
             start = max(since, size - max_bytes)
             fh.seek(start)
-            data = fh.read()
+            data = fh.read(max(0, size - start))  # what was there: bounded even if the log grows meanwhile
     except OSError:
         return ""
     text = data.decode("utf-8", "replace")

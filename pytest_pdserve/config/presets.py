@@ -1,6 +1,7 @@
 """Presets: the server configuration of each of vLLM's nixl_integration scripts, as a `ClusterSpec`.
 
-Read from the scripts of vLLM 0.32.0/0.33.0 (``tests/v1/kv_connector/nixl_integration/run_*.sh``): flags, env,
+Read from the scripts of vLLM 0.32.0/0.33.0/0.34.0 (``tests/v1/kv_connector/nixl_integration/run_*.sh``; 0.34.0's are
+byte-identical to 0.33.0's): flags, env,
 connector config, block size, lengths and memory. Each preset honours the environment variables its script
 honours (``MAX_MODEL_LEN``, ``BLOCK_SIZE``, ``KV_CACHE_MEMORY_BYTES``, ``MODEL_NAMES``, ...); the ones that are
 also pdserve session settings (``GPU_MEMORY_UTILIZATION``, ``ATTENTION_BACKEND``, ``VLLM_SERVE_EXTRA_ARGS``,
@@ -34,8 +35,10 @@ __all__ = ["PRESETS", "Preset", "PresetResult", "preset_names", "resolve"]
 
 #: The port vLLM's test_accuracy.py / test_spec_decode_acceptance.py hard-code for the proxy.
 TOY_PROXY_PORT = 8192
-#: vLLM's default ``--block-size`` on CUDA (``CacheConfig``: 16 unless the backend needs another), the value
-#: run_edge_case_test.sh runs at because it passes no ``--block-size``.
+#: The block size run_edge_case_test.sh ran at up to vLLM 0.33: it passes no ``--block-size`` and vLLM's default was 16
+#: (``CacheConfig.DEFAULT_BLOCK_SIZE``). 0.34 made the default 64, at which test_edge_cases.py's PROMPT (fewer than 64
+#: tokens) fills no block, so its "full prefix cache hit on the D worker" hits nothing and passes vacuously: the
+#: preset keeps 16 on every version (docs/migrating.md).
 VLLM_DEFAULT_BLOCK_SIZE = 16
 #: max_position_embeddings of the tiny models tiny_model.py builds for real vLLM.
 TINY_MODEL_MAX_LEN = 2048
@@ -129,9 +132,11 @@ def _mamba(spec_type: type[ClusterSpec], environ: Mapping[str, str], engine: str
         backend = "FLASHINFER"  # the script's default; elsewhere FLASHINFER does not exist
     elif platform != "cuda":
         notes.append(f"attention backend: the script's default FLASHINFER is CUDA-only, not used on {platform}")
+    # ``--mamba-cache-mode all`` as vLLM 0.26's script passes it (0.32's passes align, which the command builder
+    # maps ``all`` to there; 0.33 drops the flag).
     spec = spec_type.hybrid_ssm(
         name="vllm-mamba-prefix-cache", model=_model(environ, "MODEL"), block_size=block, max_model_len=16384,
-        gpu_memory_utilization=None if platform == "cpu" else 0.8, attention_backend=backend,
+        gpu_memory_utilization=None if platform == "cpu" else 0.8, attention_backend=backend, mamba_cache_mode="all",
     )  # fmt: skip
     return PresetResult(spec, {"BLOCK_SIZE": str(block)}, tuple(notes))
 

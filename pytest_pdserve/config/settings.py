@@ -7,6 +7,14 @@ Precedence: command line > environment > ini > default. Layers are tested with `
 an empty environment variable counts as unset (CI systems often export ``VAR=``). Every value is
 parsed at ``pytest_configure``; a bad one stops the run with a usage error naming the value,
 where it came from and what is accepted.
+
+Read once, and held to it: the variables read here (every setting's, and the GPU visibility variables when the
+inventory is detected from them) are kept with the configuration (``PDServeConfig.read_env``). A ``conftest.py``
+in a sub-directory, a fixture or a test can change the environment later; :func:`env_drift` says which of those
+variables would now resolve differently, and a cluster start refuses to go on with them (``running/start_env.py``):
+the report header, every cluster and a kept cluster's fingerprint all use the configure-time value, so a later one
+would be silently ignored for some and not others. A variable whose setting was given on the command line is not
+held (the command line wins either way).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ __all__ = [
     "SETTINGS_BY_NAME",
     "PDServeConfig",
     "Setting",
+    "VISIBILITY_VARS",
     "add_options",
+    "env_drift",
     "remedy",
     "resolve",
     "resolve_engine",
@@ -107,6 +117,8 @@ class PDServeConfig:
     """field -> ``--flag`` / ``$ENV`` / ``ini key`` / ``default``."""
     shadowed: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: types.MappingProxyType({}))
     """field -> the lower layers that also set it and lost (``$ENV``, ``ini key``), for the report header."""
+    read_env: Mapping[str, str | None] = field(default_factory=lambda: types.MappingProxyType({}), repr=False)
+    """Every environment variable read at configure -> its value then (None: unset); see :func:`env_drift`."""
 
     @property
     def attach_mode(self) -> bool:
@@ -318,6 +330,9 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             "PATH) and the vllm package is not importable; install vLLM, point --pd-vllm-executable / "
             "PDSERVE_VLLM_EXECUTABLE at it, or use --pd-engine sim",
         )  # fmt: skip
+    read = [s.env_var for s in SETTINGS]
+    if values["simulate_gpus"] is None and values["platform"] != "cpu":
+        read += VISIBILITY_VARS  # the inventory is detected from them (session_inventory.py passes this copy)
     return PDServeConfig(
         **values,
         resolved_engine=resolved,
@@ -325,7 +340,56 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
         vllm_argv=argv,
         sources=types.MappingProxyType(sources),
         shadowed=types.MappingProxyType(shadowed),
+        read_env=types.MappingProxyType({name: env.get(name) for name in read}),
     )
+
+
+#: What the GPU inventory is detected from (machine/inventory.py), besides the tools' own output.
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def env_drift(cfg: PDServeConfig, environ: Mapping[str, str]) -> str | None:
+    """Which variables read at configure would resolve differently in ``environ`` now, in words; None: none.
+
+    A setting's variable counts unless its flag was given (the command line beats it either way); empty and unset
+    are the same value, as at configure. A visibility variable counts as it is (``CUDA_VISIBLE_DEVICES=`` hides
+    every GPU).
+    """
+    changed = []
+    for name, then in cfg.read_env.items():
+        now = environ.get(name)
+        setting = _SETTING_BY_ENV.get(name)
+        if setting is not None:
+            if cfg.sources.get(setting.name, "").startswith("--"):
+                continue
+            then, now = (v if v is not None and v.strip() else None for v in (then, now))
+        if then == now:
+            continue
+        if setting is not None and setting.secret:
+            shown = "a value" if now is not None else "unset"
+            changed.append(f"{name} (secret) is {shown} now, not the one pytest configured with")
+        else:
+            changed.append(f"{name}={_shown(now)} now, {_shown(then)} when pytest configured")
+        if setting is not None:
+            changed[-1] += f" (setting {setting.name}; also {setting.flag} / ini {setting.ini_key})"
+    if not changed:
+        return None
+    return (
+        f"the environment changed after pytest configured: {'; '.join(changed)}. pdserve reads these once, before "
+        "any sub-directory conftest.py, fixture or test runs, and the report header, every cluster and a kept "
+        "cluster's fingerprint use that value; set them before pytest starts (the shell, PYTEST_ADDOPTS or the "
+        "ini file, or at the top of the rootdir conftest.py, which pytest imports before it configures), or give "
+        "the flag"
+    )
+
+
+def _shown(value: str | None) -> str:
+    if value is None:
+        return "unset"
+    return redaction.redact(repr(value if len(value) <= 200 else value[:200] + "..."))
+
+
+_SETTING_BY_ENV: Mapping[str, Setting] = {s.env_var: s for s in SETTINGS}
 
 
 #: The value a flag once took turns it on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
-#: The simulator speaks vLLM 0.33's flags.
+#: The simulator speaks vLLM 0.34's flags.
 SIM_VERSION = vllm_compat.LATEST_KNOWN
 
 

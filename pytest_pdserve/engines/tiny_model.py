@@ -19,10 +19,16 @@ workers from building the same model twice.
 
 The models (see docs/vllm-cpu.md):
 
-- ``llama``: LlamaForCausalLM, 2 layers, hidden 128, 4 heads of 32 (the smallest head size vLLM's CPU
-  attention supports), 2 KV heads, vocab 2048 byte-level BPE trained here on generated text (any string is
-  encodable, no ``<unk>``), a chat template so /v1/chat/completions works. 0.82 M params, float32.
-- ``nemotronh``: NemotronHForCausalLM with pattern ``M-*-`` (Mamba2, MLP, attention, MLP), same tokenizer.
+- ``llama``: LlamaForCausalLM, 2 layers, hidden 128, 2 heads of 64 (a head size every attention backend takes:
+  FLASHINFER only 64/128/256/512, vLLM's CPU attention 32 and up), 1 KV head, vocab 2048 byte-level BPE trained
+  here on generated text (any string is encodable, no ``<unk>``), a chat template so /v1/chat/completions works.
+  0.82 M params, float32.
+- ``nemotronh``: NemotronHForCausalLM with pattern ``M-*-`` (Mamba2, MLP, attention, MLP), the same heads, a
+  tokenizer trained on English too.
+
+Both are initialised wider than Hugging Face's default (see ``_INIT_RANGE``) so that their output depends on
+their context: a test that compares P/D with a direct serve can only see a wrong KV on a model that reads it
+(docs/faithful-kv.md has the measured figures).
 """
 
 from __future__ import annotations
@@ -62,6 +68,13 @@ class TinyModelError(RuntimeError):
 # --- recipe begin ---
 # Everything between the two markers is hashed into the cache key: edit it and models are rebuilt.
 _VOCAB = 2048
+#: Every linear and embedding weight is drawn from N(0, _INIT_RANGE) (Hugging Face's init; norms stay 1), and the
+#: output head is then scaled by _HEAD_SCALE. At the default 0.02 a model this small keeps its next-token
+#: distribution near uniform: changing a prompt's first half barely moves the first token's logprobs, and most
+#: positions are near-ties, so a wrong KV looks like noise. These values make both models read their context
+#: and keep near-ties rare (docs/faithful-kv.md, "The test models").
+_INIT_RANGE = 0.1
+_HEAD_SCALE = 5.0
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "so", "vi", "de", "pa",
               "zu", "ho", "ri", "ge", "bo", "an", "el", "is", "on", "ur"]  # fmt: skip
 _COMMON = "the a of to and in is it you that he was for on are with as I his they be at one have this from"
@@ -157,9 +170,12 @@ def _build(out: Path, config_name: str, model_name: str, *, english: bool = Fals
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        initializer_range=_INIT_RANGE,
         **shape,
     )
     model = getattr(transformers, model_name)(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(_HEAD_SCALE)
     model.save_pretrained(str(out), safe_serialization=True)
     model.generation_config.save_pretrained(str(out))
     return sum(p.numel() for p in model.parameters())
@@ -168,14 +184,14 @@ def _build(out: Path, config_name: str, model_name: str, *, english: bool = Fals
 def _build_llama(out: Path) -> int:
     return _build(
         out, "LlamaConfig", "LlamaForCausalLM",
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
 
 
 def _build_nemotronh(out: Path) -> int:
     return _build(
         out, "NemotronHConfig", "NemotronHForCausalLM", english=True,
-        hidden_size=128, hybrid_override_pattern="M-*-", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        hidden_size=128, hybrid_override_pattern="M-*-", num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         intermediate_size=256, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=2,
         chunk_size=64, conv_kernel=4,
     )  # fmt: skip
@@ -196,9 +212,15 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return (Path(cache_dir).expanduser() if cache_dir else cache_base()) / "models"
 
 
-def _recipe_source() -> str:
-    text = Path(__file__).read_text(encoding="utf-8")
-    start, end = text.find(_RECIPE_BEGIN), text.find(_RECIPE_END)
+def _recipe_source(text: str | None = None) -> str:
+    """The recipe section of this file (or of *text*): from the begin marker's line to the end marker's line.
+
+    The markers are matched as whole lines: their names also occur in the constants above, and a search for the
+    bare strings once hashed only the text between those two constants, so a changed recipe kept its cache key.
+    """
+    if text is None:
+        text = Path(__file__).read_text(encoding="utf-8")
+    start, end = text.find(f"\n{_RECIPE_BEGIN}\n"), text.find(f"\n{_RECIPE_END}\n")
     if start < 0 or end < start:
         raise TinyModelError(f"recipe markers missing from {__file__}")
     return text[start:end]

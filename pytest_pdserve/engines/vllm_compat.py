@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: The newest vLLM whose flags this module knows (the simulator speaks it).
-LATEST_KNOWN = Version("0.33.0")
+LATEST_KNOWN = Version("0.34.0")
 KV_ROLES_SINCE = Version("0.23.0")
 ATTENTION_BACKEND_FLAG_SINCE = Version("0.13.0")
 MAMBA_ALL_REMOVED_IN = Version("0.32.0")

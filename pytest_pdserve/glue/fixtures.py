@@ -19,7 +19,7 @@ import pytest
 
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, env_drift, short_source
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
@@ -181,8 +181,11 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         share_gpus=cfg.share_gpus, port_range=cfg.port_range,
         reporter=make_reporter(config, logs / "pdserve.log"), terminal=writes_to_terminal(config),
         reuser=reuse.reuser() if reuse is not None else None,
+        env_drift=lambda environ: env_drift(cfg, environ),  # a cluster's environment is read at its start
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
+    # A restart (ServerHandle.restart) waits like a start, bounded by --pd-startup-timeout: not billed to the test.
+    manager.launcher.restart_clock = lambda: timeout_paused(config.stash.get(CURRENT_ITEM, None))
     return manager
 
 
@@ -252,6 +255,30 @@ def stop_unused_clusters(item: pytest.Item) -> None:
     if FACTORY_REQUEST in item.config.stash:  # the factory (and with it the manager's on_stop listener) exists
         with timeout_paused(item):  # bounded by --pd-shutdown-timeout, not billed to this test's timer
             last_user.stop_unused(item, item.config.stash.get(MANAGER, None))
+
+
+def end_faults(item: pytest.Item) -> None:
+    """After a test's teardown: no server it left down on purpose (``ServerHandle.pause``/``kill``) reaches the next
+    test. A paused one is resumed; the cluster of any other (killed, or a restart that failed) is stopped, so its next
+    user starts it afresh. Each is said in a progress line."""
+    manager = item.config.stash.get(MANAGER, None)
+    if manager is None:
+        return
+    for cluster in manager.running():
+        for server in cluster.servers:
+            why = server.down
+            if why is None:
+                continue
+            proc = server.process
+            if proc is not None and proc.paused and proc.alive:
+                server.resume()
+                name = cluster.spec.name
+                manager.report(f"pdserve: {server.name} of cluster {name}: resumed ({item.nodeid} left it paused)")
+                continue
+            why = f"{item.nodeid} left {server.name} down ({why})"
+            manager.report(f"pdserve: stopping cluster {cluster.spec.name}: {why}")
+            manager.stop(cluster.spec, why=why)
+            break
 
 
 def fail_if_cluster_died(item: pytest.Item) -> None:

@@ -150,7 +150,8 @@ def _uses(asker: Asker, item: pytest.Item) -> bool:
 
 
 def _applies(manager: ClusterManager, config: pytest.Config) -> bool:
-    return manager.reuser is None and not config.stash[PDSERVE_CONFIG].attach_mode
+    # Not in a forked child: its clusters are its parent's (common/owner.py), nor is a "stopping" line its to say.
+    return manager.reuser is None and not config.stash[PDSERVE_CONFIG].attach_mode and manager.owner.here
 
 
 def stop_unused(item: pytest.Item, manager: ClusterManager | None) -> None:

@@ -83,7 +83,12 @@ def start_inventory_detection(config: pytest.Config) -> None:
         config.stash[_INVENTORY] = InventoryHolder(lambda: inv, "simulated", ready=inv)
     else:
         platform = cfg.platform
-        config.stash[_INVENTORY] = InventoryHolder(lambda: detect_inventory(platform), f"platform {platform}")
+        # The environment pytest configured with, not os.environ when the thread gets to it: a conftest imported
+        # meanwhile must not change what the settings were checked against (settings.env_drift holds it).
+        environ = {k: v for k, v in cfg.read_env.items() if v is not None}
+        config.stash[_INVENTORY] = InventoryHolder(
+            lambda: detect_inventory(platform, environ=environ), f"platform {platform}"
+        )
     if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
         get_inventory(config)  # explicit GPU ids are checked against the inventory now, at configure time
 

@@ -12,13 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from pytest_pdserve.errors import EngineVersionUnknown, LeaseTimeout, PathError, PortInUse, ServerStartupError
+from pytest_pdserve.errors import (
+    EngineVersionUnknown,
+    EnvironmentRefused,
+    LeaseTimeout,
+    NotOwner,
+    PathError,
+    PortInUse,
+    ResponseTooLarge,
+    ServerStartupError,
+)
 
 __all__ = ["START_ERRORS", "report_as_message"]
 
 #: What a cluster's start raises on purpose (errors.py); any other exception keeps pytest's traceback. A
 #: PathError is a directory the start needs (logs, vLLM's cache root); its message names the path and the remedy.
-START_ERRORS = (ServerStartupError, PortInUse, LeaseTimeout, PathError, EngineVersionUnknown)
+START_ERRORS = (
+    ServerStartupError, PortInUse, LeaseTimeout, PathError, EngineVersionUnknown, ResponseTooLarge,
+    EnvironmentRefused, NotOwner,
+)  # fmt: skip
 _NOT_THE_USERS = (Path(__file__).resolve().parents[1], *{Path(p).resolve() for p in (sys.prefix, sys.base_prefix)})
 
 

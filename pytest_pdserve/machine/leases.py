@@ -117,6 +117,9 @@ class GpuLease(Lease):
         t0 = time.monotonic()
         if not self._fds:
             return 0.0
+        if not self.owner.here:  # a forked child's copy: no gate, no unlock (lockfiles.Lease)
+            self.disown()
+            return 0.0
         if wait_until is not None:
             why = wait_for_gate(wait_until, timeout)
             if why is not None:

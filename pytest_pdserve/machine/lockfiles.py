@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.errors import NotALockFile, PathError
 from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir
 from pytest_pdserve.running.proctree import read_stat
@@ -270,6 +271,8 @@ class Lease:
     def __init__(self, paths: list[Path], fds: list[int]) -> None:
         self._paths = paths
         self._fds = fds
+        #: Only the process that took the lease releases it; a forked child closes its copies (common/owner.py).
+        self.owner = Owner()
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -287,6 +290,9 @@ class Lease:
         return bool(self._fds)
 
     def _release_now(self) -> None:
+        if not self.owner.here:  # LOCK_UN on a copy would free the parent's lease, unlink would drop its files
+            self.disown()
+            return
         for path, fd in zip(self._paths, self._fds, strict=True):
             unlock(fd, path)
         self._fds = []

@@ -12,6 +12,10 @@ Per request to ``/v1/completions`` or ``/v1/chat/completions``:
 
 An upstream HTTP error is returned with its own status and body; a connection error gives 502
 with a JSON error naming the role and URL. One ``httpx.AsyncClient`` is shared by all requests.
+
+What the proxy buffers (the prefill answer, a JSON decode answer, the model list) is bounded like every answer the
+plugin reads (``common/deadline.py``: ``MAX_BODY_BYTES``); more is a 502 naming the server. A stream it passes
+through is not: it holds one chunk at a time.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.common.deadline import MAX_BODY_BYTES, refuse_unbounded
 from pytest_pdserve.common.tls import ssl_context
 from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
+from pytest_pdserve.errors import ResponseTooLarge
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]
 
@@ -53,7 +59,7 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, object] = {
     "remote_host": None,
     "remote_port": None,
 }
-"""What the prefill request carries (vLLM's toy_proxy_server.py, v0.33.0)."""
+"""What the prefill request carries (vLLM's toy_proxy_server.py, v0.33.0; byte-identical in v0.34.0)."""
 
 #: Default of ``--upstream-timeout``: generation on a slow CPU can take minutes; ten without an answer is a hang.
 UPSTREAM_TIMEOUT = 600.0
@@ -210,7 +216,8 @@ class _Proxy:
                 self._client = None
 
     def _headers(self, request: Request, request_id: str) -> dict[str, str]:
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        # identity: what is read is what is counted (common/deadline.py)
+        headers = {"content-type": "application/json", "x-request-id": request_id, "accept-encoding": "identity"}
         if self.config.api_key is not None:
             headers["authorization"] = f"Bearer {self.config.api_key}"
         elif "authorization" in request.headers:
@@ -240,12 +247,24 @@ class _Proxy:
         except asyncio.TimeoutError:
             raise httpx.ReadTimeout(f"no complete answer within {self.config.upstream_timeout:g}s") from None
 
-    def _upstream_failed(self, role: Role, url: str, exc: httpx.HTTPError) -> JSONResponse:
-        self.metrics.upstream_errors.labels(role, "connection").inc()
+    async def _fetch(
+        self, method: str, url: str, content: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, str, bytes]:
+        """``(status, content type, body)`` of one upstream request, the body bounded (:func:`_read_bounded`)."""
+        request = self.client.build_request(method, url, content=content, headers=headers)
+        response = await self.client.send(request, stream=True)
+        try:
+            return response.status_code, response.headers.get("content-type", ""), await _read_bounded(response, url)
+        finally:
+            await response.aclose()
+
+    def _upstream_failed(self, role: Role, url: str, exc: httpx.HTTPError | ResponseTooLarge) -> JSONResponse:
+        too_large = isinstance(exc, ResponseTooLarge)
+        self.metrics.upstream_errors.labels(role, "too_large" if too_large else "connection").inc()
         return _error(
             502,
             f"{role} server {url} failed: {type(exc).__name__}: {exc}",
-            kind="upstream_connection_error",
+            kind="upstream_too_large" if too_large else "upstream_connection_error",
             role=role,
             url=url,
         )
@@ -274,28 +293,31 @@ class _Proxy:
         self.metrics.upstream_requests.labels("prefill", p_url).inc()
         p_started = time.perf_counter()
         try:
-            p_resp = await self._within(client.post(p_url + route, content=_dumps(prefill_body(body)), headers=headers))
-        except httpx.HTTPError as exc:
+            p_status, p_type, p_body = await self._within(
+                self._fetch("POST", p_url + route, _dumps(prefill_body(body)), headers)
+            )
+        except (httpx.HTTPError, ResponseTooLarge) as exc:
             response = self._upstream_failed("prefill", p_url, exc)
             self._finish(route, 502, started, f"id={request_id} prefill={p_url} error={type(exc).__name__}")
             return response
         p_ms = (time.perf_counter() - p_started) * 1000
-        if p_resp.status_code >= 400:
+        if p_status >= 400:
             self.metrics.upstream_errors.labels("prefill", "http").inc()
             self._finish(
                 route,
-                p_resp.status_code,
+                p_status,
                 started,
-                f"id={request_id} prefill={p_url} prefill_status={p_resp.status_code} prefill_ms={p_ms:.1f}",
+                f"id={request_id} prefill={p_url} prefill_status={p_status} prefill_ms={p_ms:.1f}",
             )
-            return Response(p_resp.content, p_resp.status_code, media_type=p_resp.headers.get("content-type"))
+            return Response(p_body, p_status, media_type=p_type or None)
         try:
-            kv_params = p_resp.json().get("kv_transfer_params")
+            kv_params = json.loads(p_body).get("kv_transfer_params")
         except (ValueError, AttributeError):
             self.metrics.upstream_errors.labels("prefill", "bad_response").inc()
             response = _error(
                 502,
-                f"prefill server {p_url} returned a body that is not a JSON object: {p_resp.text[:200]!r}",
+                f"prefill server {p_url} returned a body that is not a JSON object: "
+                f"{p_body[:200].decode(errors='replace')!r}",
                 kind="upstream_bad_response",
                 role="prefill",
                 url=p_url,
@@ -330,8 +352,8 @@ class _Proxy:
                 headers=out_headers,
             )
         try:
-            content = await self._within(d_resp.aread())
-        except httpx.HTTPError as exc:
+            content = await self._within(_read_bounded(d_resp, d_url + route))
+        except (httpx.HTTPError, ResponseTooLarge) as exc:
             response = self._upstream_failed("decode", d_url, exc)
             self._finish(route, 502, started, f"{detail} error={type(exc).__name__}")
             return response
@@ -379,13 +401,26 @@ class _Proxy:
         url = self.decode.urls[0]
         try:
             headers = self._headers(request, str(uuid.uuid4()))
-            resp = await self._within(self.client.get(url + "/v1/models", headers=headers))
-        except httpx.HTTPError as exc:
+            status, kind, content = await self._within(self._fetch("GET", url + "/v1/models", None, headers))
+        except (httpx.HTTPError, ResponseTooLarge) as exc:
             return self._upstream_failed("decode", url, exc)
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return Response(content, status, media_type=kind or None)
 
     async def prometheus(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _read_bounded(response: httpx.Response, url: str) -> bytes:
+    """The whole body of an upstream answer the proxy must buffer, or `ResponseTooLarge` past ``MAX_BODY_BYTES``."""
+    refuse_unbounded(response.headers, url)
+    chunks: list[bytes] = []
+    seen = 0
+    async for chunk in response.aiter_raw():
+        seen += len(chunk)
+        if seen > MAX_BODY_BYTES:
+            raise ResponseTooLarge(url, MAX_BODY_BYTES)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _warm_up() -> None:

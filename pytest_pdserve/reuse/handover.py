@@ -46,9 +46,8 @@ _MAX_KEEPER_LOG = 1 << 20
 class KeptClusters:
     """``--pd-reuse`` for one manager: the clusters it claimed, the fingerprints it computed, what it reused."""
 
-    def __init__(self, options: ReuseOptions, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, options: ReuseOptions) -> None:
         self.options = options
-        self.environ = dict(os.environ if environ is None else environ)
         #: Kept clusters this run attached to, for the end-of-run summary.
         self.reused: list[Reused] = []
         self._claims: dict[int, Claim] = {}  # id(LaunchedCluster) -> its claim
@@ -61,12 +60,17 @@ class KeptClusters:
         model: str,
         placement: Mapping[str, object],
         launcher: ClusterLauncher,
+        environ: Mapping[str, str],
     ) -> LaunchedCluster | None:
-        """A kept cluster with this spec's fingerprint, claimed and checked; None: start a fresh one (said why)."""
+        """A kept cluster with this spec's fingerprint, claimed and checked; None: start a fresh one (said why).
+
+        The fingerprint's environment is ``environ``, the copy a fresh cluster's servers would inherit
+        (``running/start_env.py``), never one taken at configure: a variable set after it would otherwise be in
+        the servers and not in the fingerprint, and the next run would reuse a cluster with another environment."""
         defaults, report = launcher.defaults, launcher.report
         wanted = fingerprint(
             spec=spec, defaults=defaults, setup=setup, model=model, placement=placement,
-            proxy_command=launcher.proxy_command, environ=self.environ,
+            proxy_command=launcher.proxy_command, environ=environ,
         )  # fmt: skip
         self._wanted[spec] = wanted
         claim, why = find_reusable(self.options.directory, wanted, spec.name, report, ttl=self.options.ttl)
@@ -261,7 +265,7 @@ def keep(
 def _read_line_within(stream: IO[bytes], timeout: float) -> str:
     deadline = time.monotonic() + timeout
     buf = b""
-    while b"\n" not in buf and time.monotonic() < deadline:
+    while b"\n" not in buf and len(buf) < protocol.MAX_LINE and time.monotonic() < deadline:  # bounded: time, size
         ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             break

@@ -44,7 +44,6 @@ class ReusePlugin:
         if self.enabled and not cfg.attach_mode:
             self.options = ReuseOptions(ensure_reuse_dir(cfg.reuse_dir or default_reuse_dir()), cfg.reuse_ttl)
             prune_run_logs(self.options.directory)  # each reuse run without --pd-log-dir logs under it
-        self.environ = dict(environ)
         #: The manager's reuser, once the fixtures built one (what the summary reports).
         self.kept: KeptClusters | None = None
 
@@ -57,7 +56,7 @@ class ReusePlugin:
         """The manager's `Reuser` (one per manager); None: not reusing."""
         if self.options is None:
             return None
-        self.kept = KeptClusters(self.options, self.environ)
+        self.kept = KeptClusters(self.options)
         return self.kept
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:

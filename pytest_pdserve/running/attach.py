@@ -10,7 +10,6 @@ when no proxy URL is given.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.common.digits import is_int
 from pytest_pdserve.config.commands import SessionDefaults
 from pytest_pdserve.config.effective import effective
-from pytest_pdserve.errors import AttachError
+from pytest_pdserve.errors import AttachError, MetricsScrapeError, ResponseTooLarge
 from pytest_pdserve.machine import leases
 from pytest_pdserve.metrics import scrape
 from pytest_pdserve.running.hints import AUTH_HINT
@@ -43,10 +42,13 @@ _SERVER_SETTINGS = (
 )  # fmt: skip
 
 
-def start_attached(cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults) -> LaunchedCluster:
+def start_attached(
+    cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults, environ: Mapping[str, str]
+) -> LaunchedCluster:
     """Check every attached URL, then use the given proxy or start the built-in one in front of the servers.
 
-    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``).
+    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``);
+    ``environ`` is what the built-in proxy inherits (``start_env.start_environ``).
     """
     __tracebackhide__ = True
     t0 = time.monotonic()
@@ -63,7 +65,7 @@ def start_attached(cfg: Any, launcher: ClusterLauncher, defaults: SessionDefault
         # The servers answered: only now start a proxy in front of them (it leases its own port only).
         try:
             servers = [*cluster.prefill, *cluster.decode]
-            cluster.set_proxy(launcher.start_proxy("attached", servers, processes, port_leases, t0))
+            cluster.set_proxy(launcher.start_proxy("attached", servers, processes, port_leases, t0, environ))
         except BaseException:
             launcher.cleanup("attached", processes, None, port_leases)
             raise
@@ -185,13 +187,22 @@ def _check_attached(h: ServerHandle, timeout: float) -> list[str]:
 
 
 def _attached_block_size(handles: Sequence[ServerHandle], timeout: float) -> int | None:
-    """The block size an attached server reports in ``vllm:cache_config_info`` (None when none does)."""
+    """The block size an attached server reports in ``vllm:cache_config_info`` (None when none does).
+
+    Best effort for a scrape that fails (an older server, a metrics-less path), never for an answer over the size
+    bound: that is an `AttachError` naming the server, not a reason to read the next server's (or the same) stream.
+    """
     for h in handles:
-        with contextlib.suppress(Exception):  # best effort: an older server or a metrics-less proxy path
-            for labels in scrape(h.client, timeout=timeout, strict=False).series("vllm:cache_config_info"):
-                value = dict(labels).get("block_size", "")
-                if is_int(value) and int(value) > 0:
-                    return int(value)
+        try:
+            snapshot = scrape(h.client, timeout=timeout, strict=False)
+        except ResponseTooLarge as exc:
+            raise AttachError(f"attach mode: {h.name} at {h.url}: {exc}") from None
+        except MetricsScrapeError:
+            continue
+        for labels in snapshot.series("vllm:cache_config_info"):
+            value = dict(labels).get("block_size", "")
+            if is_int(value) and int(value) > 0:
+                return int(value)
     return None
 
 

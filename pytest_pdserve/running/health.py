@@ -7,7 +7,9 @@ waits for its own timeout. Every httpx client the plugin hands out (the cluster'
 exited or its ``/health`` no longer answers 200, the request raises :class:`ServerDied`, and from then on
 every request to that cluster, and every fixture that would hand it out, raises the same error at once.
 A 5xx from a cluster whose servers are all healthy (a KV load failure with ``kv_load_failure_policy=fail``)
-is passed through unchanged. [pytest-free]
+is passed through unchanged. A server the test paused, killed or is restarting on purpose (``ServerHandle.pause`` /
+``kill`` / ``restart`` / ``expect_down``: :attr:`ClusterHealth.expected`) is neither probed nor a death: what the
+requests meet then is passed through for the test to assert on. [pytest-free]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -74,6 +76,8 @@ class ClusterHealth:
     #: The cluster's servers now (a callable: attach mode puts its proxy in after the cluster exists).
     servers: Callable[[], Sequence[_Server]]
     died: ServerDied | None = None
+    #: Servers down on purpose, name -> why (``ServerHandle.pause``, ``kill``, ``restart``, ``expect_down``).
+    expected: dict[str, str] = field(default_factory=dict)
     #: Set when pdserve itself stopped the cluster (to free its GPUs, or asked to): not a death, and no probe.
     stopped: ClusterStopped | None = None
 
@@ -106,6 +110,8 @@ class ClusterHealth:
     def _find_dead(self) -> tuple[_Server, str] | None:
         unhealthy: list[tuple[_Server, str]] = []
         for server in self.servers():
+            if server.name in self.expected:
+                continue  # down on purpose: what its requests meet is the test's to see
             proc = server.process
             if proc is not None and proc.returncode is not None:
                 return server, f"exited with {describe_returncode(proc.returncode)}"
@@ -241,7 +247,7 @@ def _read_tail(path: Path | None, max_bytes: int = 256 * 1024) -> str:
         with path.open("rb") as fh:
             size = fh.seek(0, 2)
             fh.seek(max(0, size - max_bytes))
-            return fh.read().decode("utf-8", "replace")
+            return fh.read(max_bytes).decode("utf-8", "replace")  # bounded even if the log grows meanwhile
     except OSError:
         return ""
 

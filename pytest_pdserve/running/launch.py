@@ -19,6 +19,8 @@ Sharing clusters between tests, remembering failures and making room are the man
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -109,6 +111,8 @@ class ClusterLauncher:
         self.run_token = new_run_token()
         self.port_range = port_range
         self.supervisors = Supervisors(self.run_token, shutdown_timeout, self.log_path, report)
+        #: Around a restart's wait (:meth:`respawn`): the pytest side pauses pytest-timeout's clock, as for a start.
+        self.restart_clock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     def log_path(self, name: str) -> Path:
         """``name`` in the log directory, which is made again if it was removed mid-run: private (0700) like the
@@ -141,19 +145,24 @@ class ClusterLauncher:
         model: str,
         *,
         make_room: Callable[[int], None],
+        environ: Mapping[str, str],
         proxy_port: int | None = None,
         pd_ready_check: bool = True,
     ) -> LaunchedCluster:
         """Start ``spec``'s servers and proxy and return them running (everything undone on failure); started again
-        on other ports when another process took a port leased for it (port_race.py)."""
+        on other ports when another process took a port leased for it (port_race.py).
+
+        :param environ: what every process of the cluster inherits (``start_env.start_environ``'s one copy)."""
         return port_race.start_retrying(
-            lambda held: self._launch_once(spec, label, setup, model, make_room, proxy_port, pd_ready_check, held),
+            lambda held: self._launch_once(
+                spec, label, setup, model, make_room, proxy_port, pd_ready_check, held, environ
+            ),
             label=label, fixed_port=proxy_port, report=self.report,
         )  # fmt: skip
 
     def _launch_once(
         self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
-        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease],
+        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease], environ: Mapping[str, str],
     ) -> LaunchedCluster:  # fmt: skip
         t0 = time.monotonic()
         processes: list[ServerProcess] = []
@@ -180,12 +189,14 @@ class ClusterLauncher:
                     defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
                     platform_args=setup.platform_args,
                 )  # fmt: skip
-                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name))
+                handles.append(self._server(label, role, index, cmd, ports, model, positions, setup.info.name, environ))
                 assert handles[-1].process is not None
                 processes.append(handles[-1].process)
             # The proxy starts together with the servers (it needs only their URLs), so its own start-up
             # (~0.5 s of imports) hides behind theirs instead of adding to the cluster's ready time.
-            proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases, hold=False, port=proxy_port)
+            proxy = self._prepare_proxy(
+                label, handles, watchdog, processes, port_leases, environ, hold=False, port=proxy_port
+            )
             holds += [(f"{label}-ports-{lease.base}", lease.fds) for lease in port_leases]
 
             def hold_leases() -> None:
@@ -195,6 +206,8 @@ class ClusterLauncher:
             # Every process of the cluster holds every lease fd of it: a lease frees only when its servers are gone.
             fds = [*gpu_plan.fds, *(fd for lease in port_leases for fd in lease.fds)]
             self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases, fds)
+            for h in [*handles, proxy]:  # ServerHandle.restart
+                h.respawn = functools.partial(self.respawn, processes, fds)
             n_p = spec.num_prefill
             eff = effective(spec, self.defaults)
             cluster = PDCluster(
@@ -228,6 +241,7 @@ class ClusterLauncher:
         model: str,
         positions: Sequence[int],
         engine: str,
+        environ: Mapping[str, str],
     ) -> ServerHandle:
         """One server's process (not started) and handle; its log starts with the env delta it runs with."""
         log_path = self.log_path(f"{label}-{cmd.name}.log")
@@ -238,7 +252,7 @@ class ClusterLauncher:
         except OSError as exc:
             raise PDServeError(f"{cmd.name}: cannot write its log {log_path}: {exc.strerror or exc}") from None
         url = f"http://127.0.0.1:{ports.http}"
-        env = child_env(cmd.env)
+        env = child_env(cmd.env, environ)
         rpc_dir = None
         if engine == "vllm" and RPC_BASE_ENV not in env:  # its IPC sockets in a directory of its own (rpc_dirs.py)
             rpc_dir = make_rpc_dir()
@@ -317,6 +331,7 @@ class ClusterLauncher:
         watchdog: Watchdog,
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
+        environ: Mapping[str, str],
         hold: bool = True,
         port: int | None = None,
     ) -> ServerHandle:
@@ -342,7 +357,7 @@ class ClusterLauncher:
         url = f"http://127.0.0.1:{port}"
         log_path = self.log_path(f"{label}-proxy.log")
         proc = ServerProcess(
-            "proxy", cmd.argv, child_env(cmd.env), log_path, health_url=f"{url}{cmd.health_path}",
+            "proxy", cmd.argv, child_env(cmd.env, environ), log_path, health_url=f"{url}{cmd.health_path}",
             api_key=self.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
@@ -355,16 +370,51 @@ class ClusterLauncher:
         processes: list[ServerProcess],
         port_leases: list[leases.PortLease],
         t0: float,
+        environ: Mapping[str, str],
     ) -> ServerHandle:
-        """Start the proxy alone and wait for it (attach mode, where the servers are already up)."""
+        """Start the proxy alone and wait for it (attach mode, where the servers are already up); started again on
+        another port when another process took the one leased for it, by the same rule as a cluster's servers
+        (port_race.py). What it started and leased is appended to ``processes`` / ``port_leases`` once it runs."""
+
+        def once(held: list[leases.PortLease]) -> ServerHandle:
+            started: list[ServerProcess] = []
+            try:
+                watchdog = self.watch()
+                proxy = self._prepare_proxy(label, handles, watchdog, started, held, environ)
+                assert proxy.process is not None
+                proxy.process.start([fd for lease in held for fd in lease.fds])
+                watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
+                progress = StartProgress(self.report, self.terminal)
+                proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, progress)["proxy"]
+            except BaseException:
+                self.cleanup(label, started, None, held)  # each attempt undoes its own (port_race's contract)
+                raise
+            processes.extend(started)
+            port_leases.extend(held)
+            return proxy
+
+        return port_race.start_retrying(once, label=label, fixed_port=None, report=self.report)
+
+    def respawn(self, processes: list[ServerProcess], inherit_fds: Sequence[int], old: ServerProcess) -> ServerProcess:
+        """One server of a running cluster started again (``ServerHandle.restart``): stopped first if it still runs,
+        a fresh copy (same argv, env, ports, log) started in its place with the cluster's lease fds, watched by the
+        watchdog instead of the old one, and waited for as at a start. The cluster's teardown stops the new one,
+        whatever happens next.
+
+        :raises ServerStartupError: it did not come up again (killed first, as a failed start is).
+        """
+        old.stop(self.shutdown_timeout)  # idempotent: a killed server returns its report at once
         watchdog = self.watch()
-        proxy = self._prepare_proxy(label, handles, watchdog, processes, port_leases)
-        assert proxy.process is not None
-        proxy.process.start([fd for lease in port_leases for fd in lease.fds])
-        watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-        ready = wait_all_ready([proxy.process], t0 + self.startup_timeout, StartProgress(self.report, self.terminal))
-        proxy.ready_seconds = ready["proxy"]
-        return proxy
+        if old.pgid is not None:
+            watchdog.unwatch(old.pgid)
+        fresh = old.respawned()
+        processes[processes.index(old)] = fresh
+        fresh.start(inherit_fds)
+        watchdog.watch(fresh.pid or 0, fresh.pgid or 0)
+        with self.restart_clock():
+            deadline = time.monotonic() + self.startup_timeout
+            wait_all_ready([fresh], deadline, StartProgress(self.report, self.terminal))
+        return fresh
 
     # ------------------------------------------------------------------ stop
 
@@ -427,9 +477,11 @@ class ClusterLauncher:
                     log.debug("watchdog drop %s failed", name, exc_info=True)
 
 
-def child_env(delta: Mapping[str, str | None]) -> dict[str, str]:
-    """This process's environment with a server's ``delta`` applied (``None`` removes a variable)."""
-    env = dict(os.environ)
+def child_env(delta: Mapping[str, str | None], environ: Mapping[str, str]) -> dict[str, str]:
+    """A server's (or the proxy's) whole environment: ``environ``, the copy taken when its cluster's start was
+    decided (``start_env.start_environ``: what was checked and fingerprinted), with the server's ``delta`` applied
+    (``None`` removes a variable). Never ``os.environ`` as it is now (issue 43, class 2)."""
+    env = dict(environ)
     for key, value in delta.items():
         if value is None:
             env.pop(key, None)

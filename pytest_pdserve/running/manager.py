@@ -7,6 +7,10 @@ when a new spec needs their GPUs, and stops everything at the end. Starting one 
 after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s; ``--pd-reuse`` (kept
 clusters) is a `Reuser`'s, given by the reuse plugin (`reuse/handover.py`). The objects handed to tests
 (`PDCluster`, `ServerHandle`) live in `cluster.py`.
+
+The manager belongs to the pytest process that made it (``common/owner.py``): in a forked child its stops are
+no-ops (the fixtures' finalizers, ``pytest_unconfigure``, the last-user stops, the hand-over to a keeper all go
+through them) and a start is refused; a running cluster is still handed out, for the child to send requests to.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_pdserve.cluster import PDCluster
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.config.commands import SessionDefaults
 from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS, EngineSetup
 from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
@@ -27,6 +32,7 @@ from pytest_pdserve.machine.inventory import Inventory
 from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.running.attach import attach_mismatch, start_attached
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster, Reporter
+from pytest_pdserve.running.start_env import Drift, start_environ
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = ["ClusterManager", "Reuser"]
@@ -44,8 +50,10 @@ class Reuser(Protocol):
         model: str,
         placement: Mapping[str, object],
         launcher: ClusterLauncher,
+        environ: Mapping[str, str],
     ) -> LaunchedCluster | None:
-        """A kept cluster for ``spec``, claimed and checked; None: the manager starts a fresh one."""
+        """A kept cluster for ``spec`` whose fingerprint (``environ``: what a fresh one's servers would inherit) is
+        this one's, claimed and checked; None: the manager starts a fresh one (with ``environ``)."""
         ...
 
     def stop(self, running: LaunchedCluster) -> bool:
@@ -85,6 +93,7 @@ class ClusterManager:
         reporter: Reporter | None = None,
         reuser: Reuser | None = None,
         terminal: bool = True,
+        env_drift: Drift | None = None,
     ) -> None:
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
@@ -118,6 +127,10 @@ class ClusterManager:
         self.reuser = reuser
         #: Specs someone other than the fixtures asked for (see :meth:`get`): never stopped before the end.
         self.pinned: set[ClusterSpec] = set()
+        #: What changed since pytest configured (``settings.env_drift``), checked at every start (start_env.py).
+        self.env_drift = env_drift
+        #: The process whose clusters these are: the only one that starts or stops them (common/owner.py).
+        self.owner = Owner()
 
     # ------------------------------------------------------------------ public
 
@@ -139,8 +152,12 @@ class ClusterManager:
             if spec in self._failed:
                 # Same error, fresh traceback: re-raising the object would grow its traceback test after test.
                 raise self._failed[spec].with_traceback(None)
+            # Neither refusal is remembered as the spec's failure: the parent may still start it, and the environment
+            # may be put back (a monkeypatch undone).
+            self.owner.refuse(f"start cluster {spec.name}")
+            environ = start_environ(self.env_drift, own_servers=True)
             try:
-                running = self._find_or_start(spec)
+                running = self._find_or_start(spec, environ)
             except ClusterUnavailable:
                 raise
             except Exception as exc:
@@ -169,8 +186,10 @@ class ClusterManager:
                 # shared exception object from growing one more chain of frames per test.
                 raise failed.with_traceback(None)
             if key not in self._running:
+                self.owner.refuse("attach to the deployment and start its proxy")
+                environ = start_environ(self.env_drift, own_servers=False)
                 try:
-                    self._running[key] = start_attached(cfg, self.launcher, self.defaults)
+                    self._running[key] = start_attached(cfg, self.launcher, self.defaults, environ)
                 except Exception as exc:
                     self._failed[key] = exc
                     raise
@@ -186,7 +205,10 @@ class ClusterManager:
         return cluster
 
     def ensure_watchdog(self) -> None:
-        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token)."""
+        """Start the watchdog (or the guard) again if it died while clusters run (both sweep by run token); not in a
+        forked child (they are the parent's)."""
+        if not self.owner.here:
+            return
         with self._lock:
             if self._running:
                 self.launcher.watch()
@@ -203,7 +225,10 @@ class ClusterManager:
     def stop(self, spec: ClusterSpec, why: str = "pd_cluster_factory.stop") -> PDCluster | None:
         """Stop one cluster (no-op if it is not running); returns the stopped cluster. Every ``on_stop`` listener
         hears of it, so whoever handed it out forgets it (a later ``get`` of the same spec starts a fresh one):
-        the one rule for both doors, an explicit stop and making room for another spec."""
+        the one rule for both doors, an explicit stop and making room for another spec. A no-op in a forked child
+        (common/owner.py)."""
+        if not self.owner.here:
+            return None
         with self._lock:
             running = self._running.pop(spec, None)
         if running is None:
@@ -216,7 +241,10 @@ class ClusterManager:
         return running.cluster
 
     def stop_all(self) -> None:
-        """Stop every cluster (a reuser keeps or hands back what it can), then the watchdog. Safe to call twice."""
+        """Stop every cluster (a reuser keeps or hands back what it can), then the watchdog. Safe to call twice; a
+        no-op in a forked child, whose fixtures and ``pytest_unconfigure`` call it too (common/owner.py)."""
+        if not self.owner.here:
+            return
         with self._lock:
             items = list(self._running.values())
             self._running.clear()
@@ -253,15 +281,16 @@ class ClusterManager:
             self.report(f"pdserve: stopping cluster {victim.cluster.spec.name} to free its GPUs for another spec")
             self.stop(victim.cluster.spec, why="its GPUs were needed for another spec")
 
-    def _find_or_start(self, spec: ClusterSpec) -> LaunchedCluster:
-        """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one."""
+    def _find_or_start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
+        """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one; both judged by, and
+        a fresh one started with, the one ``environ`` (start_env.py)."""
         if self.reuser is not None:
             setup = self.engine_for(spec)
             model = self._resolve_model(spec, setup)
-            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher)
+            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher, environ)
             if found is not None:
                 return found
-        return self._start(spec)
+        return self._start(spec, environ)
 
     def _placement(self, spec: ClusterSpec) -> dict[str, object]:
         """Where a cluster's servers run, as far as settings decide it (part of its reuse fingerprint)."""
@@ -271,12 +300,13 @@ class ClusterManager:
             "share_gpus": self.gpus.share_gpus, "proxy_port": self.proxy_ports.get(spec),
         }  # fmt: skip
 
-    def _start(self, spec: ClusterSpec) -> LaunchedCluster:
+    def _start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
         self._counter += 1
         setup = self.engine_for(spec)
         return self.launcher.launch(
             spec, f"{spec.name}-{self._counter}", setup, self._resolve_model(spec, setup),
-            make_room=self._make_room, proxy_port=self.proxy_ports.get(spec), pd_ready_check=self.pd_ready_check,
+            make_room=self._make_room, environ=environ, proxy_port=self.proxy_ports.get(spec),
+            pd_ready_check=self.pd_ready_check,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ stop

@@ -11,7 +11,12 @@ pdserve finds the port answering before it starts the server (``PortInUse``); no
 So the launcher starts such a cluster again on newly leased ports, :data:`ATTEMPTS` times in all. A failure is a
 lost race only when it says a port was in use *and*, with this cluster's own processes stopped, a port pdserve
 leased for it is held by someone: a port the user pinned (``--pd-proxy-port``, a port in a server's own flags)
-that is busy leaves the leased ports free, and fails at once with its own message as before. [pytest-free]
+that is busy leaves the leased ports free, and fails at once with its own message as before.
+
+The rule covers every listener pdserve starts on a port it leased: a cluster's servers and its proxy
+(``ClusterLauncher.launch``) and attach mode's built-in proxy (``ClusterLauncher.start_proxy``), each through
+:func:`start_retrying`. The other processes pdserve starts listen on no port (the keeper on an abstract Unix socket,
+the watchdog on a socket pair, the guard on a pipe; the proxy's warm-up server binds port 0). [pytest-free]
 """
 
 from __future__ import annotations

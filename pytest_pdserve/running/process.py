@@ -12,7 +12,11 @@ The contract (mirakuru's executor contract, tightened for minute-long GPU startu
   killed *first*, then :class:`ServerStartupTimeout` is raised.
 * ``stop(grace)`` SIGTERMs the process group, waits, SIGKILLs, then sweeps descendants that left the
   group (vLLM's EngineCore and workers can outlive a killed API server). They are found by env token
-  and by ppid chain, never by name. Idempotent; every step best effort and logged.
+  and by ppid chain, never by name. Idempotent; every step best effort and logged. Only the process that made
+  the ``ServerProcess`` stops it: in a forked child (``common/owner.py``) ``stop`` and the atexit net do nothing,
+  and the exit status is not guessed (``returncode`` is None: only the parent can wait for it).
+* ``pause()`` / ``resume()`` SIGSTOP / SIGCONT the same tree (a fault a test causes on purpose); ``stop()`` resumes a
+  paused server first, so its SIGTERM is acted on. ``respawned()`` is a fresh, unstarted copy for a restart.
 
 The env of every server carries ``PDSERVE_RUN_TOKEN=<run_token>`` (what the watchdog sweeps if pytest
 dies) and a per-server ``PDSERVE_SERVER_TOKEN`` (what ``stop()`` sweeps, so stopping the prefill server
@@ -25,6 +29,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -39,13 +44,22 @@ from urllib.parse import urlsplit
 import httpx
 
 from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
 from pytest_pdserve.errors import AuthRefused, PortInUse, ServerExitedEarly, ServerStartupError, ServerStartupTimeout
 from pytest_pdserve.running.hints import AUTH_HINT, hint_for
 from pytest_pdserve.running.log_wakeup import LogWakeup
-from pytest_pdserve.running.proctree import RUN_TOKEN_ENV, SERVER_TOKEN_ENV, descendants, proc_table, terminate
+from pytest_pdserve.running.proctree import (
+    RUN_TOKEN_ENV,
+    SERVER_TOKEN_ENV,
+    descendants,
+    proc_table,
+    read_stat,
+    signal_server,
+    terminate,
+)
 from pytest_pdserve.running.readiness import ReadinessCheck, readiness_client
-from pytest_pdserve.running.rpc_dirs import remove_rpc_dir
+from pytest_pdserve.running.rpc_dirs import RPC_BASE_ENV, make_rpc_dir, remove_rpc_dir
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -90,6 +104,7 @@ _PROGRESS_EVERY = 1.0
 _TAIL_LINES = 50
 
 _live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_live.clear)  # a forked child's atexit net has nothing of its own to stop
 
 
 def new_run_token() -> str:
@@ -177,10 +192,15 @@ class ServerProcess:
         self.env[SERVER_TOKEN_ENV] = self.server_token
         # Without a health_url it is never asked: an alive process counts as ready.
         self._readiness = ReadinessCheck(health_url or "", models_url, model_id, api_key)
+        self._api_key = api_key
+        self._inherit_fds: tuple[int, ...] = ()
+        self._paused = False
         self._popen: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._ready_at: float | None = None
         self._stop_report: StopReport | None = None
+        #: Who may stop it (and wait for its exit status): the process that made it, never a forked child.
+        self.owner = Owner()
 
     # ---------------------------------------------------------------- state
 
@@ -196,13 +216,21 @@ class ServerProcess:
 
     @property
     def returncode(self) -> int | None:
-        """Exit status once it exited (negative = killed by that signal), else None."""
-        return self._popen.poll() if self._popen is not None else None
+        """Exit status once it exited (negative = killed by that signal), else None; None in a forked child, which
+        cannot wait for it (``Popen.poll`` there says 0 for a server that runs)."""
+        if self._popen is None or not self.owner.here:
+            return None
+        return self._popen.poll()
 
     @property
     def alive(self) -> bool:
-        """Started and not exited."""
-        return self._popen is not None and self._popen.poll() is None
+        """Started and not exited (in a forked child: its process is there and not a zombie)."""
+        if self._popen is None:
+            return False
+        if not self.owner.here:
+            stat = read_stat(self._popen.pid)
+            return stat is not None and stat.live
+        return self._popen.poll() is None
 
     @property
     def started_at(self) -> float:
@@ -232,6 +260,7 @@ class ServerProcess:
         """
         if self._popen is not None:
             raise RuntimeError(f"{self.name}: start() called twice")
+        self._inherit_fds = tuple(inherit_fds) or self._inherit_fds  # a respawned() copy keeps its original's
         if self.health_url is not None:
             host, port = _host_port(self.health_url)
             if _answers(host, port):
@@ -250,7 +279,7 @@ class ServerProcess:
                 env=self.env,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=tuple(inherit_fds),
+                pass_fds=self._inherit_fds,
             )
         # The child has its own copy of the log fd; ours is closed by the with-block.
         self._started_at = time.monotonic()
@@ -323,6 +352,43 @@ class ServerProcess:
             self._popen.returncode = 0
         self._popen = None
 
+    @property
+    def paused(self) -> bool:
+        """Stopped by :meth:`pause` and not resumed."""
+        return self._paused
+
+    def pause(self) -> None:
+        """SIGSTOP the server's whole tree: it keeps its ports and connections and answers nothing until
+        :meth:`resume` (a hung server, on purpose). :raises RuntimeError: it is not running."""
+        self._signal_tree("pause", signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT the tree :meth:`pause` stopped."""
+        self._signal_tree("resume", signal.SIGCONT)
+        self._paused = False
+
+    def _signal_tree(self, what: str, sig: int) -> None:
+        if self._popen is None or self._popen.poll() is not None:
+            raise RuntimeError(f"{self.name}: cannot {what} it: it is not running")
+        signal_server(self._popen.pid, self.server_token, sig)
+
+    def respawned(self) -> ServerProcess:
+        """A fresh, unstarted copy of this server to start in its place (``ServerHandle.restart``): the same argv,
+        environment, log file, readiness check and lease fds (:meth:`start` with no fds gives it these); a new server
+        token, and a new RPC directory where this one had its own (the old one goes when this one stops)."""
+        env = {k: v for k, v in self.env.items() if k not in (RUN_TOKEN_ENV, SERVER_TOKEN_ENV)}
+        rpc_dir = None
+        if self.rpc_dir is not None:
+            rpc_dir = make_rpc_dir()
+            env[RPC_BASE_ENV] = str(rpc_dir)
+        fresh = ServerProcess(
+            self.name, self.argv, env, self.log_path, health_url=self.health_url, models_url=self.models_url,
+            model_id=self.model_id, api_key=self._api_key, run_token=self.run_token, rpc_dir=rpc_dir,
+        )  # fmt: skip
+        fresh._inherit_fds = self._inherit_fds
+        return fresh
+
     def stop(self, grace: float = DEFAULT_STOP_GRACE) -> StopReport:
         """Stop the server and everything it started; idempotent (later calls return the first report).
 
@@ -333,6 +399,9 @@ class ServerProcess:
         """
         if self._stop_report is not None:
             return self._stop_report
+        if not self.owner.here:  # a forked child's copy: the server is its parent's to stop (common/owner.py)
+            why = f"not stopped: pid {os.getpid()} did not start it (pid {self.owner.pid} did)"
+            return StopReport(self.name, self.pid, None, False, 0.0, False, (), (), 0.0, (why,))
         t0 = time.monotonic()
         if self._popen is None:
             remove_rpc_dir(self.rpc_dir)  # made for a server that never started
@@ -349,6 +418,10 @@ class ServerProcess:
         except OSError as exc:
             errors.append(f"snapshot of the process tree failed: {exc}")
         result = None
+        if self._paused and not exited_before:
+            # A stopped process acts on SIGTERM only once continued: without this the grace would run out.
+            with contextlib.suppress(Exception):
+                self.resume()
         try:
             result = terminate([popen.pid], env=[(SERVER_TOKEN_ENV, self.server_token)], extra=tree, grace=grace)
         except Exception as exc:  # best effort: still try to reap below

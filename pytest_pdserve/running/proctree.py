@@ -120,6 +120,25 @@ def listens_on(pid: int, port: int) -> bool:
     return False
 
 
+def unread_bytes(port: int) -> int:
+    """Bytes received on connections to local TCP ``port`` (IPv4 or IPv6) that nobody has read yet: the receive
+    queues of /proc/net/tcp{,6}. A paused server (SIGSTOP) holding a request shows it here; 0 where unreadable."""
+    wanted = f":{port:04X}"
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii", errors="replace") as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 in this kernel
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st tx_queue:rx_queue ...
+            if len(fields) > 4 and fields[3] != _TCP_LISTEN and fields[1].endswith(wanted):
+                with contextlib.suppress(ValueError):
+                    total += int(fields[4].partition(":")[2], 16)
+    return total
+
+
 def alive_as(pid: int, starttime: int) -> bool:
     """Whether ``pid`` still runs *and* is the process that had ``starttime`` (not a zombie, not a reused pid)."""
     info = read_stat(pid)
@@ -205,6 +224,14 @@ def _signal_all(
         ):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
+
+
+def signal_server(pid: int, server_token: str, sig: int) -> None:
+    """Send ``sig`` to one server's whole tree: its process group (``pid`` leads it), its descendants by ppid chain and
+    the processes carrying its ``PDSERVE_SERVER_TOKEN`` that left the group (``ServerProcess.pause``/``resume``)."""
+    table = proc_table()
+    pids = {**descendants(pid, table), **token_pids([(SERVER_TOKEN_ENV, server_token)], table)}
+    _signal_all([pid], pids, sig, table)
 
 
 def _still_alive(

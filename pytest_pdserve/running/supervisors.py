@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pytest_pdserve.common.logfile import open_append
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.running.supervise import start_guard
 from pytest_pdserve.running.watchdog import Watchdog
 
@@ -31,6 +32,8 @@ class Supervisors:
         #: The running watchdog, or None before the first cluster and after :meth:`close`.
         self.watchdog: Watchdog | None = None
         self._guard: subprocess.Popen[bytes] | None = None
+        #: The pytest process they supervise for; a forked child neither restarts nor stops them (common/owner.py).
+        self.owner = Owner()
 
     def _log(self, name: str) -> Path | None:
         """The watchdog's or the guard's log, or None (it logs nowhere) when what is there is refused (a link, a
@@ -44,7 +47,10 @@ class Supervisors:
         return path
 
     def watch(self) -> Watchdog:
-        """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token)."""
+        """The session's watchdog, (re)started with the guard if either is gone (both sweep by run token).
+
+        :raises NotOwner: in a forked child (its copies of the parent's ``Popen`` objects read as exited)."""
+        self.owner.refuse("start the watchdog and the guard")
         if self._guard is None or self._guard.poll() is not None:
             # The second supervisor: acts only once pytest and the watchdog are both gone (supervise.py).
             self._guard = start_guard(self.run_token, self.orphan_grace(), self._log("guard.log"))
@@ -59,7 +65,10 @@ class Supervisors:
         return self.watchdog
 
     def close(self) -> None:
-        """Stop the watchdog and the guard (after every cluster is stopped). Safe to call twice."""
+        """Stop the watchdog and the guard (after every cluster is stopped). Safe to call twice; nothing in a forked
+        child."""
+        if not self.owner.here:
+            return
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_pdserve.common.logfile import open_safety_net_log
+from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.running.proctree import (
     RUN_TOKEN_ENV,
     SERVER_TOKEN_ENV,
@@ -82,6 +83,9 @@ class Watchdog:
         self._closed = False
         self._log_path = log_path
         self._hello_pending = True
+        #: Only the pytest process that started it talks to it: a forked child's "unwatch" or "exit" would leave
+        #: the parent's servers unguarded (common/owner.py).
+        self.owner = Owner()
 
     @classmethod
     def start(cls, run_token: str, grace: float = 5.0, *, log_path: Path | None = None, wait: bool = True) -> Watchdog:
@@ -166,7 +170,7 @@ class Watchdog:
         return self._proc.poll()
 
     def _send(self, line: str, fds: Sequence[int] = ()) -> None:
-        if self._closed:
+        if self._closed or not self.owner.here:
             return
         try:
             # Not blocking on the hello: the servers' readiness loop must not wait for our start-up.
@@ -198,8 +202,9 @@ class Watchdog:
         self._send(f"drop {label}")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Normal shutdown, after everything was stopped by us: the watchdog exits without killing."""
-        if self._closed:
+        """Normal shutdown, after everything was stopped by us: the watchdog exits without killing (not from a forked
+        child: the watchdog is its parent's)."""
+        if self._closed or not self.owner.here:
             return
         self._send("exit")
         self._closed = True

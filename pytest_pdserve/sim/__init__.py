@@ -1,4 +1,4 @@
-"""pdserve-sim: a vLLM 0.33 stand-in for machines without GPUs or vLLM, and a fault injector.
+"""pdserve-sim: a vLLM 0.34 stand-in for machines without GPUs or vLLM, and a fault injector.
 
 Run it exactly like ``vllm serve``::
 
@@ -63,8 +63,9 @@ PDSERVE_SIM_PLATFORM                   cpu         cpu, cuda or rocm: the simula
                                                    any --attention-backend runs CPU_ATTN, as on vLLM for CPU
 VLLM_ALLOW_LONG_MAX_MODEL_LEN          0           1/true: --max-model-len may exceed the model's
                                                    max_position_embeddings (else refused at start, as vLLM does)
-PDSERVE_SIM_VLLM_VERSION               0.33.0      the vLLM version reported and followed (context-length rule:
-                                                   >= 0.32 lowers max_tokens to fit, older reserves it)
+PDSERVE_SIM_VLLM_VERSION               0.34.0      the vLLM version reported and followed (``sim/vllm_rules.py``:
+                                                   >= 0.32 lowers max_tokens to fit, older reserves it; default
+                                                   --block-size 64 from 0.34, 16 before; ...)
 =====================================  ==========  =========================================================
 
 The model: MODEL as a local checkpoint directory (its ``config.json`` sizes the KV cache; its ``tokenizer.json``, or

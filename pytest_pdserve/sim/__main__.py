@@ -14,7 +14,7 @@ USAGE = "usage: pdserve-sim serve [model_tag] [options]"
 
 HELP = f"""{USAGE}
 
-pdserve-sim: a vLLM 0.33 stand-in for machines without GPUs or vLLM, and a fault injector. It takes the
+pdserve-sim: a vLLM 0.34 stand-in for machines without GPUs or vLLM, and a fault injector. It takes the
 arguments of `vllm serve` and speaks vLLM's HTTP API, prefix-cache arithmetic, metrics and NixlConnector P/D.
 
 commands:

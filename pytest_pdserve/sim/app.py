@@ -4,7 +4,9 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v
 ``GET /metrics``, ``GET /version``, ``POST /reset_prefix_cache`` (and the sleep routes) when
 ``VLLM_SERVER_DEV_MODE=1``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` when
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
-Response and error bodies follow vLLM 0.33's shapes.
+Response and error bodies follow the shapes vLLM for CPU 0.32 serialises (tests/test_differential.py compares them);
+of 0.34's changes to them (read against 0.33's) the simulator keeps one out: 0.34 drops a chat message's
+``annotations`` when it is None (``ChatMessage``, ``entrypoints/openai/chat_completion/protocol.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``vllm serve``-compatible command line of the simulator (stdlib only, imported before anything heavy).
 
-Flag names, value types and argparse error wording follow vLLM 0.33 so that the plugin's command
+Flag names, value types and argparse error wording follow vLLM 0.34 so that the plugin's command
 builder can hand the simulator exactly the argv it hands ``vllm serve``. Errors that vLLM reports from
 argparse (unknown flags, bad ``--kv-transfer-config`` JSON, bad choices) exit with status 2 and the
 ``vllm serve: error: ...`` wording; errors vLLM reports later, while building the engine config (an
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from pytest_pdserve.sim import environment_table
+from pytest_pdserve.sim import environment_table, vllm_rules
 
 PROG = "vllm serve"
 """Program name in usage and error lines, as vLLM prints it."""
@@ -45,6 +45,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
     "XPU_MLA_SPARSE",
     "TORCH_SDPA",
     "FLASHINFER",
+    "FLASHINFER_TS",
     "TRITON_FLASHINFER",
     "FLASHINFER_MLA",
     "TOKENSPEED_MLA",
@@ -70,6 +71,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
     "CUTLASS_MSA",
     "TRITON_MSA",
     "STEP5_DSA",
+    "KIMI_K3_KV_BALANCED_MLA",
     "NO_ATTENTION",
     "FLEX_ATTENTION",
     "HPC_ATTN",
@@ -82,7 +84,8 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
     "ULTRAQUANT",
     "CUSTOM",
 )
-"""``AttentionBackendEnum`` members of vLLM 0.33 (``vllm/v1/attention/backends/registry.py``), in order."""
+"""``AttentionBackendEnum`` members of vLLM 0.34 (``vllm/v1/attention/backends/registry.py``), in order (0.34 added
+``FLASHINFER_TS`` and ``KIMI_K3_KV_BALANCED_MLA`` to 0.33's)."""
 
 KV_CONNECTORS: tuple[str, ...] = (
     "NixlConnector",
@@ -99,8 +102,10 @@ KV_CONNECTORS: tuple[str, ...] = (
     "ExampleConnector",
     "P2pNcclConnector",
     "SimpleCPUOffloadConnector",
+    "UMBPStoreConnector",
 )
-"""Connector names vLLM 0.33 registers; any other name needs ``kv_connector_module_path``."""
+"""Connector names vLLM 0.34 registers (``distributed/kv_transfer/kv_connector/factory.py``; 0.34 added
+``UMBPStoreConnector``); any other name needs ``kv_connector_module_path``."""
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 """Connectors the simulator implements as pull-mode NIXL."""
@@ -155,6 +160,18 @@ class KVTransferConfig:
             if child.get("kv_connector") == "OffloadingConnector":
                 extra = child.get("kv_connector_extra_config") or {}
                 return extra if isinstance(extra, Mapping) else {}
+        return None
+
+    def connector_problem(self, version: tuple[int, int, int]) -> str | None:
+        """The ``ValueError`` vLLM ``version``'s connector factory raises for this config at start (None: none): an
+        unregistered connector name, or a NixlConnector ``transfer_mode`` it does not know (``vllm_rules``)."""
+        if self.kv_connector not in KV_CONNECTORS:
+            return f"Unsupported connector type: {self.kv_connector}"
+        for child in self._children():
+            if child.get("kv_connector") == "NixlConnector":
+                problem = vllm_rules.nixl_transfer_mode_error(version, child.get("kv_connector_extra_config"))
+                if problem is not None:
+                    return problem
         return None
 
     def unsimulated(self) -> list[str]:
@@ -362,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="vLLM AttentionBackendEnum name (default: CPU_ATTN, FLASH_ATTN with PDSERVE_SIM_GPU=1)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="tokens per KV block (default: vLLM's for its version, 64 on 0.34)"
+    )
     p.add_argument(
         "--max-model-len",
         type=human_readable_int,
@@ -462,7 +481,8 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         api_key=ns.api_key if ns.api_key is not None else (os.environ.get("VLLM_API_KEY") or None),
         kv_transfer_config=ns.kv_transfer_config,
         attention_backend=ns.attention_backend,
-        block_size=ns.block_size,
+        # Until the server knows its backend: vLLM's default is per version and backend (vllm_rules.default_block_size).
+        block_size=ns.block_size if ns.block_size is not None else 16,
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer
+from pytest_pdserve.sim import faults, kvtransfer, model, offload, tokenizer, vllm_rules
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
@@ -711,7 +711,7 @@ class Engine:
         duration = self._lease_duration()
         self._leases[request_id] = _Lease(block_ids, hashes, time.monotonic() + duration)
         args = self.args
-        return {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(block_ids)],
@@ -727,6 +727,9 @@ class Engine:
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": local_hit,
         }
+        if self.env.vllm_version_tuple[:2] >= vllm_rules.REGISTRATION_GENERATION_SINCE:
+            params["remote_registration_generation"] = 0  # the KV cache is registered once, at start
+        return params
 
     def _die_mid_request(self) -> NoReturn:
         """A worker crash under a request, as vLLM logs it: the request gets HTTP 500, then the server exits."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the simulator, with vLLM 0.33's exact family names and labels.
+"""Prometheus metrics of the simulator, with vLLM 0.34's exact family names and labels (the same as 0.33's).
 
 Everything lives in a private :class:`prometheus_client.CollectorRegistry` (one per engine), so
 counters expose ``<name>_total`` and ``<name>_created`` exactly as vLLM's do. Every label set the

@@ -94,19 +94,19 @@ class ModelShape:
         return self.num_mamba_layers * (conv + ssm)
 
 
-TINY_LLAMA = ModelShape(2, 2, 32, "float32", 2048, 2048, source="pdserve-sim/tiny-llama")
-"""``tiny_model.py``'s Llama: 2 layers, 2 KV heads of 32, float32, vocabulary 2048."""
+TINY_LLAMA = ModelShape(2, 1, 64, "float32", 2048, 2048, source="pdserve-sim/tiny-llama")
+"""``tiny_model.py``'s Llama: 2 layers, 1 KV head of 64, float32, vocabulary 2048."""
 
 TINY_NEMOTRONH = ModelShape(
     1,
-    2,
-    32,
+    1,
+    64,
     "float32",
     2048,
     2048,
     num_mamba_layers=1,
     # hybrid_override_pattern "M-*-": one Mamba2 layer (8 heads x 32 + 2 x 1 group x 16 = conv dim 288),
-    # one attention layer; 8 heads of 32, state size 16, conv kernel 4.
+    # one attention layer (1 KV head of 64); 8 Mamba heads of 32, state size 16, conv kernel 4.
     mamba=MambaShape(conv_dim=288, conv_kernel=4, num_heads=8, head_dim=32, state_size=16),
     source="pdserve-sim/tiny-nemotronh",
 )

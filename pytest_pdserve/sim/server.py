@@ -10,6 +10,7 @@ imports only after the arguments parsed, so argparse errors stay instant.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -27,9 +28,9 @@ import uvicorn
 
 from pytest_pdserve.common.rlimits import raise_nofile_limit
 from pytest_pdserve.engines import cpu
-from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer
+from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer, vllm_rules
 from pytest_pdserve.sim.app import AppState, build_app
-from pytest_pdserve.sim.cli import KV_CONNECTORS, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
+from pytest_pdserve.sim.cli import SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
 from pytest_pdserve.sim.faults import SimEnv
 
@@ -125,13 +126,15 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
     except ValueError as exc:
         return _startup_error(exc)
     kv = args.kv_transfer_config
-    if kv is not None and kv.kv_connector not in KV_CONNECTORS and "kv_connector_module_path" not in kv.raw:
-        try:
-            start_rules.check_kv_connector(kv.kv_connector, KV_CONNECTORS)
-        except pydantic.ValidationError as exc:
-            # vLLM's pydantic error wraps the factory's ValueError; the simulator prints that ValueError as its cause.
-            exc.__cause__ = ValueError(f"Unsupported connector type: {kv.kv_connector}")
-            return _startup_error(exc)
+    if kv is not None and "kv_connector_module_path" not in kv.raw:
+        problem = kv.connector_problem(env.vllm_version_tuple)
+        if problem is not None:
+            try:
+                start_rules.check_kv_connector(problem)
+            except pydantic.ValidationError as exc:
+                # vLLM's pydantic error wraps the factory's ValueError; the simulator prints it as its cause.
+                exc.__cause__ = ValueError(problem)
+                return _startup_error(exc)
     if kv is not None and kv.unsimulated():
         return _startup_error(
             ValueError(
@@ -150,11 +153,8 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
             "Using kv_role='kv_both' with NixlConnector is deprecated. Please set "
             "kv_role='kv_producer' for prefill instances and kv_role='kv_consumer' for decode instances."
         )
-    if args.mamba_cache_mode is not None:
-        logger.warning(
-            "--mamba-cache-mode is deprecated and will be removed in v0.33.0. It has no effect: "
-            "Mamba prefix caching follows --enable-prefix-caching."
-        )
+    if args.mamba_cache_mode is not None and env.vllm_version_tuple[:2] >= vllm_rules.MAMBA_FLAG_NOOP_SINCE:
+        logger.warning("%s", vllm_rules.mamba_cache_mode_warning(env.vllm_version_tuple))
 
     try:
         sock = _bind(args.host, args.port)
@@ -251,6 +251,8 @@ async def _serve_async(
             return _startup_error(ValueError(str(exc)))  # vLLM's engine core raises a ValueError
         logger.info("Using %s attention backend.", backend)
     assert backend is not None  # the CPU platform's was set in serve()
+    if "block_size" not in args.non_default:  # vLLM's default for its version and the backend it runs
+        args = dataclasses.replace(args, block_size=vllm_rules.default_block_size(env.vllm_version_tuple, backend))
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
         start_rules.check_kv_cache_fits(

@@ -30,9 +30,16 @@ NIXL_KVC = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_devic
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def sim_argv(model: str, *args: str) -> list[str]:
-    """argv of a simulator ``serve`` command."""
-    return [sys.executable, "-m", "pytest_pdserve.sim", "serve", model, *args]
+#: The block size these tests were written at: vLLM's default up to 0.33 (0.34's is 64, test_sim_vllm034.py).
+TEST_BLOCK_SIZE = "16"
+
+
+def sim_argv(model: str, *args: str, block_size: bool = True) -> list[str]:
+    """argv of a simulator ``serve`` command, with ``--block-size 16`` unless ``args`` give one or ``block_size`` is
+    False (the simulator's default then: its vLLM version's)."""
+    given = any(a == "--block-size" or a.startswith("--block-size=") for a in args)
+    pinned = ("--block-size", TEST_BLOCK_SIZE) if block_size and not given else ()
+    return [sys.executable, "-m", "pytest_pdserve.sim", "serve", model, *args, *pinned]
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -52,6 +59,7 @@ class SimServer:
         env: Mapping[str, str] | None = None,
         model: str = "tiny-sim",
         port: int | None = None,
+        block_size: bool = True,
     ) -> None:
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,7 +67,7 @@ class SimServer:
         self.model = model
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            sim_argv(model, "--host", "127.0.0.1", "--port", str(self.port), *args),
+            sim_argv(model, "--host", "127.0.0.1", "--port", str(self.port), *args, block_size=block_size),
             env=child_env(env),
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -132,9 +140,13 @@ def sim_processes(log_dir: Path) -> Iterator[Factory]:
     servers: list[SimServer] = []
 
     def start(
-        *args: str, env: Mapping[str, str] | None = None, model: str = "tiny-sim", port: int | None = None
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        model: str = "tiny-sim",
+        port: int | None = None,
+        block_size: bool = True,
     ) -> SimServer:
-        server = SimServer(log_dir / f"sim{len(servers)}.log", args, env, model, port)
+        server = SimServer(log_dir / f"sim{len(servers)}.log", args, env, model, port, block_size)
         servers.append(server)
         return server
 

@@ -37,6 +37,7 @@ RESPONSE_KEYS = {
     "remote_blocks_expiry_time",
     "transfer_mode",
     "remote_prefill_cached_tokens",
+    "remote_registration_generation",  # from vLLM 0.33 (test_sim_vllm034.py)
 }
 
 
@@ -69,7 +70,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimS
                 "--attention-backend",
                 "triton_attn",
                 # CPU_ATTN runs on the CPU platform whatever is asked; TRITON_ATTN on a GPU takes float32 (FLASHINFER
-                # does not, nor the tiny Llama's heads of 32: sim/attention.py).
+                # does not: sim/attention.py).
                 env={**side(free_port()), "PDSERVE_SIM_PLATFORM": "cuda"},
             ),
             "p_short_lease": start(

@@ -89,7 +89,7 @@ def test_health_models_version(servers: dict[str, SimServer]) -> None:
         "max_model_len": 1024,
     }
     version = httpx.get(s.url + "/version", timeout=60).json()
-    assert version["version"] == "0.33.0"
+    assert version["version"] == "0.34.0"
     sim = version["pdserve_sim"]
     assert (sim["block_size"], sim["attention_backend"], sim["served_model_name"]) == (
         128,

@@ -4,6 +4,9 @@ attention backends and the simulated GPUs' rules (sim/attention.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 
 from ._simproc import Factory, SimServer, free_port
@@ -60,8 +63,17 @@ def _rocm_nixl() -> dict[str, str]:
     return {**ROCM, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
 
-def test_a_backend_that_is_not_valid_on_the_simulated_gpu_is_refused_at_start(sim_factory: Factory) -> None:
-    """sim/attention.py: vLLM's validate_configuration per backend (CUDA H200; the tiny Llama has heads of 32)."""
+def test_a_backend_that_is_not_valid_on_the_simulated_gpu_is_refused_at_start(
+    sim_factory: Factory, tmp_path: Path
+) -> None:
+    """sim/attention.py: vLLM's validate_configuration per backend (CUDA H200), for a checkpoint with heads of 32
+    (the tiny models have heads of 64, which every backend takes)."""
+    heads32 = tmp_path / "heads32"
+    heads32.mkdir()
+    (heads32 / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "torch_dtype": "float32", "max_position_embeddings": 2048, "vocab_size": 2048,
+    }))  # fmt: skip
     refusals = {
         # FLASH_ATTN and FLASHINFER take float16 / bfloat16 only; FLASHINFER's heads are 64, 128, 256 or 512.
         ("FLASH_ATTN", "float32"): "['dtype not supported']",
@@ -69,15 +81,17 @@ def test_a_backend_that_is_not_valid_on_the_simulated_gpu_is_refused_at_start(si
         ("FLASHINFER", "float32"): "['head_size not supported', 'dtype not supported']",
     }
     for (backend, dtype), reasons in refusals.items():
-        refused: SimServer = sim_factory("--attention-backend", backend, "--dtype", dtype, env=CUDA)
+        refused: SimServer = sim_factory("--attention-backend", backend, "--dtype", dtype, env=CUDA, model=str(heads32))
         assert refused.wait_exit() == 1, (backend, dtype)
         assert (
             f"ValueError: Selected backend AttentionBackendEnum.{backend} is not valid for this configuration. "
             f"Reason: {reasons}"
         ) in refused.log()
-    # TRITON_ATTN takes float32; FLASH_ATTN bfloat16 (the float32 checkpoint under --dtype auto).
+    # TRITON_ATTN takes float32; FLASH_ATTN bfloat16 (the float32 checkpoint under --dtype auto); FLASHINFER the
+    # tiny models' heads of 64.
     assert _backend(sim_factory("--attention-backend", "TRITON_ATTN", "--dtype", "float32", env=CUDA)) == "TRITON_ATTN"
     assert _backend(sim_factory("--attention-backend", "FLASH_ATTN", env=CUDA)) == "FLASH_ATTN"
+    assert _backend(sim_factory("--attention-backend", "FLASHINFER", "--dtype", "bfloat16", env=CUDA)) == "FLASHINFER"
 
 
 def test_the_gpu_default_backend_is_the_first_valid_one(sim_factory: Factory) -> None:
