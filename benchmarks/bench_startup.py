@@ -18,6 +18,10 @@ Part B, the fixture (inner pytest with one test asking for ``pd_cluster``):
 
 Part C, parallel start (same rounds as B): P and D are then started alone, one after the other, with the
 argv/env the plugin used; ratio = cluster time / slower of the two alone.
+
+Part D, a crash at startup noticed: a process that prints its CLOCK_MONOTONIC moment and exits 3 a moment after
+its start; latency = the moment ``wait_ready`` raised ``ServerExitedEarly`` - the moment it exited. (The tests only
+check that the crash is noticed long before the deadline: tests/test_process.py.)
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from _common import (
     write_result,
 )
 
+from pytest_pdserve.errors import ServerExitedEarly
 from pytest_pdserve.running.process import POLL_INTERVAL_S, ServerProcess, new_run_token
 
 STARTUP_DELAY = 2.0
@@ -97,6 +102,32 @@ def poll_loops_round(work: Path, delay: float, nodelay: bool = True) -> dict[str
                 p.kill()
                 p.wait()
         proc.stop(grace=5)
+
+
+#: Part D's crashing process: its exit moment (CLOCK_MONOTONIC, one clock for every process), then exit 3.
+CRASHER = "import time; time.sleep(0.3); print('EXITING_AT', time.monotonic(), flush=True); raise SystemExit(3)"
+
+
+def crash_round(work: Path) -> float:
+    """Seconds from a starting process's exit to ``wait_ready`` raising for it."""
+    port = _free_port()
+    proc = ServerProcess(
+        "crasher", [sys.executable, "-c", CRASHER], clean_env(), work / f"crash-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health", run_token=new_run_token(),
+    )  # fmt: skip
+    proc.start()
+    try:
+        proc.wait_ready(time.monotonic() + 60)
+    except ServerExitedEarly:
+        noticed = time.monotonic()
+    else:
+        raise AssertionError("the crasher became ready")
+    finally:
+        proc.stop(grace=0)
+    exited = next(
+        float(line.split()[1]) for line in proc.log_path.read_text().splitlines() if line.startswith("EXITING_AT")
+    )
+    return noticed - exited
 
 
 def _alone(work: Path, server: dict[str, Any], model: str, delay: float) -> float | None:
@@ -182,6 +213,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 fixture.setdefault(k, []).append(v)
     finally:
         project.cleanup()
+    crashes = [crash_round(work) for _ in range(3 if quick else 10)]
     stats_loops = {k: summary(v) for k, v in loops.items()}
     stats_fixture = {k: summary(v) for k, v in fixture.items()}
     print_table(
@@ -217,7 +249,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                 ["ratio, fixture (incl. proxy)", fmt(stats_fixture["ratio_fixture"], "", 1, 3)],
             ],
         )
+    print_table(
+        f"A crash at startup: the process exited -> wait_ready raised ({len(crashes)} rounds)",
+        ["interval", "time"],
+        [["exit -> ServerExitedEarly (TARGET <= 50 ms)", fmt(summary(crashes))]],
+    )
     data = {
+        "crash_noticed": {"samples": crashes, "stats": summary(crashes)},
         "startup_delay_s": delay,
         "load_before": load_before,
         "load_after": load_average(),

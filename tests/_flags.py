@@ -158,7 +158,7 @@ def outcome(argv: Sequence[str], env: Mapping[str, str], port: int, timeout: flo
                                 start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
     deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(timeout=2, trust_env=False) as client:
+        with httpx.Client(timeout=2, trust_env=False) as client:  # timing: one probe of the polling loop below
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
                     text = log.read_text(errors="replace")

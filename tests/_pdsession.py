@@ -175,8 +175,9 @@ class Inner:
         [run] = [p for p in self.log_dir.iterdir() if p.is_dir()]
         return run
 
-    def run(self, *extra: str, timeout: float = 120) -> pytest.RunResult:
-        """Run the inner pytest to its end in a subprocess."""
+    def run(self, *extra: str, timeout: float = 240) -> pytest.RunResult:
+        """Run the inner pytest to its end in a subprocess (bounded far beyond a loaded machine's tens of seconds,
+        and below the outer test's own 300 s)."""
         return self.pytester.runpytest_subprocess(*self.args(*extra), timeout=timeout)
 
     @contextlib.contextmanager
@@ -204,7 +205,7 @@ class Inner:
         stacks = self.info_dir / f"stacks-{proc.pid}.txt"
         with contextlib.suppress(OSError, AssertionError):
             os.kill(proc.pid, signal.SIGUSR2)
-            wait_for(lambda: stacks.stat().st_size > 0, 5, "the inner session's stacks")
+            wait_for(lambda: stacks.stat().st_size > 0, GONE_WITHIN_S, "the inner session's stacks")
         with contextlib.suppress(OSError, AssertionError):
             print(f"--- the inner pytest (pid {proc.pid}) was still running; its threads:\n{stacks.read_text()}")
         with contextlib.suppress(OSError):
@@ -218,7 +219,7 @@ class Inner:
         """Every ``pdinfo`` record written so far (JSON, so ``Any`` values; each test knows the keys it wrote)."""
         return [json.loads(p.read_text()) for p in sorted(self.info_dir.glob("*.json"))]
 
-    def wait_info(self, timeout: float = 60) -> dict[str, Any]:
+    def wait_info(self, timeout: float = 120) -> dict[str, Any]:
         """The first ``pdinfo`` record, once one is written."""
         wait_for(lambda: list(self.info_dir.glob("*.json")), timeout, f"cluster up ({self.output()[-3000:]})")
         return self.infos()[0]

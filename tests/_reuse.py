@@ -29,7 +29,7 @@ def test_up(pd_cluster, pdinfo):
 
 
 def up_until(go: Path) -> str:
-    """An inner test that takes ``pd_cluster``, reports it, waits (at most 60 s) for the file ``go``, then sends a
+    """An inner test that takes ``pd_cluster``, reports it, waits (at most 240 s) for the file ``go``, then sends a
     request: the outer test acts on the claimed cluster in between."""
     return f"""
 import time
@@ -37,7 +37,7 @@ from pathlib import Path
 
 def test_up(pd_cluster, pdinfo):
     pdinfo(pd_cluster, reused=pd_cluster.reused.kept_id if pd_cluster.reused else None)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240
     while not Path({str(go)!r}).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     pd_cluster.complete("hello " * 10, max_tokens=2)

@@ -81,7 +81,7 @@ def main() -> int:
             sys.stdout.write(line)
         sys.stdout.flush()
     if args.crash_after is not None:
-        time.sleep(args.crash_after)
+        time.sleep(args.crash_after)  # timing: the --crash-after knob
         print(args.crash_message, flush=True)
         print(f"EXITING_AT {time.monotonic():.6f}", flush=True)
         return int(args.exit_code)
@@ -89,7 +89,7 @@ def main() -> int:
         print("stand-in hanging forever", flush=True)
         while True:
             time.sleep(60)
-    time.sleep(args.delay)
+    time.sleep(args.delay)  # timing: the --delay knob
     server = ThreadingHTTPServer(("127.0.0.1", args.port), _handler(args.model, args.health_status))
     print(f"READY_AT {time.monotonic():.6f}", flush=True)
     server.serve_forever(poll_interval=0.05)

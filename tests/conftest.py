@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _tiers import forbid_processes, process_reason
 
 from pytest_pdserve.engines.engine import resolve_engine, vllm_python
 from pytest_pdserve.engines.tiny_model import ensure_tiny_model
@@ -47,6 +48,14 @@ def _inner_sessions_load_no_hypothesis(request: pytest.FixtureRequest, monkeypat
         request.getfixturevalue("pytester")
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
     monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:hypothesispytest -p no:anyio -p no:pytest-shard".strip())
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier's tripwire, in every run: a test classified unit (tests/_tiers.py) that starts a process fails,
+    naming it, so the classification cannot drift from what the tests do."""
+    if request.node.get_closest_marker("unit") is not None:
+        forbid_processes(monkeypatch, request.node.nodeid)
 
 
 @pytest.fixture
@@ -91,6 +100,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
         if GPU_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.gpu)
+        elif not item.get_closest_marker("vllm") and process_reason(item) is None:
+            item.add_marker(pytest.mark.unit)  # tests/_tiers.py: it starts no process
         if _uses_shared_real_cluster(item):
             # Under `-n N --dist loadgroup` one worker runs every user of the shared real cluster: one real
             # start, not one per worker.

@@ -105,7 +105,7 @@ def _both_completes(status: int, body: str) -> list[tuple[str, Exception | None]
         "http://127.0.0.1:9",
         _client=clients.make_client("decode-0", "http://127.0.0.1:9", {}, inner=inner),
     )
-    with server._client or httpx.Client():
+    with server._client or httpx.Client(timeout=60):
         for which, call in (
             ("ServerHandle.complete", lambda: server.complete("x", max_tokens=1)),
             ("assertions.complete", lambda: assertions.complete(server, {"prompt": "x", "max_tokens": 1})),
@@ -154,14 +154,14 @@ def test_a_connection_idle_past_the_expiry_is_not_reused() -> None:
     a plain httpx client loses it, the plugin's client (a new connection after KEEPALIVE_EXPIRY_S) does not."""
     body = {"prompt": "x", "max_tokens": 1}
     with crossing_server(close_after=KEEPALIVE_EXPIRY_S + 0.2) as server:
-        with httpx.Client(base_url=server.url, trust_env=False) as plain:  # the control: the race is real
+        with httpx.Client(base_url=server.url, trust_env=False, timeout=60) as plain:  # the control: the race is real
             plain.post("/v1/completions", json=body)
-            time.sleep(IDLE_S)
+            time.sleep(IDLE_S)  # timing: the idle time under test (past it, whatever the load)
             with pytest.raises(httpx.RemoteProtocolError, match="Server disconnected"):
                 plain.post("/v1/completions", json=body)
         with clients.make_client("decode-0 (crossing)", server.url, {}) as client:
             assert client.post("/v1/completions", json=body).status_code == 200
-            time.sleep(IDLE_S)
+            time.sleep(IDLE_S)  # timing: the idle time under test (past it, whatever the load)
             assert client.post("/v1/completions", json=body).status_code == 200
         assert (server.answered, server.crossed) == (3, 1)
 
@@ -172,7 +172,7 @@ def test_an_async_client_does_not_reuse_an_idle_connection_either() -> None:
     async def two_requests(url: str) -> list[int]:
         async with clients.make_async_client("decode-0 (crossing)", url, {}) as client:
             first = await client.post("/v1/completions", json=body)
-            await asyncio.sleep(IDLE_S)
+            await asyncio.sleep(IDLE_S)  # timing: the idle time under test
             second = await client.post("/v1/completions", json=body)
         return [first.status_code, second.status_code]
 

@@ -157,8 +157,9 @@ def test_servers_go_quiet_after_a_request(cluster: PDCluster) -> None:
     cluster.complete(prompt_with_tokens(cluster, 200, seed=8), max_tokens=4)
     wait_settled(cluster.decode[0].metrics)
     before, t0 = _cpu_seconds(pids), time.monotonic()
-    time.sleep(IDLE_WINDOW_S)
+    time.sleep(IDLE_WINDOW_S)  # timing: the window measured (see above)
     used, seconds = _cpu_seconds(pids) - before, time.monotonic() - t0
+    # timing: CPU-seconds, not wall time: a loaded machine gives an idle server less CPU, never more
     assert used < IDLE_CPU_LIMIT_S, (
         f"{len(pids)} server processes used {used:.2f} CPU-s in the {seconds:.1f} s after a request (limit "
         f"{IDLE_CPU_LIMIT_S}): something spins while idle (vLLM without the CPU tweaks plugin: 1.47 CPU-s on 2 cores)"
@@ -377,7 +378,7 @@ def test_an_idle_connection_is_closed_after_the_keep_alive(cluster: PDCluster) -
     clients drop theirs after 1 s (config/bounds.py: a CI run met that close with a request). Bounded generously:
     what the plugin relies on is "not before 2 s" (twice the clients' expiry) and "closed at all"."""
     decode = cluster.decode[0]
-    with socket.create_connection(("127.0.0.1", decode.port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", decode.port), timeout=120) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         answer = b""
         while b"\r\n\r\n" not in answer:
@@ -386,10 +387,11 @@ def test_an_idle_connection_is_closed_after_the_keep_alive(cluster: PDCluster) -
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
         answered = time.monotonic()
-        while chunk := sock.recv(65536):  # the rest of the answer, then the close; bounded by the 30 s timeout
+        while chunk := sock.recv(65536):  # the rest of the answer, then the close; bounded by the 120 s timeout
             pass
         idle = time.monotonic() - answered
-    assert 2.0 <= idle <= 25.0, f"{decode.name} closed an idle connection after {idle:.1f} s, not ~5 s"
+    # Never before 2 s; closed at all, far below the socket's bound (60 s: a loaded machine's margin over 5 s).
+    assert 2.0 <= idle <= 60.0, f"{decode.name} closed an idle connection after {idle:.1f} s, not ~5 s"
 
 
 def test_unknown_attention_backend_fails_like_vllm(cluster: PDCluster, pd_cluster_factory: Any) -> None:

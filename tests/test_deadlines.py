@@ -36,8 +36,8 @@ def test_a_trickled_answer_fails_within_the_total_deadline(headers_too: bool) ->
         elapsed = time.monotonic() - started
         client = make_client("decode-0", url, {})  # each server's client: the same deadline when asked for
         with client, pytest.raises(metrics.MetricsScrapeError, match="no complete answer within 1s"):
-            metrics.scrape(client, timeout=1.0)
-    assert elapsed < TRICKLE_BYTES * TRICKLE_EVERY_S / 10, elapsed  # the trickle itself would take 120 s
+            metrics.scrape(client, timeout=1.0)  # timing: the deadline under test; the trickle outlasts any
+    assert elapsed < TRICKLE_BYTES * TRICKLE_EVERY_S / 10, elapsed  # 60 s; the trickle itself would take 600 s
 
 
 def test_a_request_without_a_deadline_is_passed_through_as_it_is() -> None:
@@ -88,9 +88,9 @@ def test_attach_to_a_server_that_trickles_its_answer_fails_within_the_deadline(
             monkeypatch.setenv("PDSERVE_PREFILL_URLS", urls["prefill"])
             monkeypatch.setenv("PDSERVE_DECODE_URLS", urls["decode"])
         pytester.makepyfile(INNER_ATTACHED)
-        # Without a total deadline the attach check reads the trickle for 120 s: past this run's own timeout.
+        # Without a total deadline the attach check reads the trickle for 600 s: past this run's own timeout.
         result = pytester.runpytest_subprocess(
-            "-p", "no:cacheprovider", f"--pd-lease-dir={pytester.path / 'leases'}", *args, timeout=90
+            "-p", "no:cacheprovider", f"--pd-lease-dir={pytester.path / 'leases'}", *args, timeout=240
         )
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*attach mode: * did not answer:*", "*no complete answer within 10s*"])
@@ -153,33 +153,34 @@ def test_deadlines_hold_in_a_forked_child_and_side_by_side() -> None:
             pid = os.fork()
         if pid == 0:  # the child: exit 0 only when its own deadline cut the trickle in time
             code = 1
-            signal.alarm(15)  # a child whose cut never comes dies of SIGALRM instead of waiting out the trickle
+            signal.alarm(240)  # a child whose cut never comes dies of SIGALRM instead of waiting out the trickle
             try:
                 t0 = time.monotonic()
                 try:  # 2 s: past the trickle's 0.5 s gaps, so httpx's own read timeout cannot end it first
                     get_within(None, f"{url}/health", 2.0)
                 except httpx.ReadTimeout:
-                    code = 0 if time.monotonic() - t0 < 10 else 2
+                    code = 0 if time.monotonic() - t0 < 60 else 2  # cut, not read out (600 s)
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "a forked child's request was not cut at its deadline"
+        # Two requests at once, the later one with the earlier deadline: it is cut at its own deadline, not held up
+        # to the other's (120 s: far past the bound below), and the other is not cut with it.
         took: dict[float, float] = {}
 
         def one(total: float) -> None:
             t0 = time.monotonic()
-            with contextlib.suppress(httpx.ReadTimeout):
+            with contextlib.suppress(httpx.HTTPError):
                 get_within(None, f"{url}/health", total)
             took[total] = time.monotonic() - t0
 
-        threads = [threading.Thread(target=one, args=(total,), daemon=True) for total in (3.0, 0.3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-    assert set(took) == {0.3, 3.0}, took
-    assert took[0.3] < took[3.0], took  # the shorter deadline fired first, though it was set second
-    assert took[3.0] >= 3.0, took  # and the longer one was not cut early
+        long, short = (threading.Thread(target=one, args=(total,), daemon=True) for total in (120.0, 0.3))
+        long.start()
+        short.start()
+        short.join(timeout=90)
+        assert long.is_alive(), "the longer request was cut with the shorter one"
+    long.join(timeout=90)  # the trickler is gone: the longer request ends with its connection
+    assert took[0.3] < 60, took  # cut at its own 0.3 s, not at the other's 120 s
 
 
 def test_answered_requests_do_not_pile_up_on_the_alarm_heap() -> None:

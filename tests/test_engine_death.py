@@ -18,6 +18,9 @@ import pytest
 
 from pytest_pdserve.running.process import ServerProcess
 
+#: What a dead engine's server is reported as (see the test).
+DIED = r"(exited with exit code 1|stopped answering \(GET /health: HTTP 503\))"
+
 DYING_CONFTEST = """
 import pytest
 from pytest_pdserve.spec import ClusterSpec
@@ -59,9 +62,12 @@ def test_a_dead_engine_fails_its_test_with_one_message_and_the_rest_fast(
     elapsed = time.monotonic() - t0
     result.assert_outcomes(passed=1, failed=1, errors=2)
     out = result.stdout.str()
-    # The failing request names the server, the time and carries the worker's dying words from its log.
+    # The failing request names the server, the time and carries the worker's dying words from its log. It names the
+    # exit code when the server exited within health.EXIT_WAIT_S of its engine's death (a second, quiet); a loaded
+    # machine's slower exit is reported as what was seen then, its 503: both are the truth, neither is a hang.
     assert re.search(
-        r"ServerDied: pdserve: decode-0 of cluster 'dying' exited with exit code 1 \(died at "
+        r"ServerDied: pdserve: decode-0 of cluster 'dying' "
+        rf"{DIED} \(died at "
         r"\d\d:\d\d:\d\d UTC; first seen by test_cluster.py::test_engine_dies_under_this_one \(call\), "
         r"POST /v1/completions via proxy: HTTP 500\)",
         out,
@@ -79,7 +85,7 @@ def test_a_dead_engine_fails_its_test_with_one_message_and_the_rest_fast(
     ])  # fmt: skip
     assert out.count("first seen by test_cluster.py::test_engine_dies_under_this_one") >= 3  # the same reason
     # The end of the run says which cluster died.
-    result.stdout.fnmatch_lines(["pdserve: cluster 'dying': decode-0 exited with exit code 1 at *"])
+    assert re.search(rf"pdserve: cluster 'dying': decode-0 {DIED} at ", out), out[-3000:]
     assert elapsed < 120, f"the dead cluster cost {elapsed:.0f} s: later tests must not wait for timeouts"
 
 
@@ -122,12 +128,13 @@ class _Stub:
         self.headers: dict[str, str] = {}
 
 
-def _serve(status: int) -> tuple[str, Callable[[], None]]:
+def _serve(status: int, delay: float = 0.0) -> tuple[str, Callable[[], None]]:
     import http.server
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            time.sleep(delay)  # timing: a live server that is slow to answer, on purpose
             self.send_response(status)
             self.end_headers()
 
@@ -155,6 +162,18 @@ def test_only_a_failing_health_route_is_a_death(status: int, dead: bool) -> None
     finally:
         stop()
     assert (verdict is not None) == dead, verdict
+
+
+def test_a_slow_answer_is_no_death() -> None:
+    """A live server slow to answer /health (a loaded machine's, here 3 s) is alive: the probe waits for it (with a
+    2 s probe timeout such a server was declared dead, and every later test of its cluster failed)."""
+    from pytest_pdserve.running.health import _probe
+
+    url, stop = _serve(200, delay=3.0)
+    try:
+        assert _probe(_Stub(url)) is None
+    finally:
+        stop()
 
 
 def test_a_refused_connection_is_a_death() -> None:

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _pdsession import MARK_ENV, live_procs, unheld_locks, wait_for
+from _pdsession import GONE_WITHIN_S, MARK_ENV, live_procs, unheld_locks, wait_for
 
 from pytest_pdserve import cli
 
@@ -69,6 +69,6 @@ def test_examples_pass_on_real_vllm_twice_with_reuse(
         assert all(any(e.is_socket() for e in d.iterdir()) for d in rpc_dirs), rpc_dirs
     finally:
         assert cli.main(["--dir", str(reuse_dir), "stop", "--all"]) == 0
-    wait_for(lambda: not live_procs(mark), 15.0, f"no process left ({live_procs(mark)})")
+    wait_for(lambda: not live_procs(mark), GONE_WITHIN_S, f"no process left ({live_procs(mark)})")
     unheld_locks(tmp_path / "leases")
     assert [d for d in rpc_dirs if d.exists()] == [], "a stopped server's IPC socket directory was left"

@@ -245,7 +245,7 @@ def test_loopback_and_key_only_in_the_environment(pd_cluster):
         assert f"VLLM_API_KEY={{KEY}}".encode() in environ, server.name
         assert KEY not in repr(server)
     for server in (*pd_cluster.prefill, *pd_cluster.decode):
-        assert httpx.get(f"{{server.url}}/v1/models", trust_env=False).status_code == 401
+        assert httpx.get(f"{{server.url}}/v1/models", trust_env=False, timeout=60).status_code == 401
     # The proxy sends the key it read from VLLM_API_KEY upstream.
     assert pd_cluster.complete("hello " * 20, max_tokens=2)["usage"]["completion_tokens"] == 2
 

@@ -214,7 +214,7 @@ def test_forced_platforms(tmp_path: Path, h200_runner: FakeRunner) -> None:
 
 def test_run_command_missing_tool_and_timeout() -> None:
     assert run_command(["pdserve-no-such-tool-xyz"]) is None
-    result = run_command(["sleep", "5"], timeout=0.2)
+    result = run_command(["sleep", "5"], timeout=0.2)  # timing: the timeout under test; the command outlasts it
     assert result is not None
     assert (result.returncode, result.stderr) == (-1, "timed out after 0.2s")
 

@@ -8,7 +8,7 @@ outer test finds them in ``/proc`` (never by name) and checks that none is left 
 from __future__ import annotations
 
 import pytest
-from _pdsession import Inner, cluster_resources
+from _pdsession import INNER_CONFTEST, Inner, cluster_resources
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
@@ -42,20 +42,18 @@ def test_prefill_and_decode_start_in_parallel(inner: Inner) -> None:
     p, d = servers["prefill-0"], servers["decode-0"]
     p_ready_at = p["started_at"] + p["ready_seconds"]
     d_ready_at = d["started_at"] + d["ready_seconds"]
-    # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa.
-    assert d["started_at"] < p_ready_at, (p, d)
-    assert p["started_at"] < d_ready_at, (p, d)
     assert p["ready_seconds"] >= 2
     assert d["ready_seconds"] >= 2
-    # Spawned one right after the other: in series the second spawn would wait for the first's >= 2 s startup.
-    # (Relative to the startups, which a loaded machine slows as much: 0.018 s apart at load 13, 3 s startups.)
-    assert abs(d["started_at"] - p["started_at"]) < min(p["ready_seconds"], d["ready_seconds"]) / 4, (p, d)
+    # Overlapping [spawn, ready] windows: D was spawned before P was ready, and vice versa. In series the second
+    # spawn waits for the first's ready; in parallel the two spawns are one Popen apart (0.018 s at load 13), and
+    # each start lasts at least its 2 s delay, a sleep that no load shortens. (How fast the cluster is up is
+    # bench_startup's.)
+    assert d["started_at"] < p_ready_at, (p, d)  # timing: the 2 s delay against one Popen (see above)
+    assert p["started_at"] < d_ready_at, (p, d)  # timing: the same, the other way round
     print(
         f"spawned {abs(d['started_at'] - p['started_at']):.3f}s apart; cluster up in {info['started_seconds']:.2f}s,"
         f" P and D ready in {p['ready_seconds']:.2f}s and {d['ready_seconds']:.2f}s"
     )
-    # In series it would take at least both startups; in parallel about one (plus the proxy).
-    assert info["started_seconds"] < p["ready_seconds"] + d["ready_seconds"]
     inner.assert_nothing_left([info])
 
 
@@ -108,46 +106,69 @@ def test_failed_cluster_fails_every_test_fast_without_restarting(inner: Inner) -
             pass
         """
     )
-    result = inner.run("--durations=0", "-vv")
+    result = inner.run("-vv")
     result.assert_outcomes(errors=4)
     out = result.stdout.str()
     assert out.count("decode-0: server process exited with exit code 1 before it became ready") >= 4
-    # One start attempt: one decode log file, one "starting" line in it.
+    # One start attempt: one decode log file, one "starting" line in it; the three later tests failed from the
+    # cached error. (Counted, not timed: a ratio of setup times failed on a loaded machine's stalls.)
     decode_logs = list(inner.run_logs().glob("*-decode-0.log"))
     assert len(decode_logs) == 1, decode_logs
     assert decode_logs[0].read_text().count("pdserve: starting decode-0") == 1
-    # The three later tests fail from the cached error: each setup takes a fraction of the one that tried to start
-    # (a ratio, not seconds: a loaded machine slows both; milliseconds against about a second measured).
-    setups = [float(line.split("s setup")[0]) for line in out.splitlines() if "s setup " in line]
-    assert len(setups) == 4, setups
-    first, *later = sorted(setups, reverse=True)
-    print(f"setups: the start attempt {first:.2f}s, the cached failures {later}")
-    assert max(later) < first / 4, setups
     inner.assert_nothing_left()
+
+
+#: The clock of the test below, and how long each part of the plugin's own work lasts there: the first start's
+#: manager build, the cluster's start (PDSERVE_SIM_STARTUP_DELAY), its stop (SIGTERM ignored,
+#: --pd-shutdown-timeout). Each alone outlasts the clock; the test's own billed work (its fixture setups, one
+#: assert) takes milliseconds, on a loaded machine too.
+UNBILLED_TIMEOUT_S = 10
+UNBILLED_PART_S = 12
+#: The inner conftest's slow manager build (the imports and GPU probes it stands for took seconds on a loaded
+#: machine, and were billed to the first test until issue 42).
+SLOW_BUILD = f"""
+import time
+import pytest_pdserve.glue.fixtures as _fixtures
+
+_build = _fixtures.build_manager
+
+def _slow_build(*args, **kwargs):
+    time.sleep({UNBILLED_PART_S})  # timing: outlasts the test's clock on purpose
+    return _build(*args, **kwargs)
+
+_fixtures.build_manager = _slow_build
+"""
 
 
 @pytest.mark.parametrize("stopped", ["at the session's end", "after its last user"])
 def test_session_start_and_stop_are_not_billed_to_a_tests_timeout(inner: Inner, stopped: str) -> None:
-    """A start of 5 s and a stop of 5 s (SIGTERM ignored, --pd-shutdown-timeout=5) under --timeout=3: neither is the
-    test's (pytest-timeout #96), and the 3 s are the test's own margin on a loaded machine (one completion). On a
-    loaded machine the stop alone once outlasted a 2 s timeout and errored the test. With a
-    test in a second module, the cluster a test body asked for is stopped at its module's end (glue/last_user.py),
-    not by the factory's teardown."""
+    """The manager's build (first case), the cluster's start (second case) and its stop (both), each 12 s, under
+    --timeout=10: none is the test's (pytest-timeout #96). Any of them billed to the test outlasts the clock
+    whatever the machine's speed, and what is billed stays far below it on a loaded machine too (a 3 s clock, with
+    the build and a completion billed, fired on one). With a test in a second module, the cluster a test body
+    asked for is stopped at its module's end (glue/last_user.py), not by the factory's teardown."""
+    if stopped == "at the session's end":
+        (inner.pytester.path / "conftest.py").write_text(INNER_CONFTEST + SLOW_BUILD)
+    delay = UNBILLED_PART_S if stopped == "after its last user" else 0
     files = {
-        "test_a": """
+        "test_a": f"""
             from pytest_pdserve.spec import ClusterSpec
 
             def test_first(pd_cluster_factory):
-                env = {"PDSERVE_SIM_STARTUP_DELAY": "5", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}
+                env = {{"PDSERVE_SIM_STARTUP_DELAY": "{delay}", "PDSERVE_SIM_IGNORE_SIGTERM": "1"}}
                 cluster = pd_cluster_factory(ClusterSpec(env=env))
-                assert cluster.started_seconds >= 5
-                cluster.complete("hello " * 20, max_tokens=2)
+                assert cluster.started_seconds >= {delay}
             """
     }
     if stopped == "after its last user":
         files["test_b"] = "def test_later():\n    pass\n"
     inner.pytester.makepyfile(**files)
-    result = inner.run("--timeout=3", "--pd-shutdown-timeout=5", "-p", "no:randomly")
+    result = inner.run(
+        f"--timeout={UNBILLED_TIMEOUT_S}",  # timing: outlasted by each 12 s part (see above)
+        f"--pd-shutdown-timeout={UNBILLED_PART_S}",
+        "-p",
+        "no:randomly",
+    )
     result.assert_outcomes(passed=len(files))
     if len(files) == 2:
         result.stdout.fnmatch_lines(["*stopping cluster pd: no remaining test uses it*test_a.py::test_first)*"])
@@ -179,6 +200,7 @@ def test_failing_test_carries_server_logs_under_xdist(inner: Inner) -> None:
     inner.assert_nothing_left()
 
 
+@pytest.mark.timeout(600)
 def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
     """-n 4 on 4 simulated GPUs: each worker's cluster takes 2; concurrent clusters never share a GPU or port."""
     for i in range(4):
@@ -193,9 +215,9 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
                     pd_cluster.complete("abc " * 20, max_tokens=2)
                     # Hold the cluster until another one has been up (its record is written): the first test to end
                     # then overlapped another, however the workers' starts are spread (a fixed 1 s hold was not
-                    # enough on a loaded machine). Bounded: after 60 s the overlap assertion below says why.
+                    # enough on a loaded machine). Bounded: after 240 s the overlap assertion below says why.
                     records = Path(os.environ["PDINFO_DIR"])
-                    for _ in range(3000):
+                    for _ in range(12000):
                         if len(list(records.glob("*.json"))) >= 2:
                             break
                         time.sleep(0.02)
@@ -203,7 +225,7 @@ def test_xdist_workers_get_disjoint_gpus_and_ports(inner: Inner) -> None:
                 """
             }
         )
-    result = inner.run("-n", "4", "--pd-simulate-gpus=4")
+    result = inner.run("-n", "4", "--pd-simulate-gpus=4", timeout=360)
     result.assert_outcomes(passed=4)
     infos = [i for i in inner.infos() if "end" in i]
     assert len(infos) == 4

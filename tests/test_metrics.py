@@ -195,7 +195,7 @@ def test_scrape_real_http_server(tmp_path: Path) -> None:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        snap = wait_settled(lambda: scrape(f"http://127.0.0.1:{port}"), timeout=10, interval=0.02)
+        snap = wait_settled(lambda: scrape(f"http://127.0.0.1:{port}"), timeout=60, interval=0.02)
         assert snap.generation_tokens() == 0
         assert snap.source == f"http://127.0.0.1:{port}/metrics"
     finally:
@@ -243,7 +243,7 @@ def test_wait_settled_times_out_when_counters_keep_moving(counter: tuple[Counter
         return scrape(client)
 
     with pytest.raises(MetricsSettleTimeout, match=r"kept changing .*vllm:generation_tokens_total"):
-        wait_settled(busy, timeout=0.2, interval=0.01)
+        wait_settled(busy, timeout=0.2, interval=0.01)  # timing: the timeout under test; the counter never settles
 
 
 def test_wait_settled_on_a_scrape_slower_than_the_timeout_takes_its_confirming_polls(
@@ -259,10 +259,10 @@ def test_wait_settled_on_a_scrape_slower_than_the_timeout_takes_its_confirming_p
     def slow() -> MetricsSnapshot:
         nonlocal calls
         calls += 1
-        time.sleep(0.04)
+        time.sleep(0.04)  # timing: the slow server under test
         return scrape(client)
 
-    snap = wait_settled(slow, timeout=0.05, interval=0.001)
+    snap = wait_settled(slow, timeout=0.05, interval=0.001)  # timing: the same count of polls however slow
     assert snap.generation_tokens() == 7
     assert calls == 3  # the first poll, then two unchanged ones, two of them past the deadline
 
@@ -273,18 +273,19 @@ def test_wait_settled_on_a_slow_scrape_still_fails_a_counter_that_moves_past_the
     server, client = counter
 
     def slow_and_moving() -> MetricsSnapshot:
-        time.sleep(0.04)
+        time.sleep(0.04)  # timing: the slow server under test
         snapshot = scrape(client)
         server.value += 1  # moves between every pair of polls
         return snapshot
 
     with pytest.raises(MetricsSettleTimeout, match=r"kept changing .*vllm:generation_tokens_total"):
-        wait_settled(slow_and_moving, timeout=0.05, interval=0.001)
+        wait_settled(slow_and_moving, timeout=0.05, interval=0.001)  # timing: the counter never settles
 
 
 def test_wait_settled_times_out_on_unmet_condition(counter: tuple[CounterServer, httpx.Client]) -> None:
     _, client = counter
     with pytest.raises(MetricsSettleTimeout, match="did not reach the awaited condition"):
+        # timing: the condition is never met
         wait_settled(lambda: scrape(client), until=lambda s: s.generation_tokens() > 0, timeout=0.1, interval=0.01)
 
 

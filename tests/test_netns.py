@@ -34,8 +34,8 @@ P_ADDR, D_ADDR = "10.201.0.1", "10.201.0.2"
 P_HTTP, BAD_P_HTTP, D_HTTP = 8100, 8101, 8200
 P_SIDE, BAD_P_SIDE, D_SIDE = 5600, 5602, 5601
 MODEL = "pdserve-sim/tiny-llama"
-IP_TIMEOUT_S = 10.0
-INNER_TIMEOUT_S = 90.0
+IP_TIMEOUT_S = 60.0
+INNER_TIMEOUT_S = 240.0
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -112,7 +112,7 @@ class _Procs:
                     os.killpg(proc.pid, signal.SIGKILL)
         for _, proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+                proc.wait(timeout=30)
 
 
 def _sim(host: str, port: int, role: str, side_host: str, side_port: int) -> tuple[list[str], dict[str, str]]:

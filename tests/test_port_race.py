@@ -2,23 +2,22 @@
 
 The CI failure this is for: two xdist workers' inner sessions, each with a lease directory of its own, leased the
 same port, and the second server to bind died with ``[Errno 98] Address already in use``. Here a squatter that
-knows nothing of the leases takes a leased port the moment its lease file appears, so the race is certain
-instead of rare: a listening squatter (the server then finds it answering, or fails to bind) and a squatter that
-only binds (the server fails to bind; nothing answers). Both doors to the bug are the same call in the launcher.
+knows nothing of the leases takes a leased port the moment its lease is made (the inner session's conftest binds
+it as the lease call returns), so the race is lost on purpose, whatever the machine's speed (a squatter thread
+polling the lease directory had to beat the server's start: a race of its own, which a loaded machine could lose).
+A listening squatter (the server then finds it answering, or fails to bind) and a squatter that only binds (the
+server fails to bind; nothing answers). Both doors to the bug are the same call in the launcher.
 """
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _hostile import hostile_server
-from _pdsession import Inner, unheld_locks
+from _pdsession import INNER_CONFTEST, Inner, unheld_locks
 
 from pytest_pdserve.errors import PortInUse, ServerExitedEarly
 from pytest_pdserve.machine.port_leases import acquire_ports
@@ -28,50 +27,30 @@ pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
 BIND_FAILED_TAIL = "OSError: [Errno 98] Address already in use\n"
 
+#: The inner sessions' squatter: binds (and, with SQUAT_LISTEN=1, listens on) the port of each of the first
+#: SQUAT_COUNT leases whose purpose ends with SQUAT_PURPOSE, before the server is spawned; SQUAT_OUT lists them.
+SQUATTER = r"""
+import os, socket
+from pathlib import Path
+import pytest_pdserve.machine.leases as _leases
 
-class Squatter:
-    """Takes each port whose lease holder's purpose ends with ``purpose`` as soon as its lease appears, ``count``
-    ports at most (a start that leases again leases other ports: the squatter can take those too)."""
+_taken = []
+_acquire_ports = _leases.acquire_ports
 
-    def __init__(self, lease_dir: Path, purpose: str, *, listen: bool, count: int = 1) -> None:
-        self.lease_dir, self.purpose, self.listen, self.count = lease_dir, purpose, listen, count
-        self.ports: list[int] = []
-        self._socks: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+def _squat(*args, **kwargs):
+    lease = _acquire_ports(*args, **kwargs)
+    purpose = kwargs.get("purpose", "")
+    if purpose.endswith(os.environ["SQUAT_PURPOSE"]) and len(_taken) < int(os.environ["SQUAT_COUNT"]):
+        sock = socket.socket()  # no SO_REUSEADDR: an exclusive bind, as most programs make
+        sock.bind(("127.0.0.1", lease.base))
+        if os.environ["SQUAT_LISTEN"] == "1":
+            sock.listen()
+        _taken.append(sock)
+        Path(os.environ["SQUAT_OUT"]).write_text(" ".join(str(s.getsockname()[1]) for s in _taken))
+    return lease
 
-    def _run(self) -> None:
-        deadline = time.monotonic() + 120
-        while len(self.ports) < self.count and not self._stop.is_set() and time.monotonic() < deadline:
-            for holder in self.lease_dir.glob("port-*.json") if self.lease_dir.is_dir() else ():
-                port = int(holder.stem.removeprefix("port-"))
-                try:
-                    purpose = json.loads(holder.read_text())["purpose"]
-                except (OSError, ValueError, KeyError):
-                    continue  # being written
-                if port in self.ports or not purpose.endswith(self.purpose):
-                    continue
-                sock = socket.socket()  # no SO_REUSEADDR: an exclusive bind, as most programs make
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    sock.close()  # the server was first this time
-                    continue
-                if self.listen:
-                    sock.listen()
-                self._socks.append(sock)
-                self.ports.append(port)
-            time.sleep(0.001)
-
-    def __enter__(self) -> Squatter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for sock in self._socks:
-            sock.close()
+_leases.acquire_ports = _squat
+"""
 
 
 @pytest.fixture
@@ -79,8 +58,27 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Inner:
     return Inner(pytester, monkeypatch)
 
 
+def squat(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, *, listen: bool, count: int, purpose: str = "prefill-0 http"
+) -> Path:
+    """The squatter in the inner session's conftest; the file that lists the ports it took."""
+    (inner.pytester.path / "conftest.py").write_text(INNER_CONFTEST + SQUATTER)
+    out = inner.pytester.path / "squatted"
+    monkeypatch.setenv("SQUAT_PURPOSE", purpose)
+    monkeypatch.setenv("SQUAT_COUNT", str(count))
+    monkeypatch.setenv("SQUAT_LISTEN", "1" if listen else "0")
+    monkeypatch.setenv("SQUAT_OUT", str(out))
+    return out
+
+
+def taken(out: Path) -> list[int]:
+    return [int(port) for port in out.read_text().split()] if out.exists() else []
+
+
 @pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound"])
-def test_a_leased_port_taken_before_the_server_binds_it_is_leased_again(inner: Inner, listen: bool) -> None:
+def test_a_leased_port_taken_before_the_server_binds_it_is_leased_again(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, listen: bool
+) -> None:
     inner.pytester.makepyfile(
         """
         def test_up(pd_cluster, pdinfo):
@@ -88,24 +86,24 @@ def test_a_leased_port_taken_before_the_server_binds_it_is_leased_again(inner: I
             assert pd_cluster.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         """
     )
-    with Squatter(inner.lease_dir, "prefill-0 http", listen=listen) as squatter:
-        result = inner.run("-s")
-    assert squatter.ports, f"the squatter never took the prefill's port: the test proved nothing\n{result.stdout}"
-    [taken] = squatter.ports
+    out = squat(inner, monkeypatch, listen=listen, count=1)
+    result = inner.run("-s")
+    assert taken(out), f"the squatter never took the prefill's port: the test proved nothing\n{result.stdout}"
+    [port] = taken(out)
     result.assert_outcomes(passed=1)
     [info] = inner.infos()
     prefill = next(s for s in info["servers"] if s["name"] == "prefill-0")
-    assert prefill["port"] != taken
-    result.stdout.fnmatch_lines([f"*port {taken}, leased by pdserve, was taken by another process*(attempt 2 of 3)*"])
+    assert prefill["port"] != port
+    result.stdout.fnmatch_lines([f"*port {port}, leased by pdserve, was taken by another process*(attempt 2 of 3)*"])
     inner.assert_clean([info])
 
 
-def test_a_squatter_on_every_attempt_fails_after_the_last(inner: Inner) -> None:
+def test_a_squatter_on_every_attempt_fails_after_the_last(inner: Inner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounded: lost races on every attempt fail the start with the server's own error, not a fourth start."""
     inner.pytester.makepyfile("def test_up(pd_cluster):\n    pass\n")
-    with Squatter(inner.lease_dir, "prefill-0 http", listen=False, count=port_race.ATTEMPTS + 2) as squatter:
-        result = inner.run("-s")
-    assert len(squatter.ports) == port_race.ATTEMPTS, (squatter.ports, result.stdout.str()[-3000:])
+    out = squat(inner, monkeypatch, listen=False, count=port_race.ATTEMPTS + 2)
+    result = inner.run("-s")
+    assert len(taken(out)) == port_race.ATTEMPTS, (taken(out), result.stdout.str()[-3000:])
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*(attempt 3 of 3)*", "*Address already in use*"])
     assert "attempt 4" not in result.stdout.str()
@@ -113,7 +111,9 @@ def test_a_squatter_on_every_attempt_fails_after_the_last(inner: Inner) -> None:
 
 
 @pytest.mark.parametrize("listen", [True, False], ids=["listening", "bound"])
-def test_attach_modes_proxy_is_leased_again_as_the_servers_are(inner: Inner, listen: bool) -> None:
+def test_attach_modes_proxy_is_leased_again_as_the_servers_are(
+    inner: Inner, monkeypatch: pytest.MonkeyPatch, listen: bool
+) -> None:
     """Issue 43, class 6: the retry wrapped a cluster's servers but not attach mode's built-in proxy (PortInUse on
     a single squat). One rule for every listener pdserve starts on a leased port."""
     inner.pytester.makepyfile(
@@ -123,13 +123,14 @@ def test_attach_modes_proxy_is_leased_again_as_the_servers_are(inner: Inner, lis
             assert pd_cluster.client.get("/health").status_code == 200
         """
     )
-    with hostile_server({}) as deployment, Squatter(inner.lease_dir, "attached proxy", listen=listen) as squatter:
+    out = squat(inner, monkeypatch, listen=listen, count=1, purpose="attached proxy")
+    with hostile_server({}) as deployment:
         result = inner.run("-s", f"--pd-prefill-url={deployment.url}", f"--pd-decode-url={deployment.url}")
-    assert squatter.ports, f"the squatter never took the proxy's port: the test proved nothing\n{result.stdout}"
-    [taken] = squatter.ports
+    assert taken(out), f"the squatter never took the proxy's port: the test proved nothing\n{result.stdout}"
+    [port] = taken(out)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"*attached: proxy: port {taken}, leased by pdserve, was taken*(attempt 2 of 3)*"])
-    assert f"PROXY {taken}" not in result.stdout.str()
+    result.stdout.fnmatch_lines([f"*attached: proxy: port {port}, leased by pdserve, was taken*(attempt 2 of 3)*"])
+    assert f"PROXY {port}" not in result.stdout.str()
     inner.assert_nothing_left()
     unheld_locks(inner.lease_dir)
 

@@ -38,12 +38,12 @@ SLOW_EXIT = textwrap.dedent(
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
             with open(child_file, "w") as f:
                 f.write(str(child.pid))
-        time.sleep(delay)
+        time.sleep(delay)  # timing: the slow exit this stand-in is for
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
     print("ready", flush=True)
-    time.sleep(120)
+    time.sleep(120)  # timing: until its SIGTERM
     """
 )
 
@@ -55,7 +55,7 @@ def spawned() -> Iterator[list[subprocess.Popen[str]]]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-        p.wait(10)
+        p.wait(30)
         if p.stdout is not None:
             p.stdout.close()
 
@@ -90,13 +90,13 @@ def test_a_slow_exit_is_slept_on_not_polled(
     token = uuid.uuid4().hex
     pid = _slow_exit(spawned, token, delay=1.0)
     scans = _count_scans(monkeypatch)
-    result = proctree.terminate([pid], env=[(TOKEN_ENV, token)], grace=30)
+    result = proctree.terminate([pid], env=[(TOKEN_ENV, token)], grace=240)
     assert not result.killed, "it exited on SIGTERM within the grace"
     assert result.term_seconds >= 0.9, "returned before the process had exited"
-    assert result.term_seconds < 20, "sat out the grace instead of waking when the process exited"
+    assert result.term_seconds < 60, "sat out the grace instead of waking when the process exited"
     # Polling every 20 ms through a 1 s exit is ~50 scans; sleeping on the pidfd, a handful.
     assert scans[0] <= 5, f"{scans[0]} scans of /proc for one process's stop"
-    assert spawned[0].wait(5) == 0
+    assert spawned[0].wait(30) == 0
 
 
 @needs_pidfd
@@ -106,8 +106,8 @@ def test_a_pid_that_is_another_process_now_is_not_waited_on(spawned: list[subpro
     info = proctree.read_stat(pid)
     assert info is not None
     t0 = time.monotonic()
-    proctree._await_exit({pid: info.starttime + 1}, t0 + 30)
-    assert time.monotonic() - t0 < 10, "waited on a process that is not the one recorded"
+    proctree._await_exit({pid: info.starttime + 1}, t0 + 240)
+    assert time.monotonic() - t0 < 60, "waited on a process that is not the one recorded"
     assert spawned[0].poll() is None
 
 
@@ -117,8 +117,8 @@ def test_the_wait_ends_at_the_deadline_for_a_process_that_does_not_exit(spawned:
     info = proctree.read_stat(pid)
     assert info is not None
     t0 = time.monotonic()
-    proctree._await_exit({pid: info.starttime}, t0 + 0.5)
-    assert 0.45 <= time.monotonic() - t0 < 10
+    proctree._await_exit({pid: info.starttime}, t0 + 0.5)  # timing: the deadline under test; it never exits
+    assert 0.45 <= time.monotonic() - t0 < 30
     assert spawned[0].poll() is None
 
 
@@ -134,7 +134,7 @@ def test_a_child_started_while_dying_is_still_found_and_killed(
     child = int(child_file.read_text())
     assert child in result.swept, result
     assert result.remaining == ()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the child was SIGKILLed; it is reaped by init (or stays a zombie)
         info = proctree.read_stat(child)
         if info is None or not info.live:

@@ -63,7 +63,7 @@ def test_security(pd_cluster):
 
     # 4. The servers require the key; the cluster's clients and the proxy send it.
     for server in (*pd_cluster.prefill, *pd_cluster.decode):
-        anonymous = httpx.get(f"{{server.url}}/v1/models", trust_env=False)
+        anonymous = httpx.get(f"{{server.url}}/v1/models", trust_env=False, timeout=60)
         assert anonymous.status_code == 401, (server.name, anonymous.status_code)
         assert server.client.get("/v1/models").status_code == 200
     assert pd_cluster.complete("hello " * 20, max_tokens=3)["usage"]["completion_tokens"] == 3

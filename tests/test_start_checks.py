@@ -199,11 +199,11 @@ def test_the_round_trip_fails_as_soon_as_a_decode_finished_without_kv(
     monkeypatch.setattr(verify, "_ready_prompt", lambda cluster, seed: "a prompt")
     t0 = time.monotonic()
     if verdict is None:
-        verify.pd_round_trip(cluster, fresh=True, timeout=30)
+        verify.pd_round_trip(cluster, fresh=True, timeout=240)
     else:
         with pytest.raises(NotPDReady, match=verdict):
-            verify.pd_round_trip(cluster, fresh=True, timeout=30)
-    assert time.monotonic() - t0 < 10, "it waited for the timeout"
+            verify.pd_round_trip(cluster, fresh=True, timeout=240)
+    assert time.monotonic() - t0 < 60, "it waited for the timeout"
     assert len(seen) == len(scrapes)
 
 

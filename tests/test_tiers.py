@@ -9,8 +9,13 @@ test of the simulator tier skips for want of vLLM) is checked on every CI run: `
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
+import os
 import re
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,3 +89,106 @@ def test_inner_sessions_load_neither_hypothesis_nor_anyio(pytester: pytest.Pytes
     assert "pdserve" in plugins
     assert "hypothesis" not in plugins, plugins
     assert "anyio" not in plugins, plugins
+
+
+@pytest.mark.timeout(600)
+def test_the_unit_tier_is_the_tests_that_start_no_process(suite: pytest.Pytester) -> None:
+    """``-m unit`` (README "Development"): no real-vLLM or GPU test, no test that asks for pytester or a cluster,
+    none of the files whose every test starts a process; and a good share of the suite."""
+    result, unit = select(suite, "--collect-only", "-q", "-m", "unit")
+    _, everything = select(suite, "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.OK
+    assert len(unit) >= 400, len(unit)
+    assert all("unit" in marks and not {"vllm", "gpu"} & set(marks) for marks in unit.values())
+    assert {nodeid for nodeid, marks in everything.items() if "unit" in marks} == set(unit)
+    for starts_processes in ("tests/test_watchdog.py", "tests/test_lifecycle.py", "tests/test_reliability.py"):
+        assert not [nodeid for nodeid in unit if nodeid.startswith(starts_processes)], starts_processes
+    assert [nodeid for nodeid in unit if nodeid.startswith("tests/test_settings.py")] == [], "pytester sessions"
+    assert [nodeid for nodeid in unit if nodeid.startswith("tests/test_exposition.py")], "a pure module left out"
+
+
+#: A module the classification reads (tests/_tiers.py): which of its tests start a process, and through what.
+CLASSIFIED = """
+import os
+import subprocess
+import pytest
+
+HELPER_ARGV = ["true"]
+
+def _deep():
+    return subprocess.run(HELPER_ARGV, check=True)
+
+def _helper():
+    return _deep()
+
+class Holder:
+    def start(self):
+        return _helper()
+
+def _pure(x):
+    return x + 1
+
+@pytest.fixture
+def holder():
+    return Holder()
+
+def test_through_two_helpers():
+    _helper()
+
+def test_through_a_class():
+    Holder().start()
+
+def test_through_a_fixture(holder):
+    pass
+
+def test_forks():
+    os.fork()
+
+def test_by_name(request):
+    request.getfixturevalue("pd_cluster")
+
+def test_pure():
+    assert _pure(1) == 2
+"""
+
+
+def test_the_classification_reads_what_a_test_runs(tmp_path: Path) -> None:
+    import _tiers
+
+    path = tmp_path / "test_classified.py"
+    path.write_text(CLASSIFIED)
+    module = _tiers._Module(path)  # noqa: SLF001 (the reading under test)
+    reasons = {
+        name: _tiers._reason_in_code([(module, module.defs[name])])  # noqa: SLF001
+        for name in ("test_through_two_helpers", "test_through_a_class", "test_forks", "test_by_name", "test_pure")
+    }
+    reasons["test_through_a_fixture"] = _tiers._reason_in_code(  # noqa: SLF001
+        [(module, module.defs["test_through_a_fixture"]), (module, module.defs["holder"])]
+    )
+    assert reasons.pop("test_pure") is None
+    assert all(reason is not None for reason in reasons.values()), reasons
+    assert reasons["test_forks"].startswith("fork ")  # type: ignore[union-attr]
+    assert reasons["test_by_name"].startswith("pd_cluster ")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        lambda: subprocess.run(["true"], check=False),
+        lambda: os.fork(),
+        lambda: os.system("true"),
+        lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
+        lambda: asyncio.run(asyncio.create_subprocess_exec("true")),
+    ],
+    ids=["subprocess", "fork", "system", "multiprocessing-spawn", "asyncio"],
+)
+def test_the_tripwire_fails_a_unit_test_that_starts_a_process(
+    monkeypatch: pytest.MonkeyPatch, start: Callable[[], object]
+) -> None:
+    """What tests/conftest.py installs for every unit-tier test: each way of starting a process fails the test
+    (pytest's Failed is no Exception: code under test that catches errors cannot swallow it)."""
+    import _tiers
+
+    _tiers.forbid_processes(monkeypatch, "tests/test_x.py::test_y")
+    with pytest.raises(pytest.fail.Exception, match="is in the unit tier .* but it started one"):
+        start()

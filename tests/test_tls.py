@@ -88,7 +88,7 @@ from pytest_pdserve.common.tls import ssl_context
 def get(url):
     if sys.argv[1] == "async":  # as the proxy builds its clients
         async def one():
-            async with httpx.AsyncClient(trust_env=False, verify=ssl_context(), timeout=10) as client:
+            async with httpx.AsyncClient(trust_env=False, verify=ssl_context(), timeout=60) as client:
                 return (await client.get(url)).status_code
         return asyncio.run(one())
     with httpx.Client(trust_env=False, transport=http_transport()) as client:  # as the plugin builds its clients

@@ -39,8 +39,9 @@ __all__ = ["AsyncGuardedTransport", "ClusterHealth", "GuardedTransport", "death_
 #: How long a server that stopped answering /health may take to exit, so the error can carry its exit code
 #: (vLLM's API server shuts itself down within about a second of EngineDeadError).
 EXIT_WAIT_S = 5.0
-#: /health probe timeout per server; a live server answers in milliseconds.
-PROBE_TIMEOUT_S = 2.0
+#: /health probe timeout per server. A live server answers in milliseconds quiet, in seconds on a loaded machine,
+#: where a 2 s bound declared a live server dead; only a hung one, which no test survives anyway, waits it out.
+PROBE_TIMEOUT_S = 30.0
 _TAIL_LINES = 15
 #: Lines that say why an engine died, best first; the first line of the best kind found leads the excerpt.
 _DEATH_LINES = tuple(

@@ -42,6 +42,8 @@ PDSERVE_SIM_ENGINE_DIES_ON_REQUEST     unset       N: the engine dies DURING the
                                                    a vLLM worker crash does (``Worker proc VllmWorker-0 died
                                                    unexpectedly (exit code: -4)``, HTTP 500, /health 503,
                                                    exit 1)
+PDSERVE_SIM_DEAD_EXIT_DELAY            1           seconds a dead engine's server keeps answering (/health 503,
+                                                   requests 500) before it exits, as vLLM's shuts down
 PDSERVE_SIM_HANG                       0           1: bind + listen on --port, never accept or answer
 PDSERVE_SIM_IGNORE_SIGTERM             0           1: SIGTERM is ignored (only SIGKILL stops it)
 PDSERVE_SIM_SPAWN_WORKERS              0           N: start N detached (setsid) sleepers named

@@ -49,6 +49,8 @@ class SimEnv:
     crash_exit_code: int = 1
     crash_after_requests: int | None = None
     engine_dies_on_request: int | None = None
+    #: Seconds a dead engine's server keeps answering before it exits (tests hold it open to see the answers).
+    dead_exit_delay: float = 1.0
     hang: bool = False
     ignore_sigterm: bool = False
     spawn_workers: int = 0
@@ -158,6 +160,7 @@ class SimEnv:
             crash_exit_code=crash_code,
             crash_after_requests=integer("PDSERVE_SIM_CRASH_AFTER_REQUESTS", None, 1),
             engine_dies_on_request=integer("PDSERVE_SIM_ENGINE_DIES_ON_REQUEST", None, 1),
+            dead_exit_delay=number("PDSERVE_SIM_DEAD_EXIT_DELAY", 1.0, 0.0),
             hang=flag("PDSERVE_SIM_HANG"),
             ignore_sigterm=flag("PDSERVE_SIM_IGNORE_SIGTERM"),
             spawn_workers=workers,

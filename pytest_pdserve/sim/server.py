@@ -39,9 +39,6 @@ from pytest_pdserve.sim.faults import SimEnv
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
-DEAD_EXIT_DELAY_S = 1.0
-"""How long a dead engine keeps answering 503 on /health before the process exits (like vLLM's shutdown)."""
-
 GPU_TENSOR_MIB = 16
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -268,7 +265,7 @@ async def _serve_async(
             if server is not None:
                 server.should_exit = True
 
-        asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
+        asyncio.get_running_loop().call_later(env.dead_exit_delay, stop)
 
     try:
         shape = model.resolve(args.model)

@@ -239,7 +239,8 @@ def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
             assert len(watchdogs) == 1, f"expected one watchdog child of pytest {proc.pid}, found {watchdogs}"
             os.kill(watchdogs[0], signal.SIGKILL)
             killed["watchdog"] = watchdogs[0]
-            time.sleep(0.5)  # pytest lives on without its watchdog for a moment, as after a real crash of it
+            # timing: pytest lives on without its watchdog for a moment, as after a real crash of it
+            time.sleep(0.5)
         os.kill(proc.pid, signal.SIGKILL)
         killed["pytest"] = proc.pid
         t_kill = time.monotonic()
@@ -298,5 +299,6 @@ def test_sigkilled_pytest_leaves_no_process_on_any_gpu(
     assert t_gpu is not None, f"our pids still on the GPUs 30 s after SIGKILL: {samples[-1]}"
     assert not lease_free_while_alive, f"the GPU lease was free while a server lived (at {lease_free_while_alive} s)"
     assert t_lease is not None, "the GPU lease was not free 30 s after SIGKILL"
+    # timing: README's promise (issue 13), measured on the idle GPU host of scripts/gpu-proof.sh; CI runs no tests/gpu
     assert t_procs < 5, f"servers lived {t_procs:.1f}s after SIGKILL (issue 13 promises none after 5 s)"
-    assert t_gpu < 15, f"GPUs cleared only {t_gpu:.1f}s after SIGKILL"
+    assert t_gpu < 15, f"GPUs cleared only {t_gpu:.1f}s after SIGKILL"  # timing: the same

@@ -115,7 +115,8 @@ def test_cluster(n, pd_cluster_factory):
         deadline = time.monotonic() + 120
         while not others("asking", me) and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(2)  # the other worker is now waiting for the GPU: its message is what this test proves
+        # timing: the other worker is now waiting for the GPU: its message is what this test proves (GPU host only)
+        time.sleep(2)
     record(f"done-{me}", {"t": time.time()})
 """
 
@@ -177,7 +178,7 @@ def test_cluster(n, gpu_cluster):
     deadline = time.monotonic() + 120
     while len(list(proof.glob("asking-*.json"))) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)  # keep the GPUs until every worker has asked for some
-    time.sleep(1)
+    time.sleep(1)  # timing: the last asker is waiting now (GPU host only)
     record(f"done-{me}", {"t": time.time()})
 """
 

@@ -20,7 +20,10 @@ from _children import die_with_parent
 from _ports import free_port as free_port  # re-exported: the sim tests import it from here
 from prometheus_client.parser import text_string_to_metric_families
 
-READY_TIMEOUT_S = 15.0
+#: A simulator's start: about a second quiet, several on a loaded machine; bounded far beyond that.
+READY_TIMEOUT_S = 120.0
+#: A wait or a request that takes milliseconds to a second, bounded for a loaded machine (tests/_timing_scan.py).
+BOUND_S = 60.0
 NIXL_KVC = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
 
 #: A :meth:`SimServer.metrics` snapshot: (sample name, sorted labels) -> value.
@@ -88,7 +91,7 @@ class SimServer:
             time.sleep(0.05)
         pytest.fail(f"simulator not ready after {timeout} s:\n{self.log()}")
 
-    def wait_exit(self, timeout: float = 10.0) -> int:
+    def wait_exit(self, timeout: float = BOUND_S) -> int:
         """The exit status, failing the test if it does not come in time."""
         try:
             return self.proc.wait(timeout=timeout)
@@ -100,12 +103,12 @@ class SimServer:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=BOUND_S)
         self._log.close()
 
     def post(self, path: str, body: Mapping[str, object], headers: Mapping[str, str] | None = None) -> httpx.Response:
         """POST JSON to this server."""
-        return httpx.post(self.url + path, json=dict(body), headers=headers, timeout=10.0)
+        return httpx.post(self.url + path, json=dict(body), headers=headers, timeout=BOUND_S)
 
     def complete(self, prompt: str | list[int], **body: object) -> httpx.Response:
         """POST /v1/completions with temperature 0 unless given."""
@@ -113,7 +116,7 @@ class SimServer:
 
     def metrics(self) -> Metrics:
         """Scrape /metrics: (sample name, sorted labels without model_name/engine) -> value."""
-        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        text = httpx.get(self.url + "/metrics", timeout=BOUND_S).text
         out: Metrics = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

@@ -23,9 +23,8 @@ from pytest_pdserve.sim.app import MAX_LOGPROBS, AppState, build_app
 from pytest_pdserve.sim.cli import parse_serve_args
 from pytest_pdserve.sim.engine import Engine
 from pytest_pdserve.sim.faults import SimEnv
-from pytest_pdserve.sim.server import HARD_EXIT_AFTER_S
 
-from ._simproc import Factory, SimServer
+from ._simproc import BOUND_S, Factory, SimServer
 
 SEEDS_OF_THE_ISSUE = (9, 15, 36, 42, 63, 69, 501)
 
@@ -89,67 +88,78 @@ def test_every_request_of_a_sweep_answers_quickly() -> None:
                 worst = max(worst, time.monotonic() - started)
         return worst
 
-    assert asyncio.run(sweep()) < 20.0  # ~0.1 s each measured; a hang never answers; the machine is shared
+    # ~0.1 s each measured; a hang never answers (the 240 s timeout ends it); bounded far beyond a loaded machine.
+    assert asyncio.run(sweep()) < BOUND_S
 
 
-@pytest.mark.timeout(120)
 def test_the_hang_of_the_issue_answers_for_every_logprobs_value(sim_factory: Factory) -> None:
-    """The reported case on a real process: tiny-nemotronh, 9,000 tokens, max_tokens 10, seed 42, logprobs 0..5."""
+    """The reported case on a real process: tiny-nemotronh, 9,000 tokens, max_tokens 10, seed 42, logprobs 0..5.
+    Each answers (< 0.15 s measured); a hang is the request's own timeout (SimServer.post, 60 s)."""
     server: SimServer = sim_factory("--max-model-len", "16384", model="pdserve-sim/tiny-nemotronh", env=LONG_HYBRID)
     server.wait_ready()
     prompt = _prompt(0, 9000)
     for logprobs in range(6):
-        started = time.monotonic()
         r = server.complete(prompt, max_tokens=10, seed=42, logprobs=logprobs)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == max(logprobs, 1)
-        assert time.monotonic() - started < 5.0  # < 0.15 s measured; generous for a loaded machine
 
 
-@pytest.fixture
-def heavy_stream(sim_factory: Factory) -> Iterator[tuple[SimServer, threading.Thread]]:
-    """A server busy with a long streamed request with logprobs (several seconds of per-token work)."""
-    server: SimServer = sim_factory("--max-model-len", "16384", env=LONG)
-    server.wait_ready()
+class _Stream(threading.Thread):
+    """A long streamed request with logprobs (seconds of per-token work, 14,000 tokens); ``received`` counts the
+    bytes that arrived so far."""
 
-    def run() -> None:
+    def __init__(self, server: SimServer) -> None:
+        super().__init__(daemon=True)
+        self.server, self.received = server, 0
+
+    def run(self) -> None:
         body = {"prompt": _prompt(1, 2000), "max_tokens": 14000, "temperature": 0, "logprobs": 20, "stream": True}
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-                for _ in r.iter_bytes():
-                    pass
+            with httpx.stream("POST", self.server.url + "/v1/completions", json=body, timeout=BOUND_S) as r:
+                for chunk in r.iter_bytes():
+                    self.received += len(chunk)
         except httpx.HTTPError:
             pass  # the server is stopped under it
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    yield server, thread
-    thread.join(timeout=60)
+    def wait_streaming(self) -> None:
+        """Until the first bytes arrived: the request runs (bounded)."""
+        deadline = time.monotonic() + BOUND_S
+        while not self.received and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.received, "the stream never started"
 
 
-def test_the_event_loop_answers_during_a_long_request(heavy_stream: tuple[SimServer, threading.Thread]) -> None:
-    server, thread = heavy_stream
-    latencies = []
-    polled_from = time.monotonic()
-    deadline = polled_from + 60
-    while thread.is_alive() and time.monotonic() < deadline:
-        started = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-        latencies.append(time.monotonic() - started)
-    ran = time.monotonic() - polled_from
-    # A blocked loop answers at most once while the request runs: before the per-token yields one /health waited
-    # 2.9 s of a ~3 s request. Now it answers throughout: 20 answers in 1.5 s, the longest 0.09 s (quiet machine).
-    assert len(latencies) >= 3, latencies
-    # A share of the request, not seconds: load stretches both alike (a fresh-clone CI run saw one 3.07 s answer
-    # where the bound was 3 s, 2026-12-03).
-    assert max(latencies) < 0.75 * ran, (ran, latencies)
+@pytest.fixture
+def heavy_stream(sim_factory: Factory) -> Iterator[tuple[SimServer, _Stream]]:
+    """A server busy with a long streamed request (:class:`_Stream`), already streaming."""
+    server: SimServer = sim_factory("--max-model-len", "16384", env=LONG_HYBRID)
+    server.wait_ready()
+    stream = _Stream(server)
+    stream.start()
+    stream.wait_streaming()
+    yield server, stream
+    stream.join(timeout=BOUND_S)
 
 
-def test_sigterm_stops_a_busy_server_within_the_grace(heavy_stream: tuple[SimServer, threading.Thread]) -> None:
-    server, thread = heavy_stream
-    time.sleep(0.3)  # let the request start: no condition to await from outside
-    assert thread.is_alive()
-    started = time.monotonic()
+def test_the_event_loop_answers_during_a_long_request(heavy_stream: tuple[SimServer, _Stream]) -> None:
+    """/health answers between the request's tokens: the bytes streamed so far differ from one answer to the next.
+    A blocked loop answers at most once while the request runs (before the per-token yields one /health waited
+    2.9 s of a ~3 s request); now it answers throughout (20 answers in 1.5 s quiet). Counted, not timed: a bound on
+    the answers' latency failed where load stretched one (3.07 s against 3 s)."""
+    server, stream = heavy_stream
+    seen: set[int] = set()  # the stream's byte count at each answer given while it still ran
+    deadline = time.monotonic() + BOUND_S
+    while stream.is_alive() and len(seen) < 3 and time.monotonic() < deadline:
+        assert httpx.get(server.url + "/health", timeout=BOUND_S).status_code == 200
+        if stream.is_alive():
+            seen.add(stream.received)
+    assert len(seen) >= 3, f"/health answered at only {sorted(seen)} bytes of the stream"
+
+
+def test_sigterm_stops_a_busy_server(heavy_stream: tuple[SimServer, _Stream]) -> None:
+    """SIGTERM stops a server busy streaming: gracefully, or by its own hard exit HARD_EXIT_AFTER_S later. A loop
+    that never ends would never exit (the wait's bound); how soon it exits is not this test's verdict."""
+    server, stream = heavy_stream
+    assert stream.is_alive()
     server.proc.send_signal(signal.SIGTERM)
-    server.wait_exit(timeout=HARD_EXIT_AFTER_S + 4)
-    assert time.monotonic() - started < HARD_EXIT_AFTER_S + 4
+    assert server.wait_exit(timeout=BOUND_S) != -signal.SIGKILL

@@ -56,7 +56,7 @@ def test_served_rule_follows_the_reported_version(sim_factory: Factory, version:
     server: SimServer = sim_factory("--max-model-len", "256", env=env)
     server.wait_ready()
     assert server.post("/version", {}).status_code == 405
-    assert httpx.get(server.url + "/version").json()["version"] == (version or "0.34.0")
+    assert httpx.get(server.url + "/version", timeout=60).json()["version"] == (version or "0.34.0")
     r = server.complete(list(range(10, 211)), max_tokens=100)
     assert r.status_code == status, r.text
     if status == 200:

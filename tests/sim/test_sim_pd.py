@@ -120,7 +120,9 @@ def test_pd_transfer_arithmetic_and_equality(cluster: dict[str, SimServer]) -> N
     assert params["do_remote_prefill"] is True
     assert params["do_remote_decode"] is False
     assert params["remote_host"] == "127.0.0.1"
-    assert params["remote_port"] == httpx.get(p.url + "/version").json()["pdserve_sim"]["side_channel"]["port"]
+    assert (
+        params["remote_port"] == httpx.get(p.url + "/version", timeout=60).json()["pdserve_sim"]["side_channel"]["port"]
+    )
     assert (params["transfer_mode"], params["tp_size"], params["dcp_size"], params["pp_size"]) == ("pull", 1, 1, 1)
     assert params["remote_num_tokens"] == 361
     assert len(params["remote_block_ids"]) == 1
@@ -167,6 +169,7 @@ def test_short_prompt_and_streaming_and_chat_through_pd(cluster: dict[str, SimSe
         "POST",
         d.url + "/v1/completions",
         json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True, "kv_transfer_params": params},
+        timeout=60,
     ) as r:
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference
@@ -210,7 +213,7 @@ def test_unreachable_prefill_with_fail_policy(cluster: dict[str, SimServer]) -> 
     assert r.json()["error"]["type"] == "InternalServerError"
     assert delta(m0, d.metrics(), "vllm:nixl_num_failed_transfers_total") == 1
     assert "KV load failure (failure_policy=fail, 51 tokens affected)" in d.log()
-    assert httpx.get(d.url + "/health").status_code == 200
+    assert httpx.get(d.url + "/health", timeout=60).status_code == 200
     assert d.complete(prompt, max_tokens=2).status_code == 200
 
 

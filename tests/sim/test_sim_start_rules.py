@@ -39,13 +39,19 @@ def test_a_kv_cache_that_cannot_hold_one_request_is_refused_at_start(sim_factory
 def test_any_backend_runs_cpu_attn_on_the_simulated_cpu_platform(sim_factory: Factory) -> None:
     cpu: SimServer = sim_factory("--attention-backend", "TRITON_ATTN")
     gpu: SimServer = sim_factory("--attention-backend", "TRITON_ATTN", env={"PDSERVE_SIM_PLATFORM": "cuda"})
-    assert httpx.get(cpu.wait_ready().url + "/version").json()["pdserve_sim"]["attention_backend"] == "CPU_ATTN"
+    assert (
+        httpx.get(cpu.wait_ready().url + "/version", timeout=60).json()["pdserve_sim"]["attention_backend"]
+        == "CPU_ATTN"
+    )
     assert "Cannot use AttentionBackendEnum.TRITON_ATTN backend on CPU." in cpu.log()
-    assert httpx.get(gpu.wait_ready().url + "/version").json()["pdserve_sim"]["attention_backend"] == "TRITON_ATTN"
+    assert (
+        httpx.get(gpu.wait_ready().url + "/version", timeout=60).json()["pdserve_sim"]["attention_backend"]
+        == "TRITON_ATTN"
+    )
 
 
 def _backend(server: SimServer) -> str:
-    return str(httpx.get(server.wait_ready().url + "/version").json()["pdserve_sim"]["attention_backend"])
+    return str(httpx.get(server.wait_ready().url + "/version", timeout=60).json()["pdserve_sim"]["attention_backend"])
 
 
 CUDA = {"PDSERVE_SIM_PLATFORM": "cuda"}

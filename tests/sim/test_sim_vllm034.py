@@ -38,7 +38,7 @@ def test_a_server_without_block_size_serves_its_versions_default(
 ) -> None:
     env = {"PDSERVE_SIM_VLLM_VERSION": version} if version else {}
     server: SimServer = sim_factory(env=env, block_size=False).wait_ready()
-    text = httpx.get(server.url + "/metrics", timeout=5.0).text
+    text = httpx.get(server.url + "/metrics", timeout=60).text
     [info] = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
     assert f'block_size="{block}"' in info
 
