@@ -16,7 +16,8 @@ tests/ and examples/, the inner sessions' code in string literals included):
   or the bound of ``wait_for`` / ``wait_until`` / ``gone_within`` / ``.wait`` / ``.join`` / ``.communicate`` /
   ``signal.alarm``. ``timeout=0`` (do not wait) is not a wait.
 * ``bare-sleep``: ``time.sleep`` / ``asyncio.sleep`` as a statement outside a loop: a sleep standing in for a
-  condition (a sleep inside a polling loop is the loop's interval).
+  condition (a sleep inside a polling loop is the loop's interval; ``sleep(0)`` yields to the event loop and waits
+  for nothing).
 
 Some such lines are right: the duration is what the test measures or holds on purpose (an idle window, a deadline
 under test whose condition can never be met). Each carries ``# timing: <why>`` on one of its lines, so a reader
@@ -80,6 +81,11 @@ def _pragma_lines(source: str) -> set[int]:
     except (tokenize.TokenError, IndentationError, SyntaxError):
         pass
     return lines
+
+
+def _yields(call: ast.Call) -> bool:
+    """``sleep(0)``: a turn of the event loop given away, no wait."""
+    return len(call.args) == 1 and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0
 
 
 def _call_name(node: ast.Call) -> str:
@@ -268,7 +274,7 @@ class _Scanner(ast.NodeVisitor):
 
     def visit_Expr(self, node: ast.Expr) -> None:  # noqa: N802 (ast API)
         value = node.value.value if isinstance(node.value, ast.Await) else node.value
-        if isinstance(value, ast.Call) and _call_name(value) == "sleep" and not self.loops:
+        if isinstance(value, ast.Call) and _call_name(value) == "sleep" and not self.loops and not _yields(value):
             self._flag(node, "bare-sleep")
         self.generic_visit(node)
 

@@ -191,6 +191,13 @@ LEFT_ALONE = {
                     break
                 time.sleep(0.05)
     """,
+    "yield-to-the-loop": """
+        import asyncio
+
+        async def test_x():
+            task = asyncio.create_task(count())
+            await asyncio.sleep(0)
+    """,
     "no-wait": """
         def test_x(lease_dir):
             acquire_gpus(lease_dir, ["a"], 1, timeout=0)
