@@ -396,7 +396,7 @@ def wait_settled(
     scrape: Callable[[], MetricsSnapshot],
     *,
     names: Iterable[str] = DEFAULT_SETTLE_NAMES,
-    timeout: float = 5.0,
+    timeout: float = 30.0,
     interval: float = 0.02,
     stable_for: int = 2,
     until: Callable[[MetricsSnapshot], bool] | None = None,
@@ -425,7 +425,7 @@ def wait_settled(
     # Bounded both by time and by count (a scrape that returns instantly must not spin forever).
     # The count has room for *stable_for* polls past the deadline: on a loaded machine one scrape of
     # vLLM can take seconds, and values that were unchanged at the deadline have not "kept changing";
-    # they only lacked the confirming polls, so those are taken before judging (CI, 2026-12-03).
+    # they only lacked the confirming polls, so those are taken before judging.
     max_polls = int(timeout / interval) + 2 * stable_for + 2
     for polls in range(max_polls):
         condition = until is None or until(snapshot)

@@ -172,6 +172,6 @@ __all__ = [
     "logprob_distance",
 ]
 
-SETTLE_TIMEOUT = 5.0
+SETTLE_TIMEOUT = 30.0
 """Seconds to wait for a request to show up in metrics (vLLM records them after responding).
 Read at call time, so a suite can raise it for slow machines."""
