@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pytest_pdserve.sim.vllm_rules import LengthError, fit_max_tokens, parse_version
+from pytest_pdserve.rules.length import LengthError, fit_max_tokens
+from pytest_pdserve.rules.versions import parse_version
 
 from ._simproc import Factory, SimServer
 
