@@ -86,6 +86,17 @@ def test_offloading_runs_on_a_gpu_platform_and_kills_the_engine_on_cpu() -> None
         )
 
 
+def test_offloading_without_cpu_bytes_to_use_dies_on_every_platform_first() -> None:
+    """CPUOffloadingSpec.__init__ needs cpu_bytes_to_use before anything asks the platform; another spec is not read."""
+    bare = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    for platform in ("cpu", "cuda"):
+        [refusal] = connectors.check(multi(NIXL_CPU, bare), version="0.34.0", platform=platform)
+        assert refusal.describe() == "Exception: cpu_bytes_to_use must be specified in kv_connector_extra_config"
+        assert refusal.where == "kv_transfer_config.kv_connector_extra_config.connectors[1]"
+    other = {**bare, "kv_connector_extra_config": {"spec_name": "MySpec"}}
+    assert not connectors.check(other, version="0.34.0", platform="cuda")
+
+
 @pytest.mark.parametrize(
     ("platform", "buffer", "refused"),
     [("cpu", "cpu", False), ("cpu", "cuda", True), ("cpu", None, False), ("cuda", "cuda", False),

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.rules import connectors
 from pytest_pdserve.rules.connectors import REGISTERED
 from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION
 from pytest_pdserve.sim import environment_table
@@ -93,13 +94,13 @@ KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at(DEFAULT_VLLM_VERSION
 """Connector names the vLLM version the simulator reports registers (`pytest_pdserve.rules.connectors.REGISTERED`,
 the table by version); any other name needs ``kv_connector_module_path``."""
 
-NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+NIXL_CONNECTORS = connectors.NIXL_CONNECTORS
 """Connectors the simulator implements as pull-mode NIXL."""
 
 SIMULATED_CONNECTORS = NIXL_CONNECTORS | {"OffloadingConnector"}
 """Connectors the simulator implements, alone or as children of a ``MultiConnector``."""
 
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_ROLES = connectors.KV_ROLES
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
