@@ -45,6 +45,7 @@ __all__ = [
     "NIXL_BUFFER_DEVICES",
     "NIXL_CONNECTORS",
     "NIXL_TRANSFER_MODES",
+    "OFFLOAD_BYTES_MESSAGE",
     "REGISTERED",
     "Connector",
     "check",
