@@ -24,6 +24,10 @@ their sdists), in the order vLLM meets them:
   (``kv_buffer_device_default_factory``, ``config/kv_transfer.py:50``) and must be one NIXL supports there
   (``_NIXL_SUPPORTED_DEVICE``, ``nixl/utils.py:18``; checked in ``NixlConnectorWorker.__init__``,
   ``nixl/base_worker.py:684`` in 0.32, :796 in 0.33, :871 in 0.34): "cpu with cuda kv_buffer is not supported."
+* **OffloadingConnector's CPU tier size**: ``CPUOffloadingSpec.__init__`` (``v1/kv_offload/cpu/spec.py:97`` in 0.32,
+  :102 in 0.33 and 0.34; the spec ``OffloadingSpecFactory.create_spec`` builds unless ``spec_name`` names another,
+  ``v1/kv_offload/factory.py``) raises "cpu_bytes_to_use must be specified in kv_connector_extra_config" when the
+  connector is built, on every platform and before the platform check below.
 * **OffloadingConnector on the CPU platform**: its CPU tier refuses any platform but CUDA-alike and XPU
   (``CPUOffloadingSpec.get_worker``, ``v1/kv_offload/cpu/spec.py:199`` in 0.32, :220 in 0.33, :219 in 0.34, :145
   in 0.26): "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", raised when the worker
@@ -120,10 +124,13 @@ SOURCES: Mapping[str, str] = {
     "vLLM 0.34)",
     "nixl-buffer-device": "distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py:684 (NixlConnectorWorker), "
     "nixl/utils.py:18 (_NIXL_SUPPORTED_DEVICE)",
+    "offload-cpu-bytes": "v1/kv_offload/cpu/spec.py:97 (CPUOffloadingSpec.__init__), "
+    "v1/kv_offload/factory.py (OffloadingSpecFactory.create_spec)",
     "offload-cpu-platform": "v1/kv_offload/cpu/spec.py:199 (CPUOffloadingSpec.get_worker)",
 }
 
 
+OFFLOAD_BYTES_MESSAGE = "cpu_bytes_to_use must be specified in kv_connector_extra_config"
 OFFLOAD_CPU_MESSAGE = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 KV_ROLE_MISSING = "Please specify kv_role when kv_connector is set, supported roles are " + KV_ROLES_SHOWN
 
@@ -229,7 +236,19 @@ def _engine_refusals(conn: Connector, platform: str) -> Iterator[Refusal]:
                 "nixl-buffer-device", "engine", f"{device} with {buffer} kv_buffer is not supported.",
                 "RuntimeError", SOURCES["nixl-buffer-device"],
             )  # fmt: skip
-    if conn.name == "OffloadingConnector" and platform == "cpu":
+    if conn.name != "OffloadingConnector":
+        return
+    extra = conn.config.get("kv_connector_extra_config")
+    extra = extra if isinstance(extra, Mapping) else {}
+    if extra.get("spec_name", "CPUOffloadingSpec") != "CPUOffloadingSpec":
+        return  # another offloading spec: its own rules, not read
+    if not extra.get("cpu_bytes_to_use"):
+        yield Refusal(
+            "offload-cpu-bytes", "engine", OFFLOAD_BYTES_MESSAGE, "Exception", SOURCES["offload-cpu-bytes"],
+            where=conn.path if conn.child else None,
+        )  # fmt: skip
+        return
+    if platform == "cpu":
         yield Refusal(
             "offload-cpu-platform", "engine", OFFLOAD_CPU_MESSAGE, "Exception", SOURCES["offload-cpu-platform"],
             where=conn.path if conn.child else None,
