@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from pytest_pdserve.rules import kv_layout, mamba, nixl_params
-from pytest_pdserve.rules.length import LengthError, fit_max_tokens
+from pytest_pdserve.rules.length import TooLong, fit_max_tokens
 from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION
 from pytest_pdserve.sim import faults, kvcontent, kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
@@ -510,17 +510,17 @@ class Engine:
         max_len = self.max_model_len
         if n_prompt == 0:
             raise RequestError("The prompt cannot be empty.")
-        try:
-            max_tokens = fit_max_tokens(
-                self.env.vllm_version_tuple,
-                prompt_len=n_prompt,
-                max_tokens=params.max_tokens,
-                max_model_len=max_len,
-                text_prompt=params.text_prompt,
-                max_tokens_param=params.max_tokens_param,
-            )
-        except LengthError as exc:
-            raise RequestError(str(exc), exc.param) from None
+        fitted = fit_max_tokens(
+            self.env.vllm_version_tuple,
+            prompt_len=n_prompt,
+            max_tokens=params.max_tokens,
+            max_model_len=max_len,
+            text_prompt=params.text_prompt,
+            max_tokens_param=params.max_tokens_param,
+        )
+        if isinstance(fitted, TooLong):
+            raise RequestError(fitted.message, fitted.param)
+        max_tokens = fitted
         kv = kv_params or {}
         remote_decode = self.nixl and bool(kv.get("do_remote_decode"))
         remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
