@@ -26,7 +26,7 @@ from pytest_pdserve.assertions import (
     assert_kv_faithful,
     assert_pd_matches_single,
 )
-from pytest_pdserve.errors import ClusterSpecError, ServerStartupError
+from pytest_pdserve.errors import ClusterSpecError, ServerStartupError, VllmRefuses
 from pytest_pdserve.glue.fixtures import log_dir
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.proxy import prefill_body
@@ -255,13 +255,24 @@ def test_a_kv_cache_layout_set_on_one_side_does_not_start(request: pytest.Fixtur
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_conv_state_layout_set_on_one_side_does_not_start(request: pytest.FixtureRequest, engine: str) -> None:
+def test_a_conv_state_layout_set_on_one_side_is_refused_before_a_start(
+    request: pytest.FixtureRequest, engine: str
+) -> None:
     """VLLM_SSM_CONV_STATE_LAYOUT=SD on the hybrid's prefill only (the seed script sets DS on both): NixlConnector's
-    worker refuses a hybrid model without the dim-first conv state at start (measured on vLLM for CPU)."""
+    worker refuses a hybrid model without the dim-first conv state at start (pytest_pdserve/rules/conv_state.py), so
+    the plugin refuses the cluster before starting anything, in vLLM's words. That vLLM itself dies on it is the
+    rule's negative control, one real server in tests/test_start_refusals.py."""
     spec = ClusterSpec.hybrid_ssm(engine=engine, prefill_env={"VLLM_SSM_CONV_STATE_LAYOUT": "SD"}, name="conv-mismatch")
-    with pytest.raises(NOT_STARTED) as info:
+    with pytest.raises(VllmRefuses) as info:
         _cluster(request, spec)
-    assert "VLLM_SSM_CONV_STATE_LAYOUT=DS" in _start_failure(request, info.value, "conv-mismatch"), str(info.value)
+    message = str(info.value)
+    assert "prefill-0 would not run" in message
+    assert (
+        "AssertionError: 3-read Mamba conv transfer requires DS conv state layout. Set VLLM_SSM_CONV_STATE_LAYOUT=DS"
+        in message
+    )
+    assert "Nothing was started" in message
+    assert "nixl/base_worker.py" in message  # the vLLM source it follows
 
 
 def _start_failure(request: pytest.FixtureRequest, exc: BaseException, name: str) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pytest_pdserve.rules import connectors, kv_layout, mamba
+from pytest_pdserve.rules import connectors, conv_state, kv_layout, mamba
+from pytest_pdserve.rules.block_size import default_block_size
 from pytest_pdserve.rules.start import ServerFacts, check_server
 from pytest_pdserve.rules.versions import VersionTable, release, shown
 
@@ -83,6 +84,17 @@ def test_offloading_runs_on_a_gpu_platform_and_kills_the_engine_on_cpu() -> None
         assert not connectors.check(
             multi({**NIXL_CPU, "kv_buffer_device": "cpu"}, offload), version="0.32", platform=platform
         )
+
+
+def test_offloading_without_cpu_bytes_to_use_dies_on_every_platform_first() -> None:
+    """CPUOffloadingSpec.__init__ needs cpu_bytes_to_use before anything asks the platform; another spec is not read."""
+    bare = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    for platform in ("cpu", "cuda"):
+        [refusal] = connectors.check(multi(NIXL_CPU, bare), version="0.34.0", platform=platform)
+        assert refusal.describe() == "Exception: cpu_bytes_to_use must be specified in kv_connector_extra_config"
+        assert refusal.where == "kv_transfer_config.kv_connector_extra_config.connectors[1]"
+    other = {**bare, "kv_connector_extra_config": {"spec_name": "MySpec"}}
+    assert not connectors.check(other, version="0.34.0", platform="cuda")
 
 
 @pytest.mark.parametrize(
@@ -217,6 +229,57 @@ def test_vllm_for_cpu_dies_on_a_prefill_of_more_than_one_block(start: int, end: 
     assert mamba.cpu_prefill_error(0, 129, 64) == "index 2 is out of bounds for dimension 0 with size 1"
 
 
+# ------------------------------------------------------------------------------------------ conv state layout
+
+
+@pytest.mark.parametrize(
+    ("value", "hybrid", "nixl", "refused"),
+    [(None, True, True, conv_state.MESSAGE), ("SD", True, True, conv_state.MESSAGE), ("DS", True, True, None),
+     ("ds", True, True, "Invalid value 'ds' for VLLM_SSM_CONV_STATE_LAYOUT. Valid options: ['SD', 'DS']."),
+     (None, True, False, None), (None, False, True, None), (None, None, True, None)],
+)  # fmt: skip
+def test_a_hybrid_model_under_nixl_needs_the_ds_conv_state(
+    value: str | None, hybrid: bool | None, nixl: bool, refused: str | None
+) -> None:
+    """NixlBaseConnectorWorker asserts is_conv_state_dim_first() for a Mamba model; the variable is case-sensitive."""
+    environ = {} if value is None else {conv_state.VAR: value}
+    for version in ("0.32.0", "0.33.0", "0.34.0"):
+        refusal = conv_state.check(environ, version=version, hybrid=hybrid, nixl=nixl)
+        assert (refusal.message if refusal else None) == refused, version
+        assert refusal is None or refusal.stage == "engine"
+    assert conv_state.check(environ, version="0.26.0", hybrid=hybrid, nixl=nixl) is None  # not read: not known
+
+
+def test_the_conv_state_rule_is_one_servers_and_sees_a_nixl_child() -> None:
+    facts = ServerFacts(
+        version="0.32.0", platform="cpu", kv_transfer_config=multi({**NIXL_CPU}), hybrid=True,
+        environ={"VLLM_SSM_CONV_STATE_LAYOUT": "SD"}, attention_backend="CPU_ATTN", block_size=16,
+    )  # fmt: skip
+    first = check_server(facts).first
+    assert first is not None
+    assert first.rule == "conv-state-layout"
+    assert first.describe() == f"AssertionError: {conv_state.MESSAGE}"
+    assert "base_worker.py" in first.source
+
+
+# ------------------------------------------------------------------------------------------ block size
+
+
+def test_the_default_block_size_by_version_and_backend() -> None:
+    """CacheConfig.DEFAULT_BLOCK_SIZE: 16 up to 0.33, 64 from 0.34, where ROCM_ATTN prefers 16."""
+    assert [default_block_size(v, "CPU_ATTN") for v in ("0.26.0", "0.32.0", "0.33.0", "0.34.0")] == [16, 16, 16, 64]
+    assert default_block_size("0.34.0", "rocm_attn") == 16
+    assert default_block_size("0.34.0", None) == 64
+
+
+def test_the_cpu_mamba_limit_reads_the_versions_default_block_size() -> None:
+    """Without --block-size the Mamba block is vLLM's default: 16 tokens on 0.32, 64 on 0.34."""
+    for version, block in (("0.32.0", 16), ("0.34.0", 64)):
+        facts = ServerFacts(version=version, platform="cpu", attention_backend="CPU_ATTN", hybrid=True)
+        [limit] = check_server(facts).limits
+        assert f"more than {block} tokens" in limit, version
+
+
 # ------------------------------------------------------------------------------------------ one server
 
 
@@ -227,7 +290,12 @@ def test_one_server_gets_every_rule_and_vllms_first_refusal() -> None:
         block_size=128,
     )  # fmt: skip
     verdict = check_server(facts)
-    assert [r.rule for r in verdict.refusals] == ["mamba-cache-mode", "connector-kv-role", "kv-cache-layout"]
+    assert [r.rule for r in verdict.refusals] == [
+        "mamba-cache-mode",
+        "connector-kv-role",
+        "kv-cache-layout",
+        "conv-state-layout",
+    ]
     assert verdict.first is not None
     assert verdict.first.stage == "argparse"
     fine = check_server(ServerFacts(version="0.32.0", platform="cpu", environ={"VLLM_KV_CACHE_LAYOUT": "HND"},

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import _flags
@@ -30,16 +31,19 @@ LONG_LEN = (
     "maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
 )
 
+NIXL_PRODUCER = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}'
 
-def _server(engine: str) -> tuple[list[str], str, dict[str, str]]:
-    """argv prefix, model and environment of one engine's server (skips the vllm half without real vLLM)."""
+
+def _server(engine: str, kind: str = "llama") -> tuple[list[str], str, dict[str, str]]:
+    """argv prefix, model and environment of one engine's server of the tiny ``kind`` (skips the vllm half without
+    real vLLM)."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_LONG_MAX_MODEL_LEN"}
     if engine == "sim":
-        return [sys.executable, "-m", "pytest_pdserve.sim"], "pdserve-sim/tiny-llama", env
+        return [sys.executable, "-m", "pytest_pdserve.sim"], f"pdserve-sim/tiny-{kind}", env
     argv = resolve_engine("vllm", os.environ.get("PDSERVE_VLLM_EXECUTABLE", "vllm"))[2]
     if not argv:
         pytest.skip("real vLLM is not installed (set PDSERVE_VLLM_EXECUTABLE)")
-    model = str(ensure_tiny_model("llama", vllm_python(argv)))
+    model = str(ensure_tiny_model(kind, vllm_python(argv)))
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", OMP_NUM_THREADS="1")
     # The plugin's cache root, as its servers get it: vLLM reads the model's class info there instead of
     # inspecting the model in a subprocess (about 9 s of each refusal's CPU).
@@ -47,11 +51,12 @@ def _server(engine: str) -> tuple[list[str], str, dict[str, str]]:
     return list(argv), model, env
 
 
-def _start(engine: str, *flags: str) -> tuple[int, str]:
-    argv, model, env = _server(engine)
+def _start(engine: str, *flags: str, kind: str = "llama", env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    argv, model, base = _server(engine, kind)
     done = subprocess.run(
         [*argv, "serve", model, "--host", "127.0.0.1", "--port", "0", *flags],
-        env=env, capture_output=True, text=True, timeout=60 if engine == "sim" else 400, check=False,
+        env={**base, **(env or {})}, capture_output=True, text=True, timeout=60 if engine == "sim" else 400,
+        check=False,
     )  # fmt: skip
     return done.returncode, done.stdout + done.stderr
 
@@ -62,6 +67,25 @@ def test_max_model_len_above_the_models_is_refused_at_start(engine: str) -> None
     code, out = _start(engine, "--max-model-len", "4096")
     assert code == 1, out[-2000:]
     assert LONG_LEN in out
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("engine", ["sim", "vllm"])
+def test_a_hybrid_nixl_server_without_the_ds_conv_state_dies_at_start(engine: str) -> None:
+    """The negative control of rules/conv_state.py against the real thing: the plugin refuses such a server before a
+    start (tests/test_kv_faithful.py), so only here does vLLM itself meet it. NixlConnector's worker asserts the
+    dim-first conv state once the model is loaded; the engine dies and the server exits 1."""
+    # The environment the plugin gives a server on the CPU platform (fork, not spawn, for the engine's worker).
+    env = {**cpu_server_env(cache_base()), "VLLM_SSM_CONV_STATE_LAYOUT": "SD"}
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+    # The flags of the plugin's hybrid prefill (ClusterSpec.hybrid_ssm on vLLM for CPU): eager, so no compile.
+    code, out = _start(
+        engine, "--kv-transfer-config", NIXL_PRODUCER,
+        "--block-size", "128", "--enforce-eager", "--seed", "0", "--trust-remote-code", "--enable-prefix-caching",
+        "--dtype", "float32", kind="nemotronh", env=env,
+    )  # fmt: skip
+    assert code == 1, out[-2000:]
+    assert "3-read Mamba conv transfer requires DS conv state layout. Set VLLM_SSM_CONV_STATE_LAYOUT=DS" in out
 
 
 @pytest.mark.timeout(900)

@@ -20,8 +20,7 @@ from pytest_pdserve.config import owned_flags
 from pytest_pdserve.engines.cpu import CPU_ATTENTION_BACKEND
 from pytest_pdserve.errors import VllmRefuses
 from pytest_pdserve.rules.start import ServerFacts, Verdict, check_server
-from pytest_pdserve.rules.versions import shown
-from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION
+from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION, shown
 
 if TYPE_CHECKING:  # commands.py imports this module's caller chain; types only
     from pytest_pdserve.config.commands import EngineInfo, ServerCommand
@@ -86,7 +85,7 @@ def server_facts(cmd: ServerCommand, spec: ClusterSpec, engine: EngineInfo, plat
         version=version, platform=platform, kv_transfer_config=kv if isinstance(kv, dict) else None, environ=env,
         attention_backend=backend.upper() if backend else None, hybrid=_hybrid(spec, model),
         mamba_cache_mode=flags.get("--mamba-cache-mode"), prefix_caching=flags.get("--enable-prefix-caching"),
-        block_size=int(flags.get("--block-size", 16)),
+        block_size=int(flags["--block-size"]) if "--block-size" in flags else None,
     )  # fmt: skip
 
 

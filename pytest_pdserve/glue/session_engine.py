@@ -65,7 +65,7 @@ def unbind(config: pytest.Config) -> None:
 
 def _version(name: str, argv: tuple[str, ...]) -> str | None:
     if name == "sim":  # the version the simulator reports and follows (sim/faults.py reads the same variable)
-        from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION  # lazy: stdlib, only for a caller who asks
+        from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION  # lazy: stdlib, only for a caller who asks
 
         return os.environ.get("PDSERVE_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION
     if not argv:

@@ -16,10 +16,18 @@ their sdists), in the order vLLM meets them:
 * **A child's kv_role**: ``KVTransferConfig.__post_init__`` (``config/kv_transfer.py:120`` in 0.32 and 0.33,
   :141 in 0.34, :102 in 0.26): "Please specify kv_role when kv_connector is set, supported roles are ...". The
   plugin sets the top-level role per server; a child without one is refused, as vLLM refuses it.
+* **NixlConnector's transfer mode** (:data:`NIXL_TRANSFER_MODES`, 0.34 on): ``KVConnectorFactory.get_connector_class``
+  (``distributed/kv_transfer/kv_connector/factory.py`` in 0.34) reads ``kv_connector_extra_config.transfer_mode``
+  (default ``pull``) of a ``NixlConnector`` and picks ``NixlPullConnector`` or ``NixlPushConnector``; any other
+  value raises "Invalid NixlConnector transfer_mode: 'X'" while vLLM builds its config. 0.32 and 0.33 never read it.
 * **NIXL's KV buffer device**: ``kv_buffer_device`` defaults to the platform's device type
   (``kv_buffer_device_default_factory``, ``config/kv_transfer.py:50``) and must be one NIXL supports there
   (``_NIXL_SUPPORTED_DEVICE``, ``nixl/utils.py:18``; checked in ``NixlConnectorWorker.__init__``,
   ``nixl/base_worker.py:684`` in 0.32, :796 in 0.33, :871 in 0.34): "cpu with cuda kv_buffer is not supported."
+* **OffloadingConnector's CPU tier size**: ``CPUOffloadingSpec.__init__`` (``v1/kv_offload/cpu/spec.py:97`` in 0.32,
+  :102 in 0.33 and 0.34; the spec ``OffloadingSpecFactory.create_spec`` builds unless ``spec_name`` names another,
+  ``v1/kv_offload/factory.py``) raises "cpu_bytes_to_use must be specified in kv_connector_extra_config" when the
+  connector is built, on every platform and before the platform check below.
 * **OffloadingConnector on the CPU platform**: its CPU tier refuses any platform but CUDA-alike and XPU
   (``CPUOffloadingSpec.get_worker``, ``v1/kv_offload/cpu/spec.py:199`` in 0.32, :220 in 0.33, :219 in 0.34, :145
   in 0.26): "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", raised when the worker
@@ -40,6 +48,8 @@ __all__ = [
     "KV_ROLES",
     "NIXL_BUFFER_DEVICES",
     "NIXL_CONNECTORS",
+    "NIXL_TRANSFER_MODES",
+    "OFFLOAD_BYTES_MESSAGE",
     "REGISTERED",
     "Connector",
     "check",
@@ -88,6 +98,9 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_ROLES_SHOWN = "('kv_producer', 'kv_both', 'kv_consumer')"
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 
+#: The ``transfer_mode`` values ``get_connector_class`` takes for a NixlConnector; None: not read (before 0.34).
+NIXL_TRANSFER_MODES: VersionTable[tuple[str, ...] | None] = VersionTable.of([("0.0", None), ("0.34", ("pull", "push"))])
+
 #: ``_NIXL_SUPPORTED_DEVICE`` (``nixl/utils.py:18``, the same in 0.26, 0.32, 0.33 and 0.34): the platform's device
 #: type -> the KV buffer devices NIXL takes there.
 NIXL_BUFFER_DEVICES: Mapping[str, tuple[str, ...]] = {
@@ -107,12 +120,17 @@ SOURCES: Mapping[str, str] = {
     "multi_connector.py:226 (MultiConnector._get_connector_classes_and_configs)",
     "connector-kv-role": "config/kv_transfer.py:120 (KVTransferConfig.__post_init__), "
     "multi_connector.py:226 (MultiConnector._get_connector_classes_and_configs)",
+    "nixl-transfer-mode": "distributed/kv_transfer/kv_connector/factory.py (KVConnectorFactory.get_connector_class, "
+    "vLLM 0.34)",
     "nixl-buffer-device": "distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py:684 (NixlConnectorWorker), "
     "nixl/utils.py:18 (_NIXL_SUPPORTED_DEVICE)",
+    "offload-cpu-bytes": "v1/kv_offload/cpu/spec.py:97 (CPUOffloadingSpec.__init__), "
+    "v1/kv_offload/factory.py (OffloadingSpecFactory.create_spec)",
     "offload-cpu-platform": "v1/kv_offload/cpu/spec.py:199 (CPUOffloadingSpec.get_worker)",
 }
 
 
+OFFLOAD_BYTES_MESSAGE = "cpu_bytes_to_use must be specified in kv_connector_extra_config"
 OFFLOAD_CPU_MESSAGE = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 KV_ROLE_MISSING = "Please specify kv_role when kv_connector is set, supported roles are " + KV_ROLES_SHOWN
 
@@ -189,6 +207,22 @@ def _config_refusals(conn: Connector, version: object) -> Iterator[Refusal]:
             "connector-unknown", "config", f"Unsupported connector type: {conn.name}", "ValueError",
             SOURCES["connector-unknown"], validates="VllmConfig", where=conn.path if conn.child else None,
         )  # fmt: skip
+        return
+    if (bad_mode := transfer_mode_error(conn, version)) is not None:
+        yield Refusal(
+            "nixl-transfer-mode", "config", bad_mode, "ValueError", SOURCES["nixl-transfer-mode"],
+            validates="VllmConfig", where=conn.path if conn.child else None,
+        )  # fmt: skip
+
+
+def transfer_mode_error(conn: Connector, version: object) -> str | None:
+    """vLLM ``version``'s error for a NixlConnector's ``transfer_mode`` it does not know (None: none, or not read)."""
+    modes = NIXL_TRANSFER_MODES.at(version) if version is not None else None
+    if modes is None or conn.name != "NixlConnector" or "kv_connector_module_path" in conn.config:
+        return None
+    extra = conn.config.get("kv_connector_extra_config")
+    mode = extra.get("transfer_mode", "pull") if isinstance(extra, Mapping) else "pull"
+    return None if mode in modes else f"Invalid NixlConnector transfer_mode: {mode!r}"
 
 
 def _engine_refusals(conn: Connector, platform: str) -> Iterator[Refusal]:
@@ -202,7 +236,19 @@ def _engine_refusals(conn: Connector, platform: str) -> Iterator[Refusal]:
                 "nixl-buffer-device", "engine", f"{device} with {buffer} kv_buffer is not supported.",
                 "RuntimeError", SOURCES["nixl-buffer-device"],
             )  # fmt: skip
-    if conn.name == "OffloadingConnector" and platform == "cpu":
+    if conn.name != "OffloadingConnector":
+        return
+    extra = conn.config.get("kv_connector_extra_config")
+    extra = extra if isinstance(extra, Mapping) else {}
+    if extra.get("spec_name", "CPUOffloadingSpec") != "CPUOffloadingSpec":
+        return  # another offloading spec: its own rules, not read
+    if not extra.get("cpu_bytes_to_use"):
+        yield Refusal(
+            "offload-cpu-bytes", "engine", OFFLOAD_BYTES_MESSAGE, "Exception", SOURCES["offload-cpu-bytes"],
+            where=conn.path if conn.child else None,
+        )  # fmt: skip
+        return
+    if platform == "cpu":
         yield Refusal(
             "offload-cpu-platform", "engine", OFFLOAD_CPU_MESSAGE, "Exception", SOURCES["offload-cpu-platform"],
             where=conn.path if conn.child else None,

@@ -34,13 +34,14 @@ block size with prefix caching, ``models/config.py:700``) from a block-aligned s
 from __future__ import annotations
 
 from pytest_pdserve.rules.verdict import Refusal, Replacement
-from pytest_pdserve.rules.versions import VersionTable, shown
+from pytest_pdserve.rules.versions import VersionTable, release, shown
 
 __all__ = [
     "CPU_KERNEL_DROPS_CHECKPOINTS",
     "MODES",
     "check_mode",
     "checkpoint_in_prefill",
+    "deprecation_warning",
     "cpu_prefill_dies",
     "cpu_prefill_error",
     "flag_ignored",
@@ -69,6 +70,14 @@ DEPRECATION = (
     "--mamba-cache-mode is deprecated and will be removed in v{next}. It has no effect: Mamba prefix caching follows "
     "--enable-prefix-caching."
 )
+
+
+def deprecation_warning(version: object) -> str:
+    """``--mamba-cache-mode``'s deprecation warning as vLLM ``version`` (0.33 on) logs it: it names the release it
+    runs in as the one that removes the flag (``engine/arg_utils.py`` ``_MAMBA_CACHE_MODE_DEPRECATION_MESSAGE``:
+    "v0.33.0" in 0.33, "v0.34.0" in 0.34)."""
+    major, minor, _ = release(version)
+    return DEPRECATION.format(next=f"{major}.{max(minor, 33)}.0")
 
 
 def flag_ignored(version: object) -> bool:

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_pdserve.rules import connectors, kv_layout, mamba
+from pytest_pdserve.rules import connectors, conv_state, kv_layout, mamba
+from pytest_pdserve.rules.block_size import default_block_size
 from pytest_pdserve.rules.verdict import Refusal, Replacement
 from pytest_pdserve.rules.versions import shown
 
@@ -33,7 +34,8 @@ class ServerFacts:
     :param hybrid: a hybrid (Mamba) model; None when not known (a model the plugin does not build).
     :param mamba_cache_mode: ``--mamba-cache-mode``, or None.
     :param prefix_caching: ``--[no-]enable-prefix-caching``; None: not given (vLLM's default, on).
-    :param block_size: ``--block-size``.
+    :param block_size: ``--block-size``; None: not given (vLLM's default for its version and backend,
+        `block_size.default_block_size`).
     """
 
     version: object
@@ -44,7 +46,7 @@ class ServerFacts:
     hybrid: bool | None = None
     mamba_cache_mode: str | None = None
     prefix_caching: bool | None = None
-    block_size: int = 16
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,20 +84,25 @@ def check_server(facts: ServerFacts) -> Verdict:
     )
     refusals += layout_refusals
     replacements += layout_replacements
+    conv = conv_state.check(facts.environ, version=facts.version, hybrid=facts.hybrid,
+                            nixl=_nixl(facts.kv_transfer_config))  # fmt: skip
+    if conv is not None:
+        refusals.append(conv)
     prefix_caching = facts.prefix_caching is not False
     if facts.hybrid is not False and bad_mode is None:
         changed = mamba.replacement(facts.mamba_cache_mode, prefix_caching=prefix_caching, version=facts.version)
         if changed is not None:
             replacements.append(changed)
     if facts.hybrid:
+        block = facts.block_size or default_block_size(facts.version, facts.attention_backend)
         mode = mamba.running_mode(facts.mamba_cache_mode, prefix_caching=prefix_caching, version=facts.version)
         if mamba.cpu_prefill_dies(
             version=facts.version, platform=facts.platform, hybrid=True, mode=mode, query_start=0,
-            query_end=facts.block_size + 1, block_size=facts.block_size,
+            query_end=block + 1, block_size=block,
         ):  # fmt: skip
             limits.append(
                 f"vLLM {shown(facts.version)} for CPU's engine dies on a hybrid prefill of more than "
-                f"{facts.block_size} tokens (one Mamba block) with prefix caching: its CPU Mamba kernel drops the "
+                f"{block} tokens (one Mamba block) with prefix caching: its CPU Mamba kernel drops the "
                 "checkpoint states"
             )
     return Verdict(tuple(refusals), tuple(replacements), tuple(limits))

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["Release", "VersionTable", "release"]
+__all__ = ["DEFAULT_VLLM_VERSION", "Release", "VersionTable", "parse_version", "release"]
 
 Release = tuple[int, int, int]
 """``(major, minor, patch)`` of a vLLM version."""
@@ -24,6 +24,11 @@ Release = tuple[int, int, int]
 T = TypeVar("T")
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
+_STRICT = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?([.+-].*|rc\d+.*)?$")
+
+DEFAULT_VLLM_VERSION = "0.34.0"
+"""The newest release every rule of this package was read in: the version the simulator reports and follows unless
+``PDSERVE_SIM_VLLM_VERSION`` says otherwise."""
 
 
 def release(version: object) -> Release:
@@ -38,6 +43,19 @@ def release(version: object) -> Release:
     if match is None:
         raise ValueError(f"{version!r} is not a vLLM version like 0.33.0")
     major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def parse_version(text: str) -> Release:
+    """A version a user sets (``PDSERVE_SIM_VLLM_VERSION``): ``0.32.0``, ``0.33``, ``0.32.0+cpu``, ``0.33.0rc1``;
+    nothing after the release but a local, pre or dev part.
+
+    :raises ValueError: anything else.
+    """
+    match = _STRICT.match(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a vLLM version like 0.33.0")
+    major, minor, patch, _tail = match.groups()
     return int(major), int(minor), int(patch or 0)
 
 

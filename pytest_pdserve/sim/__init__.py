@@ -75,7 +75,7 @@ VLLM_KV_CACHE_LAYOUT                   LBHNC       the KV cache layout registere
                                                    fails the handshake, as in vLLM
 VLLM_ALLOW_LONG_MAX_MODEL_LEN          0           1/true: --max-model-len may exceed the model's
                                                    max_position_embeddings (else refused at start, as vLLM does)
-PDSERVE_SIM_VLLM_VERSION               0.34.0      the vLLM version reported and followed (``sim/vllm_rules.py``:
+PDSERVE_SIM_VLLM_VERSION               0.34.0      the vLLM version reported and followed (``rules/``:
                                                    >= 0.32 lowers max_tokens to fit, older reserves it; default
                                                    --block-size 64 from 0.34, 16 before; ...)
 =====================================  ==========  =========================================================

@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.rules import connectors
 from pytest_pdserve.rules.connectors import REGISTERED
-from pytest_pdserve.sim import environment_table, vllm_rules
+from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION
+from pytest_pdserve.sim import environment_table
 
 PROG = "vllm serve"
 """Program name in usage and error lines, as vLLM prints it."""
@@ -88,17 +90,17 @@ ATTENTION_BACKENDS: tuple[str, ...] = (
 """``AttentionBackendEnum`` members of vLLM 0.34 (``vllm/v1/attention/backends/registry.py``), in order (0.34 added
 ``FLASHINFER_TS`` and ``KIMI_K3_KV_BALANCED_MLA`` to 0.33's)."""
 
-KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at(vllm_rules.DEFAULT_VLLM_VERSION) or ()))
+KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at(DEFAULT_VLLM_VERSION) or ()))
 """Connector names the vLLM version the simulator reports registers (`pytest_pdserve.rules.connectors.REGISTERED`,
 the table by version); any other name needs ``kv_connector_module_path``."""
 
-NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+NIXL_CONNECTORS = connectors.NIXL_CONNECTORS
 """Connectors the simulator implements as pull-mode NIXL."""
 
 SIMULATED_CONNECTORS = NIXL_CONNECTORS | {"OffloadingConnector"}
 """Connectors the simulator implements, alone or as children of a ``MultiConnector``."""
 
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_ROLES = connectors.KV_ROLES
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
@@ -147,18 +149,6 @@ class KVTransferConfig:
             if child.get("kv_connector") == "OffloadingConnector":
                 extra = child.get("kv_connector_extra_config") or {}
                 return extra if isinstance(extra, Mapping) else {}
-        return None
-
-    def connector_problem(self, version: tuple[int, int, int]) -> str | None:
-        """The ``ValueError`` vLLM ``version``'s connector factory raises for this config at start (None: none): an
-        unregistered connector name, or a NixlConnector ``transfer_mode`` it does not know (``vllm_rules``)."""
-        if self.kv_connector not in (REGISTERED.at(version) or ()):
-            return f"Unsupported connector type: {self.kv_connector}"
-        for child in self._children():
-            if child.get("kv_connector") == "NixlConnector":
-                problem = vllm_rules.nixl_transfer_mode_error(version, child.get("kv_connector_extra_config"))
-                if problem is not None:
-                    return problem
         return None
 
     def unsimulated(self) -> list[str]:
@@ -488,7 +478,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         api_key=ns.api_key if ns.api_key is not None else (os.environ.get("VLLM_API_KEY") or None),
         kv_transfer_config=ns.kv_transfer_config,
         attention_backend=ns.attention_backend,
-        # Until the server knows its backend: vLLM's default is per version and backend (vllm_rules.default_block_size).
+        # Until the server knows its backend: vLLM's default is per version and backend (rules.block_size).
         block_size=ns.block_size if ns.block_size is not None else 16,
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -25,14 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from pytest_pdserve.rules import mamba
-from pytest_pdserve.sim import faults, kvcontent, kvtransfer, model, offload, tokenizer, vllm_rules
+from pytest_pdserve.rules import kv_layout, mamba, nixl_params
+from pytest_pdserve.rules.length import TooLong, fit_max_tokens
+from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION
+from pytest_pdserve.sim import faults, kvcontent, kvtransfer, model, offload, tokenizer
 from pytest_pdserve.sim.cli import ServeArgs
 from pytest_pdserve.sim.faults import SimEnv
 from pytest_pdserve.sim.metrics import SimMetrics
 from pytest_pdserve.sim.model import ModelShape
 from pytest_pdserve.sim.tokenizer import generate_ids, ids_bytes, perturb, top_alternatives
-from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, LengthError, fit_max_tokens
 
 logger = logging.getLogger("pytest_pdserve.sim")
 
@@ -280,7 +281,11 @@ class Engine:
         self.model_key = args.model.encode()
         #: The weights this server computes with (kvcontent): the model and the --hf-overrides that change it.
         self.weights = kvcontent.weights_key(args.model, args.hf_overrides, model.raw_config(self.shape.directory))
-        self.kv_cache_layout = env.kv_cache_layout
+        #: The layout registered with NIXL (the start refused a layout vLLM refuses; 0.26 and older: as set).
+        self.kv_cache_layout = (
+            kv_layout.running(env.kv_cache_layout, version=env.vllm_version, backend=attention_backend, nixl=True)
+            or "LBHNC"
+        )
         self.root_hash = hashlib.blake2b(b"pdserve-sim-root|" + self.model_key, digest_size=16).digest()
         self.compat_hash = kvtransfer.compatibility_hash(
             {
@@ -505,17 +510,17 @@ class Engine:
         max_len = self.max_model_len
         if n_prompt == 0:
             raise RequestError("The prompt cannot be empty.")
-        try:
-            max_tokens = fit_max_tokens(
-                self.env.vllm_version_tuple,
-                prompt_len=n_prompt,
-                max_tokens=params.max_tokens,
-                max_model_len=max_len,
-                text_prompt=params.text_prompt,
-                max_tokens_param=params.max_tokens_param,
-            )
-        except LengthError as exc:
-            raise RequestError(str(exc), exc.param) from None
+        fitted = fit_max_tokens(
+            self.env.vllm_version_tuple,
+            prompt_len=n_prompt,
+            max_tokens=params.max_tokens,
+            max_model_len=max_len,
+            text_prompt=params.text_prompt,
+            max_tokens_param=params.max_tokens_param,
+        )
+        if isinstance(fitted, TooLong):
+            raise RequestError(fitted.message, fitted.param)
+        max_tokens = fitted
         kv = kv_params or {}
         remote_decode = self.nixl and bool(kv.get("do_remote_decode"))
         remote_prefill = self.nixl and bool(kv.get("do_remote_prefill"))
@@ -868,7 +873,7 @@ class Engine:
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": local_hit,
         }
-        if self.env.vllm_version_tuple[:2] >= vllm_rules.REGISTRATION_GENERATION_SINCE:
+        if nixl_params.REGISTRATION_GENERATION.at(self.env.vllm_version):
             params["remote_registration_generation"] = 0  # the KV cache is registered once, at start
         return params
 

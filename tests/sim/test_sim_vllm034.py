@@ -1,7 +1,7 @@
 """What changed from vLLM 0.33 to 0.34 in what the simulator models, each checked at both versions.
 
 The simulator reports 0.34.0 unless ``PDSERVE_SIM_VLLM_VERSION`` says otherwise and follows the reported version's
-rules (``sim/vllm_rules.py``, which names the 0.34.0 source of each). Each process test runs the rule at 0.34 and,
+rules (``pytest_pdserve/rules/``, which names the 0.34.0 source of each). Each process test runs the rule at 0.34 and,
 as its control, at 0.33, where vLLM behaved the old way.
 """
 
@@ -11,25 +11,28 @@ import httpx
 import pytest
 
 from pytest_pdserve.engines import engine, vllm_compat
-from pytest_pdserve.sim import vllm_rules
-from pytest_pdserve.sim.cli import KVTransferConfig, parse_kv_transfer_config, resolve_attention_backend
+from pytest_pdserve.rules import connectors, mamba
+from pytest_pdserve.rules.block_size import default_block_size
+from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION, parse_version
+from pytest_pdserve.sim.cli import parse_kv_transfer_config, resolve_attention_backend
 
 from ._simproc import NIXL_KVC, Factory, SimServer, words
 
-V033, V034 = vllm_rules.parse_version("0.33.0"), vllm_rules.parse_version("0.34.0")
+V033, V034 = parse_version("0.33.0"), parse_version("0.34.0")
 
 
 def test_the_simulator_and_the_plugin_speak_the_same_newest_vllm() -> None:
     """The version the sim reports is the one the plugin builds its commands for (verify.py compares them)."""
-    assert vllm_rules.DEFAULT_VLLM_VERSION == "0.34.0"
-    assert str(engine.SIM_VERSION) == str(vllm_compat.LATEST_KNOWN) == vllm_rules.DEFAULT_VLLM_VERSION
+    assert DEFAULT_VLLM_VERSION == "0.34.0"
+    assert str(engine.SIM_VERSION) == str(vllm_compat.LATEST_KNOWN) == DEFAULT_VLLM_VERSION
 
 
 def test_default_block_size_by_version_and_backend() -> None:
-    assert vllm_rules.default_block_size(V034, "FLASH_ATTN") == 64  # CacheConfig.DEFAULT_BLOCK_SIZE
-    assert vllm_rules.default_block_size(V034, "CPU_ATTN") == 64
-    assert vllm_rules.default_block_size(V034, "ROCM_ATTN") == 16  # its get_preferred_block_size
-    assert vllm_rules.default_block_size(V033, "FLASH_ATTN") == 16
+    assert default_block_size(V034, "FLASH_ATTN") == 64  # CacheConfig.DEFAULT_BLOCK_SIZE
+    assert default_block_size(V034, "CPU_ATTN") == 64
+    assert default_block_size(V034, "ROCM_ATTN") == 16  # its get_preferred_block_size
+    assert default_block_size(V033, "FLASH_ATTN") == 16
+    assert default_block_size(V033, "ROCM_ATTN") == 16
 
 
 @pytest.mark.parametrize(("version", "block"), [(None, "64"), ("0.33.0", "16")])
@@ -43,27 +46,30 @@ def test_a_server_without_block_size_serves_its_versions_default(
     assert f'block_size="{block}"' in info
 
 
-def _kv(extra: dict[str, object], connector: str = "NixlConnector") -> KVTransferConfig:
-    import json
+def _conf(extra: dict[str, object], connector: str = "NixlConnector") -> dict[str, object]:
+    return {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
-    return parse_kv_transfer_config(json.dumps({"kv_connector": connector, "kv_connector_extra_config": extra}))
+
+def _config_refusals(config: dict[str, object], version: tuple[int, int, int]) -> list[str]:
+    return [r.message for r in connectors.check(config, version=version, platform="cuda") if r.stage == "config"]
 
 
 def test_nixl_transfer_mode_is_checked_from_034() -> None:
-    assert _kv({"transfer_mode": "push"}).connector_problem(V034) is None
-    assert _kv({}).connector_problem(V034) is None
-    assert _kv({"transfer_mode": "read"}).connector_problem(V034) == "Invalid NixlConnector transfer_mode: 'read'"
-    assert _kv({"transfer_mode": "read"}).connector_problem(V033) is None  # 0.33 never read it
-    multi = _kv({"connectors": [{"kv_connector": "NixlConnector", "kv_connector_extra_config": {"transfer_mode": 1}}]},
-                "MultiConnector")  # fmt: skip
-    assert multi.connector_problem(V034) == "Invalid NixlConnector transfer_mode: 1"
+    assert _config_refusals(_conf({"transfer_mode": "push"}), V034) == []
+    assert _config_refusals(_conf({}), V034) == []
+    assert _config_refusals(_conf({"transfer_mode": "read"}), V034) == ["Invalid NixlConnector transfer_mode: 'read'"]
+    assert _config_refusals(_conf({"transfer_mode": "read"}), V033) == []  # 0.33 never read it
+    child = _conf({"transfer_mode": 1})
+    multi = _conf({"connectors": [child]}, "MultiConnector")
+    assert _config_refusals(multi, V034) == ["Invalid NixlConnector transfer_mode: 1"]
 
 
 def test_umbp_store_connector_is_registered_from_034() -> None:
-    umbp = _kv({}, "UMBPStoreConnector")
-    assert umbp.connector_problem(V034) is None
+    assert _config_refusals(_conf({}, "UMBPStoreConnector"), V034) == []
+    assert _config_refusals(_conf({}, "UMBPStoreConnector"), V033) == ["Unsupported connector type: UMBPStoreConnector"]
+    umbp = parse_kv_transfer_config('{"kv_connector": "UMBPStoreConnector"}')
     assert umbp.unsimulated() == ["UMBPStoreConnector"]  # registered in vLLM, refused as not simulated
-    assert _kv({}, "BogusConnector").connector_problem(V034) == "Unsupported connector type: BogusConnector"
+    assert _config_refusals(_conf({}, "BogusConnector"), V034) == ["Unsupported connector type: BogusConnector"]
 
 
 def test_034_backends_are_known() -> None:
@@ -99,5 +105,5 @@ def test_remote_registration_generation_from_033(sim_factory: Factory, version: 
 
 
 def test_mamba_cache_mode_warning_names_its_own_release() -> None:
-    assert "will be removed in v0.34.0." in vllm_rules.mamba_cache_mode_warning(V034)
-    assert "will be removed in v0.33.0." in vllm_rules.mamba_cache_mode_warning(V033)
+    assert "will be removed in v0.34.0." in mamba.deprecation_warning(V034)
+    assert "will be removed in v0.33.0." in mamba.deprecation_warning(V033)
