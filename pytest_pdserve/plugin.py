@@ -21,7 +21,7 @@ from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, kv_moved, last_user, logs
+from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, worker_verdict
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
@@ -191,7 +191,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     """Once the test's fixtures are torn down: end the faults it left (a paused server resumed, a killed one's cluster
-    stopped), then stop each cluster no remaining test uses (glue/last_user.py)."""
+    stopped), then stop each cluster no remaining test uses (glue/last_user.py). Before them: the KV the test's module
+    moved (the session's last teardown stops the clusters, the exported one included)."""
+    kv_moved.module_boundary(item.config, item, nextitem, starting=False)
     try:
         return (yield)
     finally:
@@ -245,10 +247,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """``--pd-require-kv-transfer`` (on under ``--pd-preset``): a module that passed without moving KV from prefill
     to decode fails the session (the terminal summary names it)."""
     config = session.config
-    if PDSERVE_CONFIG not in config.stash or session.exitstatus != pytest.ExitCode.OK:
+    if PDSERVE_CONFIG not in config.stash:
         return
-    if kv_moved.require_kv_transfer(config) and kv_moved.vacuous_modules(config):
+    vacuous = kv_moved.require_kv_transfer(config) and bool(kv_moved.vacuous_modules(config))
+    # An xdist worker's summary and exit status reach no one: its controller prints them and fails the run.
+    worker_verdict.send(config, lambda: [*export_env.summary_lines(config), *kv_moved.module_lines(config)], vacuous)
+    if session.exitstatus == pytest.ExitCode.OK and (vacuous or worker_verdict.failed(config)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist's controller: keep what a worker's session cluster concluded (glue/worker_verdict.py)."""
+    worker_verdict.receive(node.config, node)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -261,6 +272,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line(redact(line))
     for line in kv_moved.module_lines(config):
         terminalreporter.write_line(redact(line), red="no KV moved" in line and kv_moved.require_kv_transfer(config))
+    for line in worker_verdict.lines(config):
+        terminalreporter.write_line(line, red="no KV moved" in line and worker_verdict.failed(config))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -66,6 +66,8 @@ class Exported:
         #: os.environ values before we exported (None: unset), restored at unconfigure.
         self.saved: dict[str, str | None] = {}
         self.baseline: dict[str, MetricsSnapshot] = {}
+        #: The servers' metrics after the session's last test, before its teardown stopped them (kv_moved.py).
+        self.final: dict[str, MetricsSnapshot] = {}
         self.preset = preset
         #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
         self.moved: dict[str, tuple[float, float]] = {}
@@ -389,7 +391,8 @@ def summary_lines(config: pytest.Config) -> list[str]:
     for server in (*exported.cluster.prefill, *exported.cluster.decode):
         base = exported.baseline.get(server.name)
         try:
-            delta = server.metrics() - base if base is not None else None
+            after = exported.final.get(server.name) or server.metrics()
+            delta = after - base if base is not None else None
         except Exception:
             delta = None
         if delta is None:

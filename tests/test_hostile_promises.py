@@ -1,0 +1,84 @@
+"""README promises attacked as outside testers attack them (issue 43's held-out round): each test names the
+sentence it holds the plugin to, and goes through the doors a user, a careless CI author or another user has."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "--pd-engine=sim", f"--pd-lease-dir={pytester.path / 'leases'}", "-p", "no:cacheprovider", *args,
+        timeout=600,
+    )  # fmt: skip
+
+
+# ------------------------------------------------- --pd-require-kv-transfer under xdist: a green that lied
+
+#: One module that moves KV through the proxy, one that passes without any: the second is what the option is for.
+MOVES = """
+from pytest_pdserve.prompts import prompt_with_tokens
+
+
+def test_moves(pd_cluster):
+    pd_cluster.complete(prompt_with_tokens(pd_cluster, 300), max_tokens=2)
+"""
+#: Decode primed directly, as vLLM's test_edge_cases does: its hits need no prefill, and no KV moves.
+VACUOUS = """
+def test_direct(pd_cluster):
+    pd_cluster.decode[0].complete("the decode server alone", max_tokens=2)
+"""
+
+
+def test_require_kv_transfer_judges_the_last_module_before_its_teardown_stops_the_cluster(
+    pytester: pytest.Pytester,
+) -> None:
+    """README: the terminal summary prints "per test module the KV moved from prefill to decode", and
+    "`--pd-require-kv-transfer` fails the session when a module that passed moved none". The last test's teardown
+    stops the session's clusters (the exported one too, once a test used `pd_cluster`): the last module was measured
+    after that, on stopped servers, so it counted as unmeasured, never as vacuous, and the run passed."""
+    pytester.makepyfile(test_moves=MOVES, test_vacuous=VACUOUS)  # test_vacuous.py runs last
+    result = _run(pytester, "--pd-export-env", "--pd-require-kv-transfer")
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "pdserve: during this session: *decode-0 prefix-cache hits * tokens, external_kv_transfer * tokens",
+        "pdserve: KV moved prefill -> decode in test_moves.py: external_kv_transfer * tokens, NIXL * bytes",
+        "pdserve: KV moved prefill -> decode in test_vacuous.py: external_kv_transfer 0 tokens, NIXL 0 bytes",
+        "pdserve: no KV moved from prefill to decode in test_vacuous.py: *failing the session*",
+    ])  # fmt: skip
+    assert "in test_moves.py: external_kv_transfer 0 tokens" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("door", "args"),
+    [
+        ("argv", ("--pd-export-env", "--pd-require-kv-transfer")),
+        ("preset", ("--pd-export-env", "--pd-preset=vllm-edge-case")),
+    ],
+)
+def test_require_kv_transfer_fails_an_xdist_run_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, door: str, args: tuple[str, ...]
+) -> None:
+    """README: "`--pd-require-kv-transfer` (on under `--pd-preset`) fails the session when a module that passed
+    moved none", and "Under pytest-xdist each worker starts and exports its own cluster". A worker's exit status
+    and terminal summary reach no one (xdist's controller decides from test reports), so the run was green and
+    silent."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_moves=MOVES, test_vacuous=VACUOUS)
+    if door == "preset":  # a CI wrapper's PYTEST_ADDOPTS, as AMD's does for vLLM's modules
+        monkeypatch.setenv("PYTEST_ADDOPTS", " ".join([os.environ.get("PYTEST_ADDOPTS", ""), *args]).strip())
+        args = ()
+    else:
+        args = (*args,)
+    result = _run(pytester, *args, "-n", "2", "--dist=loadfile")
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["[[]gw?[]] pdserve: no KV moved from prefill to decode in test_vacuous.py: *"])
+    vacuous = [line for line in result.stdout.lines if "no KV moved from prefill to decode" in line]
+    assert not any("test_moves.py" in line for line in vacuous), vacuous
+    result.stdout.fnmatch_lines(["[[]gw?[]] pdserve: KV moved prefill -> decode in test_moves.py: *"])
