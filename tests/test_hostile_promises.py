@@ -82,3 +82,46 @@ def test_require_kv_transfer_fails_an_xdist_run_too(
     vacuous = [line for line in result.stdout.lines if "no KV moved from prefill to decode" in line]
     assert not any("test_moves.py" in line for line in vacuous), vacuous
     result.stdout.fnmatch_lines(["[[]gw?[]] pdserve: KV moved prefill -> decode in test_moves.py: *"])
+
+
+# ------------------------------------------------- a relative cache dir and a test that changes directory
+
+CHDIR_THEN_START = """
+import os
+from pytest_pdserve.spec import ClusterSpec
+
+
+def test_elsewhere(pd_cluster_factory):
+    os.chdir("elsewhere")  # a test (or monkeypatch.chdir) that forgets to go back
+    assert pd_cluster_factory(ClusterSpec(name="late")).complete("hello", max_tokens=2)["choices"]
+"""
+
+
+def test_a_relative_cache_dir_keeps_its_clusters_where_pdserve_ls_finds_them(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: kept clusters' state lives in `--pd-reuse-dir` (default `${PDSERVE_CACHE_DIR:-...}/reuse`), checked
+    as ours, and `pdserve ls` / `pdserve stop --all` see what was kept. `PDSERVE_CACHE_DIR=.cache` is relative:
+    after a test's `os.chdir` the keeper wrote its state into `elsewhere/.cache/reuse`, a directory never checked,
+    and `pdserve stop --all` from the project could not find (nor stop) the cluster."""
+    from pytest_pdserve import cli
+    from pytest_pdserve.reuse import dirs
+
+    for var in dirs.CI_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", ".cache")
+    (pytester.path / "elsewhere").mkdir()
+    pytester.makepyfile(CHDIR_THEN_START)
+    reuse = pytester.path / ".cache" / "reuse"
+    strayed = pytester.path / "elsewhere" / ".cache" / "reuse"
+    try:
+        _run(pytester, "--pd-reuse").assert_outcomes(passed=1)
+        assert not strayed.exists(), sorted(p.name for p in strayed.iterdir())
+        assert [p.name for p in reuse.glob("late-*.json")], sorted(p.name for p in reuse.iterdir())
+        monkeypatch.chdir(pytester.path)
+        assert cli.main(["stop", "--all"]) == 0  # $PDSERVE_CACHE_DIR from where the run started
+        assert not list(reuse.glob("late-*.json"))
+    finally:
+        for where in (reuse, strayed):
+            if where.is_dir():
+                cli.main(["--dir", str(where), "stop", "--all"])
