@@ -250,10 +250,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if PDSERVE_CONFIG not in config.stash:
         return
     vacuous = kv_moved.require_kv_transfer(config) and bool(kv_moved.vacuous_modules(config))
+    stopped = export_env.start_failure(config)
     # An xdist worker's summary and exit status reach no one: its controller prints them and fails the run.
-    worker_verdict.send(config, lambda: [*export_env.summary_lines(config), *kv_moved.module_lines(config)], vacuous)
-    if session.exitstatus == pytest.ExitCode.OK and (vacuous or worker_verdict.failed(config)):
+    worker_verdict.send(
+        config,
+        lambda: [stopped] if stopped else [*export_env.summary_lines(config), *kv_moved.module_lines(config)],
+        vacuous or stopped is not None,
+    )
+    ended = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    if session.exitstatus in ended and (vacuous or worker_verdict.failed(config)):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_collection(session: pytest.Session) -> bool | None:
+    """An xdist worker whose session cluster did not start imports no module and collects nothing (after xdist's
+    own hook, which announces the collection; glue/export_env.py, _stop_run)."""
+    if export_env.start_failure(session.config) is None:
+        return None
+    session.items = []
+    session.testscollected = 0
+    session.config.hook.pytest_collection_finish(session=session)
+    return True
 
 
 @pytest.hookimpl(optionalhook=True)

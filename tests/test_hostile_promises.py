@@ -125,3 +125,41 @@ def test_a_relative_cache_dir_keeps_its_clusters_where_pdserve_ls_finds_them(
         for where in (reuse, strayed):
             if where.is_dir():
                 cli.main(["--dir", str(where), "stop", "--all"])
+
+
+# ------------------------------------------------- a session cluster that cannot start, under xdist
+
+#: As vLLM's own modules do: the addresses are read at import.
+READS_AT_IMPORT = """
+import os
+
+PREFILL_PORT = os.environ["PREFILL_PORT"]
+
+
+def test_uses_it():
+    assert PREFILL_PORT
+"""
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one-process", "xdist"])
+def test_a_session_cluster_that_cannot_start_stops_the_run_with_its_reason(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: tuple[str, ...]
+) -> None:
+    """README: "A cluster that cannot start stops the run with one message before any module is imported." Under
+    xdist a worker's `pytest.exit` is a crash: xdist restarted the worker (a cluster start each) up to its limit,
+    printed "node down: Not properly terminated" each time, and ended "no tests ran", exit code 5, which CI
+    scripts often take for success."""
+    if workers:
+        pytest.importorskip("xdist")
+    monkeypatch.setenv("PDSERVE_SIM_CRASH_AT_STARTUP", "simulated: CUDA out of memory")  # the servers inherit it
+    pytester.makepyfile(test_reads=READS_AT_IMPORT)
+    result = _run(pytester, "--pd-export-env", *workers)
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out
+    said = [line for line in out.splitlines() if "the session cluster for --pd-export-env did not start" in line]
+    assert said
+    if workers:
+        assert len(said) == 2, said  # once per worker: none restarted
+    assert "simulated: CUDA out of memory" in out
+    for wrong in ("KeyError", "node down", "Not properly terminated", "Traceback"):
+        assert wrong not in out, out

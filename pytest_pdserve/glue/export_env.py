@@ -292,16 +292,37 @@ def start(config: pytest.Config, get_manager: GetManager) -> None:
     except (ClusterUnavailable, PDServeError) as exc:
         failure = str(exc)
     if failure is not None:
-        pytest.exit(f"pdserve: the session cluster for {where} did not start: {failure}", returncode=1)
+        return _stop_run(config, f"pdserve: the session cluster for {where} did not start: {failure}")
     exported.cluster = cluster
     max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
     exported.variables = variables(cluster, max_len, result.exports if result else {})
     try:
         _export(exported)
     except OSError as exc:
-        pytest.exit(f"pdserve: cannot write the export file {exported.file} (from {where}): {exc.strerror or exc}", 1)
+        return _stop_run(config, f"pdserve: cannot write the export file {exported.file} (from {where}): "
+                         f"{exc.strerror or exc}")  # fmt: skip
     with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
         exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
+
+
+#: An xdist worker's reason to stop the run (its session cluster did not start, or its export file).
+START_FAILED = pytest.StashKey[str]()
+
+
+def _stop_run(config: pytest.Config, message: str) -> None:
+    """Stop the run with one message, before any module is imported. An xdist worker that exits is restarted by
+    xdist, again and again (a cluster start each), and the run ends "no tests ran" (exit code 5, which CI scripts
+    often take for success): a worker collects nothing instead (:func:`start_failure`), and sends the message to
+    the controller, which prints it and fails the run (``worker_verdict.py``)."""
+    if not hasattr(config, "workerinput"):
+        pytest.exit(message, returncode=1)
+    config.stash[START_FAILED] = message
+
+
+def start_failure(config: pytest.Config) -> str | None:
+    """In an xdist worker whose session cluster did not start: why (it collects nothing: the modules would import
+    without the variables). None otherwise."""
+    return config.stash.get(START_FAILED, None)
 
 
 @functools.cache
