@@ -163,3 +163,29 @@ def test_a_session_cluster_that_cannot_start_stops_the_run_with_its_reason(
     assert "simulated: CUDA out of memory" in out
     for wrong in ("KeyError", "node down", "Not properly terminated", "Traceback"):
         assert wrong not in out, out
+
+
+@pytest.mark.parametrize("door", ["argv", "env"])
+def test_an_export_file_pdserve_did_not_write_is_one_usage_error_under_xdist(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, door: str
+) -> None:
+    """README: "a file that exists and was not written by pdserve is never overwritten (a usage error)". Under
+    xdist only the workers looked: each raised it as a crash, restarted by xdist, hundreds of traceback lines, and
+    the run ended "no tests ran" (exit code 5)."""
+    pytest.importorskip("xdist")
+    script = pytester.path / "env.sh"
+    script.write_text("#!/bin/sh\nmy precious script\n")
+    pytester.makepyfile(test_reads=READS_AT_IMPORT)
+    if door == "env":
+        monkeypatch.setenv("PDSERVE_EXPORT_ENV_FILE", str(script))
+        result = _run(pytester, "-n", "2")
+    else:
+        result = _run(pytester, f"--pd-export-env-file={script}", "-n", "2")
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    source = "environment variable PDSERVE_EXPORT_ENV_FILE" if door == "env" else "--pd-export-env-file"
+    assert f"export_env_file {script} (from {source}" in out
+    assert "exists and was not written by pdserve" in out
+    assert "node down" not in out, out
+    assert "Traceback" not in out, out
+    assert script.read_text() == "#!/bin/sh\nmy precious script\n"

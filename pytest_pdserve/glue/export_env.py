@@ -264,22 +264,25 @@ def start(config: pytest.Config, get_manager: GetManager) -> None:
     one message (``pytest.exit``), before any module is imported; pytest_unconfigure still stops whatever was started.
     """
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if not cfg.export_env or is_xdist_controller(config):
+    if not cfg.export_env:
         return
     where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
     try:
         spec, result = session_spec(config)
     except ClusterSpecError as exc:
-        raise pytest.UsageError(f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}") from None
+        return _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
     exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
     if cfg.export_env_file is not None:
         problem = foreign_file(cfg.export_env_file)
         if problem is not None:
-            raise pytest.UsageError(
+            return _refuse(
+                config,
                 f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
-                "name a new file, or remove this one if it is yours"
+                "name a new file, or remove this one if it is yours",
             )
         exported.file = cfg.export_env_file
+    if is_xdist_controller(config):  # checked here, before any worker starts: each starts and exports its own
+        return None
     config.stash[EXPORTED] = exported
     tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
     manager = get_manager(config, tmp_path_factory)
@@ -317,6 +320,15 @@ def _stop_run(config: pytest.Config, message: str) -> None:
     if not hasattr(config, "workerinput"):
         pytest.exit(message, returncode=1)
     config.stash[START_FAILED] = message
+
+
+def _refuse(config: pytest.Config, message: str) -> None:
+    """A usage error; in an xdist worker (whose crash xdist answers with a restart), stop the run with it
+    (:func:`_stop_run`)."""
+    if hasattr(config, "workerinput"):
+        config.stash[START_FAILED] = message
+        return
+    raise pytest.UsageError(message)
 
 
 def start_failure(config: pytest.Config) -> str | None:
