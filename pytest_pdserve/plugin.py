@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from pytest_pdserve.common import child_env
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
@@ -94,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register markers, resolve the settings (usage error on bad input), register the reuse plugin when
     --pd-reuse is given, start GPU detection."""
     register_markers(config)
+    child_env.enter_session(config.invocation_params.dir)  # where servers start, whatever a test chdir's to
     if config.getoption("help", False):
         return  # `pytest --help` must work even when a setting is bad
     cfg = config.stash[PDSERVE_CONFIG] = resolve(config)
@@ -298,6 +300,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     stop_manager(config)
     export_env.restore(config)
     unbind_session_engine(config)
+    child_env.leave_session(config.invocation_params.dir)
 
 
 __all__ = [

@@ -189,3 +189,44 @@ def test_an_export_file_pdserve_did_not_write_is_one_usage_error_under_xdist(
     assert "node down" not in out, out
     assert "Traceback" not in out, out
     assert script.read_text() == "#!/bin/sh\nmy precious script\n"
+
+
+# ------------------------------------------------- relative paths the user gave, after a test's chdir
+
+#: A proxy script beside the tests, as README's `--pd-proxy-command="{python} toy_proxy_server.py ..."` has it: it
+#: runs the built-in proxy with the ports it is given.
+TOY_PROXY = """
+import sys
+
+from pytest_pdserve.proxy.__main__ import main
+
+args = sys.argv[1:]
+port, prefill, decode = (args[args.index(flag) + 1] for flag in ("--port", "--prefiller-port", "--decoder-port"))
+sys.exit(main(["--port", port, "--prefill", f"http://127.0.0.1:{prefill}", "--decode", f"http://127.0.0.1:{decode}"]))
+"""
+PROXY_TEMPLATE = "{python} toy_proxy.py --port {port} --prefiller-port {prefill_ports} --decoder-port {decode_ports}"
+CHDIR_THEN_PROXY = """
+from pytest_pdserve.spec import ClusterSpec
+
+
+def test_after_chdir(pd_cluster_factory, monkeypatch):
+    monkeypatch.chdir("sub")  # an autouse fixture of many suites does this
+    assert pd_cluster_factory(ClusterSpec(name="late")).complete("hello", max_tokens=2)["choices"]
+"""
+
+
+@pytest.mark.parametrize("door", ["argv", "ini"])
+def test_a_relative_proxy_script_still_runs_after_a_test_changed_directory(
+    pytester: pytest.Pytester, door: str
+) -> None:
+    """README: `--pd-proxy-command="{python} toy_proxy_server.py --port {port} ..."`, checked at start-up. The proxy
+    (and the servers) started in whatever directory a test had `chdir`'ed to, so the script was not found there
+    ("can't open file .../sub/toy_proxy.py") and every cluster started after it failed."""
+    (pytester.path / "sub").mkdir()
+    pytester.makepyfile(toy_proxy=TOY_PROXY, test_late=CHDIR_THEN_PROXY)
+    if door == "ini":
+        pytester.makeini(f"[pytest]\npdserve_proxy_command = {PROXY_TEMPLATE}\n")
+        result = _run(pytester, "test_late.py")
+    else:
+        result = _run(pytester, f"--pd-proxy-command={PROXY_TEMPLATE}", "test_late.py")
+    result.assert_outcomes(passed=1)
