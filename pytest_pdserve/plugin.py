@@ -252,22 +252,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if PDSERVE_CONFIG not in config.stash:
         return
     vacuous = kv_moved.require_kv_transfer(config) and bool(kv_moved.vacuous_modules(config))
-    stopped = export_env.start_failure(config)
-    # An xdist worker's summary and exit status reach no one: its controller prints them and fails the run.
-    worker_verdict.send(
-        config,
-        lambda: [stopped] if stopped else [*export_env.summary_lines(config), *kv_moved.module_lines(config)],
-        vacuous or stopped is not None,
-    )
+    # An xdist worker's summary and exit status reach no one: its controller prints them and ends the run with it.
+    worker_verdict.send(config, lambda: [*export_env.summary_lines(config), *kv_moved.module_lines(config)], vacuous)
     ended = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
-    if session.exitstatus in ended and (vacuous or worker_verdict.failed(config)):
+    if session.exitstatus in ended and vacuous:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    relayed = worker_verdict.exit_status(config)  # the workers' (xdist's controller): a usage error over a failure
+    if relayed and session.exitstatus in (*ended, pytest.ExitCode.TESTS_FAILED):
+        session.exitstatus = pytest.ExitCode(max(relayed, 1 if session.exitstatus else 0))
 
 
 def pytest_collection(session: pytest.Session) -> bool | None:
     """An xdist worker whose session cluster did not start imports no module and collects nothing (after xdist's
-    own hook, which announces the collection; glue/export_env.py, _stop_run)."""
-    if export_env.start_failure(session.config) is None:
+    own hook, which announces the collection; glue/worker_verdict.py)."""
+    if worker_verdict.stopped(session.config) is None:
         return None
     session.items = []
     session.testscollected = 0
@@ -292,7 +290,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     for line in kv_moved.module_lines(config):
         terminalreporter.write_line(redact(line), red="no KV moved" in line and kv_moved.require_kv_transfer(config))
     for line in worker_verdict.lines(config):
-        terminalreporter.write_line(line, red="no KV moved" in line and worker_verdict.failed(config))
+        terminalreporter.write_line(line, red=worker_verdict.exit_status(config) != 0)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

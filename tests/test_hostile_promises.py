@@ -230,3 +230,22 @@ def test_a_relative_proxy_script_still_runs_after_a_test_changed_directory(
     else:
         result = _run(pytester, f"--pd-proxy-command={PROXY_TEMPLATE}", "test_late.py")
     result.assert_outcomes(passed=1)
+
+
+# ------------------------------------------------- a usage error that only an xdist worker can see
+
+
+def test_a_bad_marker_argument_is_a_usage_error_naming_the_test_under_xdist(pytester: pytest.Pytester) -> None:
+    """README: "a bad argument (`gpus("two")`, ...) is a usage error at collection naming the test". Under xdist only
+    the workers collect: the error was a worker crash, shown as an INTERNALERROR from xdist's own code (exit 3)
+    without pdserve's message."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_m='import pytest\n\n@pytest.mark.gpus("two")\ndef test_x():\n    pass\n')
+    result = _run(pytester, "-n", "2")
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out
+    result.stdout.fnmatch_lines([
+        "[[]gw?, gw?[]] pdserve: bad marker arguments:",
+        "  test_m.py::test_x: @pytest.mark.gpus('two'): the GPU count must be a whole number >= 1, got 'two'*",
+    ])  # fmt: skip
+    assert "INTERNALERROR" not in out, out

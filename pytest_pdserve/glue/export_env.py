@@ -29,6 +29,7 @@ import pytest
 
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
+from pytest_pdserve.glue import worker_verdict
 from pytest_pdserve.glue.session_inventory import get_inventory
 
 # The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: ~40 M instructions at import,
@@ -308,33 +309,17 @@ def start(config: pytest.Config, get_manager: GetManager) -> None:
         exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
 
 
-#: An xdist worker's reason to stop the run (its session cluster did not start, or its export file).
-START_FAILED = pytest.StashKey[str]()
-
-
 def _stop_run(config: pytest.Config, message: str) -> None:
-    """Stop the run with one message, before any module is imported. An xdist worker that exits is restarted by
-    xdist, again and again (a cluster start each), and the run ends "no tests ran" (exit code 5, which CI scripts
-    often take for success): a worker collects nothing instead (:func:`start_failure`), and sends the message to
-    the controller, which prints it and fails the run (``worker_verdict.py``)."""
-    if not hasattr(config, "workerinput"):
+    """Stop the run with one message, before any module is imported; an xdist worker hands it to the controller
+    instead (``worker_verdict.stop``: its exit would be a crash, restarted by xdist)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.TESTS_FAILED):
         pytest.exit(message, returncode=1)
-    config.stash[START_FAILED] = message
 
 
 def _refuse(config: pytest.Config, message: str) -> None:
-    """A usage error; in an xdist worker (whose crash xdist answers with a restart), stop the run with it
-    (:func:`_stop_run`)."""
-    if hasattr(config, "workerinput"):
-        config.stash[START_FAILED] = message
-        return
-    raise pytest.UsageError(message)
-
-
-def start_failure(config: pytest.Config) -> str | None:
-    """In an xdist worker whose session cluster did not start: why (it collects nothing: the modules would import
-    without the variables). None otherwise."""
-    return config.stash.get(START_FAILED, None)
+    """A usage error; an xdist worker hands it to the controller instead (``worker_verdict.stop``)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.USAGE_ERROR):
+        raise pytest.UsageError(message)
 
 
 @functools.cache
