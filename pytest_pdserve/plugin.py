@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
+from pytest_pdserve.common import child_env
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, kv_moved, last_user, logs
+from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, worker_verdict
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
@@ -94,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register markers, resolve the settings (usage error on bad input), register the reuse plugin when
     --pd-reuse is given, start GPU detection."""
     register_markers(config)
+    child_env.enter_session(config.invocation_params.dir)  # where servers start, whatever a test chdir's to
     if config.getoption("help", False):
         return  # `pytest --help` must work even when a setting is bad
     cfg = config.stash[PDSERVE_CONFIG] = resolve(config)
@@ -191,7 +193,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     """Once the test's fixtures are torn down: end the faults it left (a paused server resumed, a killed one's cluster
-    stopped), then stop each cluster no remaining test uses (glue/last_user.py)."""
+    stopped), then stop each cluster no remaining test uses (glue/last_user.py). Before them: the KV the test's module
+    moved (the session's last teardown stops the clusters, the exported one included)."""
+    kv_moved.module_boundary(item.config, item, nextitem, starting=False)
     try:
         return (yield)
     finally:
@@ -245,10 +249,34 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """``--pd-require-kv-transfer`` (on under ``--pd-preset``): a module that passed without moving KV from prefill
     to decode fails the session (the terminal summary names it)."""
     config = session.config
-    if PDSERVE_CONFIG not in config.stash or session.exitstatus != pytest.ExitCode.OK:
+    if PDSERVE_CONFIG not in config.stash:
         return
-    if kv_moved.require_kv_transfer(config) and kv_moved.vacuous_modules(config):
+    vacuous = kv_moved.require_kv_transfer(config) and bool(kv_moved.vacuous_modules(config))
+    # An xdist worker's summary and exit status reach no one: its controller prints them and ends the run with it.
+    worker_verdict.send(config, lambda: [*export_env.summary_lines(config), *kv_moved.module_lines(config)], vacuous)
+    ended = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    if session.exitstatus in ended and vacuous:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    relayed = worker_verdict.exit_status(config)  # the workers' (xdist's controller): a usage error over a failure
+    if relayed and session.exitstatus in (*ended, pytest.ExitCode.TESTS_FAILED):
+        session.exitstatus = pytest.ExitCode(max(relayed, 1 if session.exitstatus else 0))
+
+
+def pytest_collection(session: pytest.Session) -> bool | None:
+    """An xdist worker whose session cluster did not start imports no module and collects nothing (after xdist's
+    own hook, which announces the collection; glue/worker_verdict.py)."""
+    if worker_verdict.stopped(session.config) is None:
+        return None
+    session.items = []
+    session.testscollected = 0
+    session.config.hook.pytest_collection_finish(session=session)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist's controller: keep what a worker's session cluster concluded (glue/worker_verdict.py)."""
+    worker_verdict.receive(node.config, node)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
@@ -261,6 +289,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_line(redact(line))
     for line in kv_moved.module_lines(config):
         terminalreporter.write_line(redact(line), red="no KV moved" in line and kv_moved.require_kv_transfer(config))
+    for line in worker_verdict.lines(config):
+        terminalreporter.write_line(line, red=worker_verdict.exit_status(config) != 0)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -268,6 +298,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     stop_manager(config)
     export_env.restore(config)
     unbind_session_engine(config)
+    child_env.leave_session(config.invocation_params.dir)
 
 
 __all__ = [

@@ -24,7 +24,15 @@ from typing import Literal
 
 from pytest_pdserve.errors import EnvTooLarge
 
-__all__ = ["MAX_ARG_STRLEN", "NOT_INHERITED", "EnvTooLarge", "child_environ"]
+__all__ = [
+    "MAX_ARG_STRLEN",
+    "NOT_INHERITED",
+    "EnvTooLarge",
+    "child_environ",
+    "enter_session",
+    "leave_session",
+    "start_dir",
+]
 
 #: Linux's limit on one argv or environment string, its NUL included (``MAX_ARG_STRLEN``: 32 pages of 4 KiB).
 MAX_ARG_STRLEN = 32 * 4096
@@ -97,3 +105,31 @@ def child_environ(
             total -= sizes[key]
             del env[key]
     return env
+
+
+#: The directories the pytest sessions of this process were started in, the innermost last (an in-process pytester
+#: session adds its own and removes it at its end).
+_start_dirs: list[str] = []
+
+
+def enter_session(path: str | os.PathLike[str]) -> None:
+    """``pytest_configure``: pytest was started in ``path`` (``config.invocation_params.dir``)."""
+    _start_dirs.append(os.fspath(path))
+
+
+def leave_session(path: str | os.PathLike[str]) -> None:
+    """``pytest_unconfigure``: that session is over."""
+    where = os.fspath(path)
+    if where in _start_dirs:
+        del _start_dirs[len(_start_dirs) - 1 - _start_dirs[::-1].index(where)]
+
+
+def start_dir() -> str | None:
+    """The working directory of every server and proxy pdserve starts: the one pytest was started in, whatever a
+    test's ``os.chdir`` / ``monkeypatch.chdir`` made the current one since. A relative path the user gave
+    (``--pd-proxy-command "{python} toy_proxy_server.py ..."``, ``--pd-model ./model``, ``--pd-vllm-executable``)
+    was checked there at start-up, and means the same at every start. None (inherit) outside a pytest session, or
+    when that directory is gone."""
+    if _start_dirs and os.path.isdir(_start_dirs[-1]):
+        return _start_dirs[-1]
+    return None

@@ -29,6 +29,7 @@ import pytest
 
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
+from pytest_pdserve.glue import worker_verdict
 from pytest_pdserve.glue.session_inventory import get_inventory
 
 # The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: ~40 M instructions at import,
@@ -66,6 +67,8 @@ class Exported:
         #: os.environ values before we exported (None: unset), restored at unconfigure.
         self.saved: dict[str, str | None] = {}
         self.baseline: dict[str, MetricsSnapshot] = {}
+        #: The servers' metrics after the session's last test, before its teardown stopped them (kv_moved.py).
+        self.final: dict[str, MetricsSnapshot] = {}
         self.preset = preset
         #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
         self.moved: dict[str, tuple[float, float]] = {}
@@ -262,22 +265,25 @@ def start(config: pytest.Config, get_manager: GetManager) -> None:
     one message (``pytest.exit``), before any module is imported; pytest_unconfigure still stops whatever was started.
     """
     cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if not cfg.export_env or is_xdist_controller(config):
+    if not cfg.export_env:
         return
     where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
     try:
         spec, result = session_spec(config)
     except ClusterSpecError as exc:
-        raise pytest.UsageError(f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}") from None
+        return _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
     exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
     if cfg.export_env_file is not None:
         problem = foreign_file(cfg.export_env_file)
         if problem is not None:
-            raise pytest.UsageError(
+            return _refuse(
+                config,
                 f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
-                "name a new file, or remove this one if it is yours"
+                "name a new file, or remove this one if it is yours",
             )
         exported.file = cfg.export_env_file
+    if is_xdist_controller(config):  # checked here, before any worker starts: each starts and exports its own
+        return None
     config.stash[EXPORTED] = exported
     tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
     manager = get_manager(config, tmp_path_factory)
@@ -290,16 +296,30 @@ def start(config: pytest.Config, get_manager: GetManager) -> None:
     except (ClusterUnavailable, PDServeError) as exc:
         failure = str(exc)
     if failure is not None:
-        pytest.exit(f"pdserve: the session cluster for {where} did not start: {failure}", returncode=1)
+        return _stop_run(config, f"pdserve: the session cluster for {where} did not start: {failure}")
     exported.cluster = cluster
     max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
     exported.variables = variables(cluster, max_len, result.exports if result else {})
     try:
         _export(exported)
     except OSError as exc:
-        pytest.exit(f"pdserve: cannot write the export file {exported.file} (from {where}): {exc.strerror or exc}", 1)
+        return _stop_run(config, f"pdserve: cannot write the export file {exported.file} (from {where}): "
+                         f"{exc.strerror or exc}")  # fmt: skip
     with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
         exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
+
+
+def _stop_run(config: pytest.Config, message: str) -> None:
+    """Stop the run with one message, before any module is imported; an xdist worker hands it to the controller
+    instead (``worker_verdict.stop``: its exit would be a crash, restarted by xdist)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.TESTS_FAILED):
+        pytest.exit(message, returncode=1)
+
+
+def _refuse(config: pytest.Config, message: str) -> None:
+    """A usage error; an xdist worker hands it to the controller instead (``worker_verdict.stop``)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.USAGE_ERROR):
+        raise pytest.UsageError(message)
 
 
 @functools.cache
@@ -389,7 +409,8 @@ def summary_lines(config: pytest.Config) -> list[str]:
     for server in (*exported.cluster.prefill, *exported.cluster.decode):
         base = exported.baseline.get(server.name)
         try:
-            delta = server.metrics() - base if base is not None else None
+            after = exported.final.get(server.name) or server.metrics()
+            delta = after - base if base is not None else None
         except Exception:
             delta = None
         if delta is None:

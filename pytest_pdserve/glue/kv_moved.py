@@ -5,6 +5,7 @@ decode (decode's ``external_kv_transfer`` tokens and NIXL bytes), the summary's 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,9 @@ def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.I
         if moved is not None:
             exported.moved[module] = moved
     exported.module_start = None
+    if nextitem is None:  # the session's last test, before its teardown stops the cluster: the summary's numbers
+        with contextlib.suppress(Exception):
+            exported.final = {s.name: s.metrics() for s in (*exported.cluster.prefill, *exported.cluster.decode)}
 
 
 def test_passed(config: pytest.Config, report: pytest.TestReport) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from pytest_pdserve.config.settings import PDSERVE_CONFIG
 from pytest_pdserve.errors import MarkerError
+from pytest_pdserve.glue import worker_verdict
 from pytest_pdserve.glue.session_inventory import get_inventory
 
 if TYPE_CHECKING:
@@ -234,7 +235,11 @@ def apply_skips(config: pytest.Config, items: list[pytest.Item]) -> None:
         if not req.trivial:
             needs.append((item, req))
     if errors:
-        raise pytest.UsageError("pdserve: bad marker arguments:\n" + "\n".join(errors))
+        message = "pdserve: bad marker arguments:\n" + "\n".join(errors)
+        if worker_verdict.stop(config, message, pytest.ExitCode.USAGE_ERROR):  # an xdist worker: the controller says it
+            items.clear()
+            return
+        raise pytest.UsageError(message)
     if not needs:
         return
     inv = get_inventory(config)

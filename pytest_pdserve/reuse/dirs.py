@@ -177,10 +177,13 @@ def check_reuse_dir(path: Path) -> None:
 
 def ensure_reuse_dir(path: Path) -> Path:
     """Create the reuse directory (0700, marked as pdserve's) if missing, check it (:func:`check_reuse_dir`) and
-    mark an empty (or formerly marked) one as pdserve's.
+    mark an empty (or formerly marked) one as pdserve's. Returns it absolute: the run keeps it, and a test that
+    changes the working directory (``os.chdir``, ``monkeypatch.chdir``) must not move a relative one
+    (``PDSERVE_CACHE_DIR=.cache``) to an unchecked place where ``pdserve ls`` never finds what was kept.
 
     :raises ReuseError: naming the path and what is wrong with it.
     """
+    path = Path(os.path.abspath(path))
     try:
         ensure_dir(path, 0o700, mark=created.REUSE)
     except PDServeError as exc:

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from pytest_pdserve.common.child_env import start_dir
 from pytest_pdserve.common.logfile import log_size, open_append, tail_lines
 from pytest_pdserve.common.owner import Owner
 from pytest_pdserve.common.redaction import redact_argv, register, secrets_in
@@ -285,6 +286,7 @@ class ServerProcess:
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                cwd=start_dir(),  # where pytest started, not where a test chdir'ed to (common/child_env.py)
                 start_new_session=True,
                 close_fds=True,
                 pass_fds=self._inherit_fds,
