@@ -220,7 +220,7 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A start error as its message alone; what each server and the proxy logged during a failed test as report
     sections; passed modules noted for ``--pd-require-kv-transfer``."""
-    # Lazy: ~1.8 M instructions to load under pytest (cachegrind 2026-12-02), needed only once a test runs: a
+    # Lazy: every module loaded costs each run; this one is needed only once a test runs: a
     # collection (--collect-only, an IDE's test discovery, the xdist controller) never loads it.
     from pytest_pdserve.glue import start_failure
 

@@ -3,14 +3,19 @@ flag, environment variable and repository path it names is real."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pytest_pdserve.config._options_table import BEGIN, END, render
 from pytest_pdserve.config.setting_table import SETTINGS
+from pytest_pdserve.running.process import MAX_POLL_INTERVAL_S, POLL_INTERVAL_S, poll_interval
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -208,3 +213,69 @@ def test_limit(pd_cluster):
         "--pd-engine=sim", f"--pd-lease-dir={tmp_path / 'leases'}", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=1)
+
+
+def test_readme_poll_interval_is_the_codes() -> None:
+    """README's "polled every 5 ms at first ... at most every 50 ms" is the readiness poll's own bounds."""
+    text = " ".join(README.read_text().split())
+    claim = re.search(r"polled every (\d+) ms at first, less often as the wait grows \(at most every (\d+) ms\)", text)
+    assert claim, "README no longer says how often a starting server is polled (Lifecycle guarantees)"
+    first, most = (int(n) / 1000 for n in claim.groups())
+    assert (first, most) == (POLL_INTERVAL_S, MAX_POLL_INTERVAL_S)
+    assert poll_interval(0.0) == first
+    assert poll_interval(3600.0) == most
+
+
+#: How far a README tier count may drift from what pytest collects before the sentence must change: "about N" is a
+#: claim about the order of the suite, not a figure to bump with every test (the lead fixes the counts at merges).
+TIER_COUNT_TOLERANCE = 0.15
+_COUNT_PLUGIN = """
+import json, os
+
+def pytest_collection_finish(session):
+    marks = [{m.name for m in item.iter_markers()} for item in session.items]
+    counts = {
+        "unit": sum("unit" in m for m in marks),
+        "simulator": sum("vllm" not in m for m in marks),
+        "vllm": sum("vllm" in m for m in marks),
+    }
+    with open(os.environ["PDSERVE_TIER_COUNTS"], "w") as fh:
+        json.dump(counts, fh)
+"""
+
+
+def _readme_tier_counts() -> dict[str, int]:
+    block = README.read_text().split("## Development", 1)[1]
+    found = {
+        "unit": re.search(r"the unit tier: (?:about )?([\d,]+) tests", block),
+        "simulator": re.search(r"the simulator tier: (?:about )?([\d,]+) tests", block),
+        "vllm": re.search(r"the real-vLLM tier: (?:about )?([\d,]+) tests", block),
+    }
+    missing = sorted(tier for tier, m in found.items() if m is None)
+    assert not missing, f'README\'s "Development" block no longer counts the tiers {missing}'
+    return {tier: int(m.group(1).replace(",", "")) for tier, m in found.items() if m is not None}
+
+
+@pytest.mark.timeout(1200)  # a whole --collect-only of tests/: 6 s of CPU, minutes of wall time on a loaded machine
+def test_readme_tier_counts_match_the_collection(tmp_path: Path) -> None:
+    """The three tier counts in README's "Development" block, against what pytest collects of tests/ now."""
+    claimed = _readme_tier_counts()
+    (tmp_path / "pdserve_tier_counts.py").write_text(_COUNT_PLUGIN)
+    out = tmp_path / "counts.json"
+    env = {**os.environ, "PDSERVE_TIER_COUNTS": str(out)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    env.pop("PYTEST_ADDOPTS", None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "pdserve_tier_counts",
+         "tests"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1100,
+    )  # fmt: skip
+    assert out.exists(), result.stdout[-2000:] + result.stderr[-2000:]
+    collected: dict[str, int] = json.loads(out.read_text())
+    off = {
+        tier: (claimed[tier], collected[tier])
+        for tier in claimed
+        if abs(collected[tier] - claimed[tier]) > TIER_COUNT_TOLERANCE * collected[tier]
+    }
+    assert not off, f"README's tier counts (claimed, collected) drifted past {TIER_COUNT_TOLERANCE:.0%}: {off}"

@@ -3,7 +3,7 @@ prometheus_client's parser gives, or ``None`` where it cannot promise that.
 
 Why: ``prometheus_client.parser`` (0.26) reads label sets one character at a time: 4-9 ms for the simulator's
 157 samples on the 2-core CI machine, more for real vLLM, and every start's read-back, P/D-ready round trip and
-metric assertion parses whole scrapes (docs/benchmarks.md, 2026-12-04 evening). This reader takes the strict
+metric assertion parses whole scrapes (docs/benchmarks.md has the figures). This reader takes the strict
 subset that prometheus_client's own ``generate_latest`` writes (legacy names, ``name="value"`` labels with no
 spaces, one space before the value and before an optional timestamp, ``# HELP`` / ``# TYPE`` comments) a line
 at a time with regexes, and replays the reference parser's family bookkeeping, so the samples, their names (a

@@ -3,14 +3,13 @@ and httpx without its command-line client.
 
 Importing starlette, uvicorn, pydantic and prometheus_client creates hundreds of thousands of objects that live as
 long as the process, and the collector walks them again and again while they are made: with it off until the
-imports are done, a simulator's import takes about 15 % less CPU (0.34 -> 0.29 s, measured 2026-12-02; a test run
-starts hundreds of these processes). ``gc.freeze`` then moves those objects out of every later collection. The
-collector is on again for everything the server does.
+imports are done, a simulator's import takes less CPU (a test run starts hundreds of these processes).
+``gc.freeze`` then moves those objects out of every later collection. The collector is on again for everything the
+server does.
 
-httpx's ``__init__`` imports its command-line client (``httpx._main``: rich, click and pygments, ~45 ms of CPU)
+httpx's ``__init__`` imports its command-line client (``httpx._main``: rich, click and pygments)
 whenever those are installed, and falls back to a stub when that import fails; the proxy never runs it, so it
-imports httpx with that module marked absent (with the lazy ``proxy/__init__``: a proxy's start to ``--help``
-0.220 -> 0.177 s of CPU, measured 2026-12-03).
+imports httpx with that module marked absent.
 [pytest-free, stdlib]
 """
 

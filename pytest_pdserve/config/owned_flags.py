@@ -14,8 +14,7 @@ The sources, checked by the same :func:`refuse` / :func:`check_once`: ``VLLM_SER
 spec with the session (`effective.py`).
 
 **The matching rule** (:func:`match`), written against vLLM 0.32's ``vllm serve`` parser
-(``FlexibleArgumentParser``, ``allow_abbrev=True``, 430 option strings, dumped and compared on
-2026-12-01):
+(``FlexibleArgumentParser``, ``allow_abbrev=True``; its option strings dumped and compared):
 
 1. ``--flag value`` and ``--flag=value``.
 2. Underscore spellings: vLLM turns ``_`` into ``-`` in everything between ``--`` and the first ``.``

@@ -21,8 +21,8 @@ from pytest_pdserve.errors import ClusterSpecError, ExtraArgsError, InventoryErr
 
 # The parsers below that need the cluster-description modules (commands, connector, presets -> spec, owned_flags,
 # vllm_compat, packaging) or the lease machinery (port_leases -> lockfiles -> proctree) import them when the setting
-# is given: loading them cost about 100 M instructions of the plugin's import (cachegrind, 2026-12-02), and a run that
-# gives none of these settings (the default) never needs them.
+# is given: loading them would be most of the plugin's import cost (docs/benchmarks.md), and a run that gives none
+# of these settings (the default) never needs them.
 
 __all__ = [
     "MAX_GPU_INDEX",
@@ -147,7 +147,7 @@ def attention_backend(text: str) -> str:
 
 
 def extra_args(text: str) -> tuple[str, ...]:
-    # Lazy: extra_args.py, ~1.1 M instructions to load under pytest (cachegrind 2026-12-02), only when given.
+    # Lazy: every module loaded costs each run (assertion rewriting included); extra_args.py only when given.
     from pytest_pdserve.config.extra_args import parse_extra_args
 
     try:
@@ -207,7 +207,7 @@ def simulate_gpus(text: str) -> str:
         raise SettingError("use N, cuda:N or rocm:N with N a whole number >= 0 (digits 0-9 only)")
     if int(count) > MAX_SIMULATED_GPUS:
         raise SettingError(f"at most {MAX_SIMULATED_GPUS} GPUs can be simulated")
-    # Lazy: inventory.py is ~6 M instructions at import (measured 2026-12-02); only --pd-simulate-gpus needs it here.
+    # Lazy: inventory.py costs each run that loads it; only --pd-simulate-gpus needs it here.
     from pytest_pdserve.machine.inventory import parse_simulate_gpus
 
     try:
@@ -218,7 +218,7 @@ def simulate_gpus(text: str) -> str:
 
 
 def preset(text: str) -> str:
-    # Lazy: presets.py is ~10 M instructions at import (measured 2026-12-02); only --pd-preset needs it.
+    # Lazy: presets.py builds tables at import; only --pd-preset needs it.
     from pytest_pdserve.config.presets import PRESETS
 
     value = text.strip()
@@ -228,7 +228,7 @@ def preset(text: str) -> str:
 
 
 def kv_connector_config(text: str) -> str:
-    # Lazy: connector.py imports spec.py (with presets and owned_flags ~40 M instructions, measured 2026-12-02).
+    # Lazy: connector.py imports spec.py (with presets and owned_flags), which a run without this setting never needs.
     from pytest_pdserve.config.connector import parse_kv_connector_config
 
     try:
@@ -249,7 +249,7 @@ def port(text: str) -> int:
 
 
 def port_range(text: str) -> tuple[int, int]:
-    # Lazy: port_leases.py loads lockfiles and proctree (~10 M instructions, measured 2026-12-02).
+    # Lazy: port_leases.py loads lockfiles and proctree, which a run without this setting loads only to lease ports.
     from pytest_pdserve.machine.port_leases import parse_port_range
 
     try:

@@ -46,8 +46,8 @@ Kind = Literal["value", "bool", "append"]
 class Setting(NamedTuple):
     """One setting: its name, parser and default; flag, ini key and env var derive from the name.
 
-    A NamedTuple, not a frozen dataclass: immutable and equal the same way, and ~4 M instructions cheaper to define
-    (cachegrind, 2026-12-02), which every run pays when the plugin loads."""
+    A NamedTuple, not a frozen dataclass: immutable and equal the same way, and cheaper to define, which every run
+    pays when the plugin loads."""
 
     name: str
     help: str

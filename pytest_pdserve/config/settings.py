@@ -429,8 +429,7 @@ def _check_extra_args(values: Mapping[str, Any], sources: Mapping[str, str]) -> 
     extra: Sequence[str] = values["vllm_serve_extra_args"]
     if not extra:
         return  # no flag to refuse, and each setting gives its flag once: nothing can fail (the default run)
-    # Lazy: owned_flags.py is ~14 M instructions at import (its table and dataclasses, cachegrind 2026-12-02), needed
-    # only when extra args are given.
+    # Lazy: owned_flags.py builds its table and dataclasses at import, needed only when extra args are given.
     from pytest_pdserve.config import owned_flags
 
     where = short_source(sources["vllm_serve_extra_args"])
@@ -459,7 +458,7 @@ def _check_gpu_sharing(values: Mapping[str, Any], sources: Mapping[str, str]) ->
     shares = values["share_gpus"] or bool(set(p_ids or ()) & set(d_ids or ()))
     if util is None or not shares:
         return
-    # Lazy: gpu_plan.py costs about 3 ms of CPU at import (measured 2026-12-02), paid only when GPUs are shared.
+    # Lazy: gpu_plan.py (and the lease machinery) loaded only when GPUs are shared.
     from pytest_pdserve.machine.gpu_plan import shared_utilization_problem
 
     problem = shared_utilization_problem(util, 2)  # the default cluster: 1 prefill + 1 decode

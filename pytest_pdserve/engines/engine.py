@@ -111,8 +111,8 @@ def engine_setup(name: str, *, vllm_argv: Sequence[str], vllm_executable: str, p
     platform_args: tuple[str, ...] = ()
     if platform == "cpu":
         # vLLM's cache root in the plugin's cache, kept across runs: every start reads the model's class info from
-        # it instead of importing the model in a subprocess of its own (about 9 s of CPU per start on 2 cores,
-        # measured 2026-12-02), and a torch.compile cache (without --enforce-eager) is kept too.
+        # it instead of importing the model in a subprocess of its own (seconds of CPU per start, docs/vllm-cpu.md),
+        # and a torch.compile cache (without --enforce-eager) is kept too.
         platform_env = cpu_server_env(cache_base())
         platform_args = tuple(cpu_server_args())
     info = EngineInfo("vllm", argv, version, python)

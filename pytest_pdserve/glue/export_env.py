@@ -32,9 +32,9 @@ from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeE
 from pytest_pdserve.glue import worker_verdict
 from pytest_pdserve.glue.session_inventory import get_inventory
 
-# The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: ~40 M instructions at import,
-# cachegrind 2026-12-02) are imported by the functions that describe the session cluster: the plugin loads this module
-# for every run, and a run without --pd-preset / --pd-export-env / pd_cluster never describes one.
+# The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: costly at import) are
+# imported by the functions that describe the session cluster: the plugin loads this module for every run, and a
+# run without --pd-preset / --pd-export-env / pd_cluster never describes one.
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
     from pytest_pdserve.config.presets import PresetResult
@@ -53,8 +53,8 @@ _SESSION_WINS = ("model", "attention_backend", "block_size", "max_model_len", "g
 class Exported:
     """What ``--pd-export-env`` started and exported (``config.stash[EXPORTED]``).
 
-    A plain class, not a dataclass: defining a 12-field dataclass costs ~5 M instructions (cachegrind, 2026-12-02),
-    paid by every run that loads the plugin, and only an exporting run makes one."""
+    A plain class, not a dataclass: defining a dataclass costs at import (per field), paid by every run that loads
+    the plugin, and only an exporting run makes one."""
 
     def __init__(
         self, spec: ClusterSpec, *, notes: tuple[str, ...] = (), preset: str | None = None, file: Path | None = None
@@ -219,7 +219,7 @@ FILE_HEADER = "# written by pytest-pdserve --pd-export-env\n"
 def foreign_file(path: Path) -> str | None:
     """Why *path* must not be written as an export file (a link or other non-file, or a file pdserve did not
     write), or None."""
-    # Lazy: logfile.py, ~1.3 M instructions to load under pytest (cachegrind 2026-12-02), only for an export file.
+    # Lazy: every module loaded costs each run; logfile.py only for an export file.
     from pytest_pdserve.common.logfile import check_writable
 
     try:
@@ -325,8 +325,7 @@ def _refuse(config: pytest.Config, message: str) -> None:
 @functools.cache
 def extra_modules(extra: str) -> frozenset[str]:
     """Import names of what pytest-pdserve's *extra* installs (empty where the package metadata is missing)."""
-    # Lazy: packaging.requirements costs about 10 ms of CPU at import (measured 2026-12-02 after pytest and the
-    # plugin); only a test module that failed to import asks.
+    # Lazy: packaging.requirements is slow to import; only a test module that failed to import asks.
     from packaging.requirements import Requirement
 
     try:

@@ -120,8 +120,8 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
     """The reuse plugin (`reuse/plugin.py`), registered by pytest_configure when --pd-reuse is given; None: not
     given."""
-    # Lazy: one module (~1 M instructions with pytest's assertion-rewrite hook, cachegrind 2026-12-02) that only a
-    # run which builds a cluster manager needs.
+    # Lazy: every module loaded costs each run (assertion rewriting included); only a run which builds a cluster
+    # manager needs this one.
     from pytest_pdserve.reuse import PLUGIN_NAME
 
     plugin: ReusePlugin | None = config.pluginmanager.get_plugin(PLUGIN_NAME)
@@ -130,8 +130,7 @@ def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
 
 def make_reporter(config: pytest.Config, session_log: Path) -> Callable[[str], None]:
     """Progress lines to the terminal (around pytest's capture) and to ``pdserve.log``."""
-    # Lazy: logfile.py costs ~1.3 M instructions to load under pytest (cachegrind 2026-12-02); a reporter exists only
-    # once a cluster manager is built.
+    # Lazy: every module loaded costs each run; a reporter exists only once a cluster manager is built.
     from pytest_pdserve.common.logfile import open_append
 
     terminal = config.pluginmanager.get_plugin("terminalreporter")
@@ -168,10 +167,9 @@ def writes_to_terminal(config: pytest.Config) -> bool:
 
 def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The session's cluster manager, built from the resolved settings (once per process)."""
-    # Lazy: manager.py imports the launcher, the cluster objects, httpx and prometheus_client, about 145 ms of CPU
-    # (measured 2026-12-02 after pytest and the plugin), which only a run that needs a cluster pays.
-    # Lazy too: commands.py and engine.py load spec, presets, owned_flags and packaging, ~90 M instructions at
-    # import (cachegrind 2026-12-02), which loading the plugin for a run that starts no cluster must not pay.
+    # Lazy: manager.py imports the launcher, the cluster objects, httpx and prometheus_client, which only a run
+    # that needs a cluster pays. Lazy too: commands.py and engine.py load spec, presets, owned_flags and packaging,
+    # which loading the plugin for a run that starts no cluster must not pay.
     from pytest_pdserve.config.commands import SessionDefaults
     from pytest_pdserve.engines.engine import engine_setup
     from pytest_pdserve.running.manager import ClusterManager
@@ -329,8 +327,8 @@ class _Factory:
         if spec is not None and fields:
             spec = spec.with_(**fields)
         elif spec is None:
-            # Lazy: spec.py with presets and owned_flags is ~40 M instructions at import (cachegrind 2026-12-02);
-            # the plugin loads this module for every run, a cluster is asked for in few.
+            # Lazy: spec.py with presets and owned_flags is costly at import; the plugin loads this module
+            # for every run, a cluster is asked for in few.
             from pytest_pdserve.spec import ClusterSpec
 
             spec = ClusterSpec(**fields)
@@ -413,15 +411,15 @@ def pd_cluster(request: pytest.FixtureRequest) -> PDCluster:
     if port is not None:
         get_manager(request.config, request.getfixturevalue("tmp_path_factory")).proxy_ports.setdefault(spec, port)
     # Fetched, not a parameter: pytest resolves every parameter's fixture for each collected test that asks for
-    # pd_cluster, 46 M instructions of a 2,000-test collect-only (cachegrind, 2026-12-02); fetched, it costs once.
+    # pd_cluster (most of a large collect-only's cost); fetched, it costs once.
     factory: ClusterFactory = request.getfixturevalue("pd_cluster_factory")
     return factory(spec)
 
 
 def _configure_clients(config: pytest.Config) -> None:
     """The request timeout of every client the plugin hands out, and how its error says to raise it (once)."""
-    # The options alone, not clients.py: that imports httpx, 60-180 ms of CPU (measured 2026-12-02 after pytest and
-    # the plugin), which neither collection nor a session whose tests start no cluster should pay.
+    # The options alone, not clients.py: that imports httpx, which neither collection nor a session whose tests
+    # start no cluster should pay.
     from pytest_pdserve.common import client_options as clients
 
     if config.stash.get(CLIENTS_CONFIGURED, False):

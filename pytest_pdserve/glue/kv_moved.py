@@ -27,8 +27,8 @@ def _module_of(nodeid: str) -> str:
 
 def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> tuple[float, float] | None:
     """Decode's external_kv_transfer tokens and NIXL bytes since ``start`` (None: metrics unreadable)."""
-    # Lazy: metrics.py imports httpx and prometheus_client (about 70 ms, measured with -X importtime, see
-    # tests/test_imports.py), which loading the plugin must not pay; a running cluster has imported it already.
+    # Lazy: metrics.py imports httpx and prometheus_client, which loading the plugin must not pay
+    # (tests/test_imports.py); a running cluster has imported it already.
     from pytest_pdserve.metrics import NIXL_BYTES_SUM
 
     tokens = nixl = 0.0
@@ -70,7 +70,7 @@ def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.I
 
 
 def test_passed(config: pytest.Config, report: pytest.TestReport) -> None:
-    """``pytest_runtest_logreport``: remember the modules with a passed test."""
+    """After each test's report is made (``pytest_runtest_makereport``): remember the modules with a passed test."""
     exported = config.stash.get(EXPORTED, None)
     if exported is not None and report.when == "call" and report.passed:
         exported.passed.add(_module_of(report.nodeid))

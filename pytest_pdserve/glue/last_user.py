@@ -44,8 +44,8 @@ class Asker(NamedTuple):
     """Who asked for a cluster: a fixture (``fixturedef``, with its parameter's index if parametrised), or the body
     of test ``nodeid`` in ``module`` (a nodeid).
 
-    A NamedTuple, not a frozen dataclass: equal and hashable the same way, and about 2 M instructions cheaper to
-    define (cachegrind, 2026-12-02), which every run pays when the plugin loads."""
+    A NamedTuple, not a frozen dataclass: equal and hashable the same way, and cheaper to define, which every run
+    pays when the plugin loads."""
 
     fixturedef: Any = None  # pytest's FixtureDef (not public API: compared by identity only)
     argname: str = ""
@@ -55,8 +55,8 @@ class Asker(NamedTuple):
 
 
 class _State:
-    """The session's record of who asked for which cluster (a plain class: a dataclass costs ~2.5 M instructions to
-    define when the plugin loads, cachegrind 2026-12-02)."""
+    """The session's record of who asked for which cluster (a plain class: a dataclass costs more to define when the
+    plugin loads)."""
 
     def __init__(self) -> None:
         #: The fixtures being set up now, innermost last: the last one is who calls the factory.

@@ -53,8 +53,7 @@ PLATFORM_MARKERS = ("cuda", "rocm")
 class Requirement(NamedTuple):
     """What an item needs: a platform (any of, empty = any) and a GPU count.
 
-    A NamedTuple, not a frozen dataclass: about 2 M instructions cheaper to define (cachegrind, 2026-12-02), which
-    every run pays when the plugin loads."""
+    A NamedTuple, not a frozen dataclass: cheaper to define, which every run pays when the plugin loads."""
 
     platforms: frozenset[str] = frozenset()
     gpus: int = 0

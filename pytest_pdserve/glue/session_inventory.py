@@ -102,8 +102,7 @@ def get_inventory(config: pytest.Config) -> Inventory:
     inventory = config.stash[_INVENTORY].get()
     cfg = config.stash[PDSERVE_CONFIG]
     if (cfg.prefill_gpu_ids is not None or cfg.decode_gpu_ids is not None) and not cfg.attach_mode:
-        # Lazy: gpu_plan.py costs about 3 ms of CPU at import (measured 2026-12-02 after pytest and the plugin),
-        # paid only when GPU ids are given.
+        # Lazy: gpu_plan.py (and the lease machinery) loaded only when GPU ids are given.
         from pytest_pdserve.machine.gpu_plan import explicit_ids_problem
 
         problem = explicit_ids_problem(inventory, cfg.prefill_gpu_ids, cfg.decode_gpu_ids)

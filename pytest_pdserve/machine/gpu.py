@@ -1,7 +1,7 @@
 """`Gpu`: one GPU the caller can see, the value the probes produce and the inventory holds. [pytest-free, stdlib]
 
 Apart from gpu_probe.py (which re-exports it) so that an inventory that probes nothing (``--pd-simulate-gpus``,
-``--pd-platform=cpu``) loads no probe code: gpu_probe.py costs ~12 M instructions at import (cachegrind, 2026-12-02).
+``--pd-platform=cpu``) loads no probe code (gpu_probe.py is costly at import).
 """
 
 from __future__ import annotations

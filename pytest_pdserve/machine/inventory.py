@@ -26,7 +26,7 @@ from pytest_pdserve.common.digits import is_int, parse_int
 from pytest_pdserve.errors import InventoryError
 from pytest_pdserve.machine.gpu import Gpu
 
-# The probes (gpu_probe.py, ~12 M instructions at import: cachegrind 2026-12-02) load when something is detected:
+# The probes (gpu_probe.py, costly at import) load when something is detected:
 # an inventory that probes nothing (--pd-simulate-gpus, --pd-platform=cpu) never needs them.
 if TYPE_CHECKING:
     from pytest_pdserve.machine.gpu_probe import Runner, SystemPaths

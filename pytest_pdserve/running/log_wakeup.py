@@ -78,10 +78,9 @@ class LogWakeup:
 
     def close(self) -> None:
         """Stop watching. The fd itself is closed on a thread of its own: closing an inotify instance that has watches
-        waits for the kernel's SRCU grace period, 7.5-15.6 ms on the AMD CI machine (docs/benchmarks.md, 2026-12-04
-        evening), and this close sits between the servers' readiness and the P/D-ready round trip. The syscall
-        releases the GIL, so the start goes on meanwhile; ``_thread`` rather than ``threading`` because
-        ``Thread.start`` waits for the new thread to run (about 0.3 ms, against 0.05)."""
+        waits for the kernel's SRCU grace period (milliseconds: docs/benchmarks.md), and this close sits between the
+        servers' readiness and the P/D-ready round trip. The syscall releases the GIL, so the start goes on meanwhile;
+        ``_thread`` rather than ``threading`` because ``Thread.start`` waits for the new thread to run."""
         fd, self._fd, self._poll = self._fd, None, None
         if fd is not None:
             try:

@@ -46,8 +46,8 @@ SERVER_TOKEN_ENV = "PDSERVE_SERVER_TOKEN"
 """Env var unique to one server; ``ServerProcess.stop`` and the server's guard sweep only its escapees by it."""
 
 _POLL = 0.02  # seconds between liveness checks while waiting for processes to exit
-# A scan of /proc costs 1-3 ms of CPU on a quiet machine, more with more processes: one stop of a server polled
-# every 20 ms cost ~45 ms of CPU, about a fifth of a simulator test's inner session (measured 2026-12-03).
+# A scan of /proc costs CPU, more with more processes: polling it while a server stops cost a good share of a
+# simulator test's inner session (docs/architecture.md, "Process").
 # The waits therefore sleep on pidfds of the processes already known and scan only to find the rest.
 
 
@@ -397,7 +397,7 @@ def set_parent_death_signal(sig: int) -> str | None:
     Use it only to wake up and look (``os.getppid()``): it fires when the thread that forked us exits,
     which is not the parent's death when that was a helper thread. Returns why it failed, or None.
     """
-    import ctypes  # lazy: about 2 ms of CPU at import (measured 2026-12-02); only the watchdog and guards call this
+    import ctypes  # lazy: slow to import; only the watchdog and guards call this
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)

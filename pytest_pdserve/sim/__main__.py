@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve-sim: error: {exc}", file=sys.stderr)
         return 2
 
-    # Lazy: the server stack (starlette, uvicorn, prometheus_client) costs about 280 ms of CPU at import (measured
-    # 2026-12-02), which a bad argument or --help must not wait for; imported without the collector (startup.py).
+    # Lazy: the server stack (starlette, uvicorn, prometheus_client) is slow to import, which a bad argument or
+    # --help must not wait for; imported without the collector (startup.py).
     from pytest_pdserve.common.startup import importing_without_gc
 
     with importing_without_gc():

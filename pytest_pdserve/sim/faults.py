@@ -23,8 +23,8 @@ from pytest_pdserve.config.bounds import SERVER_KEEPALIVE_ENV
 from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION, Release, parse_version
 
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
-#: TRITON_ATTN for repeats, P/D against one server, cold against warm and batch sizes 1-16 (docs/hardware.md,
-#: 2026-12-02), where the simulator's earlier default (FLASH_ATTN flips a token on every warm run) failed
+#: TRITON_ATTN for repeats, P/D against one server, cold against warm and batch sizes 1-16 (docs/hardware.md),
+#: where the simulator's earlier default (FLASH_ATTN flips a token on every warm run) failed
 #: tests/test_contract.py's P/D-vs-single check that vLLM passed. Batch variance is a fault to ask for.
 DEFAULT_NONDETERMINISTIC_BACKENDS: frozenset[str] = frozenset()
 TIE_GAP = 1e-3
