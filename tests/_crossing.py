@@ -4,7 +4,7 @@ uvicorn closes a connection idle for its keep-alive; a client that reuses the co
 "Server disconnected without sending a response". That moment is a race, so this server makes it certain: a
 request that arrives on a connection idle for longer than ``close_after`` seconds is answered by closing the
 connection, as a server that had just timed it out would. A client that drops idle connections sooner
-(``config/bounds.py``: ``KEEPALIVE_EXPIRY_S``) opens a new one and is answered.
+(``common/client_options.py``: ``KEEPALIVE_EXPIRY_S``) opens a new one and is answered.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from _crossing import crossing_server
 
 from pytest_pdserve import clients
 from pytest_pdserve.cluster import ServerHandle
-from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
+from pytest_pdserve.common.client_options import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.errors import RequestFailed
 
 

@@ -1,5 +1,5 @@
-"""The package's import graph: no cycles (function-level imports counted), every function-level import says why,
-and loading the plugin imports neither httpx nor prometheus_client nor starlette.
+"""The package's import graph: the folder order (docs/architecture.md), no cycles (function-level imports counted),
+every function-level import says why, and loading the plugin imports neither httpx nor prometheus_client nor starlette.
 
 The graph is read from the source with ``ast``, so an import inside a function counts as much as one at the top:
 a cycle that only closes at call time still ties the two modules together (neither can be understood, tested or
@@ -28,6 +28,32 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_UNEXPLAINED: set[str] = set()
 #: What loading the plugin (the pytest11 entry point) must not import: they load when a cluster is needed.
 HEAVY = ("httpx", "prometheus_client", "starlette", "uvicorn", "torch", "vllm")
+
+#: The folder order, bottom up (docs/architecture.md, "The folders are the layers"): a module imports only from its
+#: own room (a folder of pytest_pdserve/, or a top-level module) and the rooms of its layer and the layers before it,
+#: at module level or inside a function (``if TYPE_CHECKING:`` imports are left out: they never run). The rooms of
+#: one layer may import each other; the ones with several rooms are knots still to untie (cluster.py drives
+#: running/'s processes, spec.py and config/ share the owned-flags and presets tables, errors.py redacts with common/).
+#: "__init__" is the package itself (its lazy public names).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("common", "errors"),
+    ("machine",),
+    ("engines",),
+    ("rules",),
+    ("config", "spec"),
+    ("clients", "metrics", "prompts", "proxy", "sim"),
+    ("running", "cluster", "assertions"),
+    ("reuse",),
+    ("glue", "plugin", "cli", "__init__"),
+)
+#: Imports against the order that another change removes: (importer, imported).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+#: The layer whose rooms may form a cycle among themselves (a knot): only these, so that no new one forms.
+KNOWN_KNOTS: set[frozenset[str]] = {
+    frozenset({"common", "errors"}),
+    frozenset({"config", "spec"}),
+    frozenset({"running", "cluster", "assertions"}),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -147,6 +173,71 @@ def test_no_import_cycles() -> None:
     assert not unexpected, "import cycles (function-level imports counted):\n" + "\n".join(
         _describe(c, graph) for c in unexpected
     )
+
+
+def room(module: str) -> str:
+    """The folder (or top-level module) of pytest_pdserve a module lives in; "__init__" for the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Every import from a room into a room of a later layer, as "importer:line -> imported"."""
+    rank = {r: i for i, rooms in enumerate(layers) for r in rooms}
+    return [
+        f"{a}:{line} -> {b}"
+        for a, targets in sorted(graph.items())
+        for b, line in sorted(targets.items())
+        if rank[room(a)] < rank[room(b)]
+    ]
+
+
+def room_graph(graph: dict[str, dict[str, int]], leave_out: set[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """room -> {room it imports from: 0}, imports within a room and those in ``leave_out`` left out."""
+    rooms: dict[str, dict[str, int]] = {room(m): {} for m in graph}
+    for a, targets in graph.items():
+        for b in targets:
+            if room(a) != room(b) and (a, b) not in leave_out:
+                rooms[room(a)][room(b)] = 0
+    return rooms
+
+
+def test_every_room_is_in_the_folder_order() -> None:
+    placed = [r for rooms in LAYERS for r in rooms]
+    assert len(placed) == len(set(placed)), "a room is in two layers"
+    assert {room(m) for m in _modules()} == set(placed)
+
+
+def test_imports_follow_the_folder_order() -> None:
+    """No module imports from a later layer (function-level imports counted): the layers of docs/architecture.md."""
+    graph = import_graph()
+    found = upward_imports(graph, LAYERS)
+    unexpected = [edge for edge in found if tuple(edge.replace(" -> ", ":").split(":")[::2]) not in KNOWN_UPWARD]
+    assert not unexpected, "imports against the folder order (tests/test_imports.py LAYERS):\n" + "\n".join(unexpected)
+    gone = {edge for edge in KNOWN_UPWARD if edge[1] not in graph.get(edge[0], {})}
+    assert not gone, f"KNOWN_UPWARD lists imports that are gone, take them out: {sorted(gone)}"
+
+
+def test_no_new_knot_of_rooms() -> None:
+    """Rooms that import each other only where LAYERS says a knot is left (and it may only shrink)."""
+    knots = [frozenset(c) for c in cycles(room_graph(import_graph(), KNOWN_UPWARD))]
+    new = [sorted(k) for k in knots if not any(k <= known for known in KNOWN_KNOTS)]
+    assert not new, f"rooms that import each other (a knot), not in KNOWN_KNOTS: {new}"
+
+
+def test_the_order_check_sees_function_level_imports() -> None:
+    """The check itself: an upward import inside a function is found; one under TYPE_CHECKING is not."""
+    low = ast.parse("def f():\n    from pkg.high import mod\n")
+    typed = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import mod\n")
+    known = {"pkg", "pkg.low", "pkg.low.a", "pkg.low.b", "pkg.high", "pkg.high.mod"}
+    graph = {
+        "pkg.low.a": {t: 3 for n, _ in _imports(low) for t in _targets("pkg.low.a", False, n, known)},
+        "pkg.low.b": {t: 3 for n, _ in _imports(typed) for t in _targets("pkg.low.b", False, n, known)},
+        "pkg.high.mod": {},
+    }
+    assert upward_imports(graph, (("low",), ("high",))) == ["pkg.low.a:3 -> pkg.high", "pkg.low.a:3 -> pkg.high.mod"]
+    assert upward_imports(graph, (("high",), ("low",))) == []
+    assert cycles(room_graph({**graph, "pkg.high.mod": {"pkg.low.b": 1}}, set())) == [["high", "low"]]
 
 
 def test_cycle_finder_sees_function_level_imports(tmp_path: Path) -> None:

@@ -34,8 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.common.client_options import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.common.deadline import MAX_BODY_BYTES
-from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.metrics import parse_metrics
 from pytest_pdserve.proxy import PREFILL_KV_TRANSFER_PARAMS, ProxyConfig, create_app
 from pytest_pdserve.proxy.__main__ import main as proxy_main

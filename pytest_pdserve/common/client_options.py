@@ -1,4 +1,5 @@
-"""The process-wide options of the plugin's clients: request timeout, its remedy, and the current test's salt.
+"""The process-wide options of the plugin's clients: request timeout, its remedy, the current test's salt, and how
+long an idle connection is kept.
 
 Apart from ``clients.py`` (which re-exports every name) so that the plugin can set the salt around each test
 without importing httpx: a session whose tests start no cluster never loads it (60-180 ms of CPU per session,
@@ -12,7 +13,15 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["OPTIONS", "ClientOptions", "salt_for", "salted"]
+__all__ = ["KEEPALIVE_EXPIRY_S", "OPTIONS", "ClientOptions", "salt_for", "salted"]
+
+#: How long every client of the plugin (tests', checks', the proxy's upstream) keeps an idle connection for reuse.
+#: Why: uvicorn, under vLLM and the simulator alike, closes a connection idle for its keep-alive (vLLM's
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s). httpx's own expiry is also 5 s, so a request sent on a connection idle for
+#: just under 5 s met the server's close and failed with "Server disconnected without sending a response" (a CI
+#: run on a loaded machine, between two contract tests). An expiry well below the server's leaves no such window.
+#: The servers' keep-alive is bounded from below by it (config/bounds.py).
+KEEPALIVE_EXPIRY_S = 1.0
 
 
 @dataclass

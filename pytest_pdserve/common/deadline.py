@@ -36,8 +36,8 @@ from typing import Any
 
 import httpx
 
+from pytest_pdserve.common.client_options import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.common.tls import ssl_context
-from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.errors import ResponseTooLarge
 
 __all__ = [
@@ -343,5 +343,5 @@ def connection_limits() -> httpx.Limits:
 
 def http_transport() -> httpx.BaseTransport:
     """The plugin's plain transport: shares :func:`ssl_context`, drops idle connections before a server would
-    (``config/bounds.py``: ``KEEPALIVE_EXPIRY_S``) and honours a total deadline (:func:`within`)."""
+    (``common/client_options.py``: ``KEEPALIVE_EXPIRY_S``) and honours a total deadline (:func:`within`)."""
     return DeadlineTransport(httpx.HTTPTransport(verify=ssl_context(), limits=connection_limits()))

@@ -16,11 +16,11 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pytest_pdserve.common.redaction import redact_env
 from pytest_pdserve.config.effective import Role, SessionDefaults, effective
 from pytest_pdserve.engines import vllm_compat
+from pytest_pdserve.engines.engine import EngineInfo
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
@@ -44,17 +44,6 @@ SIDE_CHANNEL_HOST = "127.0.0.1"
 #: vLLM scans upwards from VLLM_PORT for its internal ports (TCPStore, ZMQ); a private window per server
 #: stops two engines from racing for the same port (vLLM PR #49129, issue #43206).
 VLLM_PORT_WINDOW = 16
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Which server program runs: real vLLM or the simulator, and the vLLM version whose flags we speak."""
-
-    name: Literal["vllm", "sim"]
-    argv_prefix: tuple[str, ...]
-    version: vllm_compat.Version
-    #: Interpreter that owns the vLLM install (builds the tiny model); None for the simulator.
-    python: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from pytest_pdserve.config import owned_flags
+from pytest_pdserve.config.bounds import ATTENTION_BACKENDS
 from pytest_pdserve.engines import cpu
 from pytest_pdserve.errors import ClusterSpecError
 from pytest_pdserve.spec import DEFAULT_BLOCK_SIZE, ClusterSpec
@@ -79,8 +80,6 @@ def _check_backend_runs(backend: str | None, spec: ClusterSpec, session: Session
     """
     if session.platform != "cpu" or backend is None or backend.strip().lower() == "auto":
         return
-    from pytest_pdserve.sim.cli import ATTENTION_BACKENDS  # vLLM's AttentionBackendEnum names
-
     running = cpu.running_attention_backend(backend)
     if backend.strip().upper() == running or backend.strip().upper() not in ATTENTION_BACKENDS:
         return  # an unknown name is the server's to refuse, in vLLM's words ("Unknown attention backend")

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from pytest_pdserve.config.commands import EngineInfo
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
 
@@ -22,12 +22,15 @@ from pytest_pdserve.engines.cpu import cpu_server_args, cpu_server_env
 from pytest_pdserve.engines.locate import VLLM_MODULE_ENTRYPOINT, resolve_engine
 from pytest_pdserve.engines.tiny_model import cache_base, ensure_tiny_model
 from pytest_pdserve.errors import ClusterUnavailable, EngineVersionUnknown
-from pytest_pdserve.spec import ClusterSpec
+
+if TYPE_CHECKING:  # annotations only: spec.py sits above engines/ (config/ imports both)
+    from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
     "SIM_DEFAULT_MODELS",
     "SIM_VERSION",
     "VLLM_MODULE_ENTRYPOINT",
+    "EngineInfo",
     "EngineSetup",
     "EngineVersionUnknown",
     "engine_setup",
@@ -38,6 +41,17 @@ __all__ = [
 SIM_DEFAULT_MODELS = {"llama": "pdserve-sim/tiny-llama", "nemotronh": "pdserve-sim/tiny-nemotronh"}
 #: The simulator speaks vLLM 0.34's flags.
 SIM_VERSION = vllm_compat.LATEST_KNOWN
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Which server program runs: real vLLM or the simulator, and the vLLM version whose flags we speak."""
+
+    name: Literal["vllm", "sim"]
+    argv_prefix: tuple[str, ...]
+    version: vllm_compat.Version
+    #: Interpreter that owns the vLLM install (builds the tiny model); None for the simulator.
+    python: str | None = None
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
 from pytest_pdserve.machine import leases
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus
 from pytest_pdserve.machine.inventory import Inventory
-from pytest_pdserve.spec import ClusterSpec
+
+if TYPE_CHECKING:  # annotations only: spec.py sits above machine/
+    from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
     "GPU_RELEASE_TIMEOUT",

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 from pytest_pdserve.common import created
 from pytest_pdserve.common.owner import Owner
+from pytest_pdserve.common.procstat import read_stat
 from pytest_pdserve.errors import LeaseDirUnusable, NoRoom, NotALockFile, PathError
 from pytest_pdserve.machine.paths import LEASE_DIR_MODE, ensure_dir, fs_error_words
-from pytest_pdserve.running.proctree import read_stat
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+; annotations are strings here (PEP 563)
     from typing import Self

@@ -39,9 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pytest_pdserve.common.client_options import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.common.deadline import MAX_BODY_BYTES, refuse_unbounded
 from pytest_pdserve.common.tls import ssl_context
-from pytest_pdserve.config.bounds import KEEPALIVE_EXPIRY_S
 from pytest_pdserve.errors import ResponseTooLarge
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "ProxyConfig", "create_app", "prefill_body"]

@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pytest_pdserve.common.procstat import ProcInfo, read_stat
+
 __all__ = [
     "RUN_TOKEN_ENV",
     "SERVER_TOKEN_ENV",
@@ -49,37 +51,6 @@ _POLL = 0.02  # seconds between liveness checks while waiting for processes to e
 # A scan of /proc costs CPU, more with more processes: polling it while a server stops cost a good share of a
 # simulator test's inner session (docs/architecture.md, "Process").
 # The waits therefore sleep on pidfds of the processes already known and scan only to find the rest.
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """One row of ``/proc/<pid>/stat``: what we need to walk trees and to guard against PID reuse."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    state: str
-    starttime: int
-
-    @property
-    def live(self) -> bool:
-        """False for zombies (exited, not yet reaped) and dead entries."""
-        return self.state not in ("Z", "X", "x")
-
-
-def read_stat(pid: int) -> ProcInfo | None:
-    """``/proc/<pid>/stat`` parsed, or None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses, so split after the last ')'.
-    rest = data[data.rindex(b")") + 2 :].split()
-    try:
-        return ProcInfo(pid, int(rest[1]), int(rest[2]), rest[0].decode(), int(rest[19]))
-    except (IndexError, ValueError):
-        return None
 
 
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp{,6}

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from pytest_pdserve.config.bounds import ATTENTION_BACKENDS
 from pytest_pdserve.rules import connectors
 from pytest_pdserve.rules.connectors import REGISTERED
 from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION
@@ -32,63 +33,6 @@ DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
 DEFAULT_MAX_MODEL_LEN = 2048
 """The synthetic model's ``max_position_embeddings`` (the tiny Llama of vllm-cpu.md has 2048)."""
-
-ATTENTION_BACKENDS: tuple[str, ...] = (
-    "FLASH_ATTN",
-    "FLASH_ATTN_DIFFKV",
-    "TRITON_ATTN",
-    "TRITON_ATTN_DIFFKV",
-    "TRITON_FLASH_ATTN",
-    "ROCM_ATTN",
-    "ROCM_SEGMENTED_ATTN",
-    "ROCM_AITER_MLA",
-    "ROCM_AITER_TRITON_MLA",
-    "ROCM_AITER_FA",
-    "ROCM_AITER_MLA_SPARSE",
-    "XPU_MLA_SPARSE",
-    "TORCH_SDPA",
-    "FLASHINFER",
-    "FLASHINFER_TS",
-    "TRITON_FLASHINFER",
-    "FLASHINFER_MLA",
-    "TOKENSPEED_MLA",
-    "FLASHINFER_MLA_SPARSE",
-    "FLASHINFER_MLA_SPARSE_SM120",
-    "FLASHINFER_MLA_SPARSE_SM90",
-    "TRITON_MLA",
-    "CUTLASS_MLA",
-    "FLASHMLA",
-    "FLASHMLA_SPARSE",
-    "FLASHMLA_SPARSE_DSV4",
-    "FLASHINFER_MLA_SPARSE_DSV4",
-    "ROCM_FLASHMLA_SPARSE_DSV4",
-    "FLASHMLA_SPARSE_DSV41",
-    "FLASHINFER_MLA_SPARSE_DSV41",
-    "ROCM_FLASHMLA_SPARSE_DSV41",
-    "FLASHMLA_MEGA_ATTN_DSV41",
-    "B12X",
-    "FLASH_ATTN_MLA",
-    "FLASH_ATTN_MLA_SPARSE",
-    "FLASH_ATTN_MLA_SPARSE_FA4",
-    "MINIMAX_M3_SPARSE",
-    "CUTLASS_MSA",
-    "TRITON_MSA",
-    "STEP5_DSA",
-    "KIMI_K3_KV_BALANCED_MLA",
-    "NO_ATTENTION",
-    "FLEX_ATTENTION",
-    "HPC_ATTN",
-    "ROCM_AITER_UNIFIED_ATTN",
-    "CPU_ATTN",
-    "CPU_MLA",
-    "AMX_MLA",
-    "TURBOQUANT",
-    "ROCM_OCTAVE",
-    "ULTRAQUANT",
-    "CUSTOM",
-)
-"""``AttentionBackendEnum`` members of vLLM 0.34 (``vllm/v1/attention/backends/registry.py``), in order (0.34 added
-``FLASHINFER_TS`` and ``KIMI_K3_KV_BALANCED_MLA`` to 0.33's)."""
 
 KV_CONNECTORS: tuple[str, ...] = tuple(sorted(REGISTERED.at(DEFAULT_VLLM_VERSION) or ()))
 """Connector names the vLLM version the simulator reports registers (`pytest_pdserve.rules.connectors.REGISTERED`,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_pdserve.config.bounds import ATTENTION_BACKENDS
 from pytest_pdserve.sim.__main__ import main
 from pytest_pdserve.sim.cli import (
-    ATTENTION_BACKENDS,
     human_readable_int,
     parse_kv_transfer_config,
     parse_serve_args,
