@@ -107,16 +107,20 @@ def test_a_stopped_keeper_is_named_and_waited_for_by_nobody(inner: Inner, reuse_
     pid = state["keeper"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
+        # The run names the stopped keeper instead of waiting on its claim and blaming "another run" (the message
+        # is the proof: the waiting path ends with the other one; a bound on the run's time was its start's too).
         second = run_reuse(inner, reuse_dir)
         second.assert_outcomes(passed=1)
         why = f"kept cluster {state['id']}: its keeper (pid {pid}) is stopped"
         second.stdout.fnmatch_lines([f"*pd: starting a fresh cluster: {why} (SIGSTOP*kill -CONT {pid}*"])
+        assert "another run" not in second.stdout.str()
+        t0 = time.monotonic()
         out = _pdserve("--dir", str(reuse_dir), "stop", "--all")
         took = time.monotonic() - t0
         assert out.returncode == 1, out
         assert f"{state['id']}: its keeper (pid {pid}) is stopped" in out.stderr, out
-        assert took < 30, f"{took:.1f}s: someone waited on the stopped keeper"
+        # timing: one CLI process and no start; waiting on the keeper costs a minute per cluster
+        assert took < 45, f"{took:.1f}s: `pdserve stop --all` waited on the stopped keeper"
     finally:
         os.kill(pid, signal.SIGCONT)
     assert _pdserve("--dir", str(reuse_dir), "stop", "--all").returncode == 0
