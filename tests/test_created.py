@@ -15,10 +15,10 @@ import os
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _mounts import tmpfs as _tmpfs
 
 from pytest_pdserve.common import created
 from pytest_pdserve.common.logfile import open_append, write_replace
@@ -223,19 +223,6 @@ def test_a_reuse_dir_with_a_marker_from_before_the_rule_keeps_every_file_not_rec
 
 
 # ------------------------------------------------------------------------------ read-only and full file systems
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def test_a_read_only_file_system_removes_nothing_and_says_so(tmp_path: Path) -> None:

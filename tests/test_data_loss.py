@@ -14,17 +14,16 @@ markers, swapped directories, read-only and full file systems) are tests/test_cr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import _reuse
 import pytest
+from _mounts import tmpfs as _tmpfs
 from _pdsession import Inner
 from _reuse import UP, kept_one, run_reuse, states
 
@@ -337,19 +336,6 @@ def test_a_link_to_a_users_place_is_that_place(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ReuseError, match="is the current directory"):
         dirs.ensure_reuse_dir(tmp_path / "to-here")
     assert list(home.iterdir()) == list(work.iterdir()) == []
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def test_a_read_only_reuse_dir_is_named_as_such_and_loses_nothing(tmp_path: Path) -> None:

@@ -21,11 +21,11 @@ import errno
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import _reuse
 import pytest
+from _mounts import tmpfs as _tmpfs
 from _pdsession import Inner
 from _reuse import states
 
@@ -45,19 +45,6 @@ PASSING = "def test_a(pd_cluster):\n    assert pd_cluster.complete('a b c', max_
 
 
 # --------------------------------------------------------------------------- a lease dir that takes no file
-
-
-@contextlib.contextmanager
-def _tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def _fill_inodes(directory: Path) -> int:
