@@ -7,7 +7,6 @@ when a test first needs a cluster.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import sys
@@ -19,7 +18,7 @@ import pytest
 from pytest_pdserve.common import child_env
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import remedy
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, refuse_moved_values, resolve, settings_origin
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
 from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, worker_verdict
@@ -49,25 +48,9 @@ from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory
 from pytest_pdserve.glue.timeout_pause import pytest_timeout_cancel_timer, pytest_timeout_set_timer
 
 
-def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
-    """Register the ``pdserve`` option group and ini keys; refuse the spellings of values that moved.
-
-    This runs before argparse parses the arguments (whose own error for ``--pd-reuse=MODE`` names no new
-    spelling), so every place pytest takes arguments from is looked at here, in pytest's order.
-    """
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Register the ``pdserve`` option group and ini keys."""
     add_options(parser)
-    config = pluginmanager.get_plugin("pytestconfig")
-    if not isinstance(config, pytest.Config):
-        return
-    with contextlib.suppress(ValueError):  # unbalanced quotes: pytest's own parse says so
-        refuse_moved_values(shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), "from PYTEST_ADDOPTS")
-    ini_addopts: Any = []
-    ini = None
-    with contextlib.suppress(AttributeError, ValueError):  # registered before pytest read its ini: no addopts yet
-        ini = config.inipath
-        ini_addopts = config.getini("addopts") if ini is not None else []
-    refuse_moved_values([str(a) for a in ini_addopts], f"from addopts in {ini}")
-    refuse_moved_values([str(a) for a in config.invocation_params.args], "on the command line")
 
 
 _CHECKOUT_NOTE = pytest.StashKey[str]()

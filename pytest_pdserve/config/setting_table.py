@@ -60,9 +60,8 @@ class Setting(NamedTuple):
     metavar: str | None = None
     #: Never shown in an error, the header or a log (the API key).
     secret: bool = False
-    #: A flag that once also took a value (``--pd-reuse=MODE``): the setting that takes it now. That old
-    #: spelling, and such a value in the env or ini, is a usage error naming the new one.
-    moved: str | None = None
+    #: The setting whose value, given, turns this flag on (``--pd-reuse-mode`` turns ``--pd-reuse`` on).
+    implied_by: str | None = None
 
     @property
     def flag(self) -> str:
@@ -144,7 +143,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("export_env", "Start the session cluster before collection and export PREFILL_HOST/PORT, "
             "DECODE_HOST/PORT, PROXY_HOST/PORT, TEST_MODEL, BLOCK_SIZE, ... for vLLM's own test modules",
             boolean, False, kind="bool",
-            moved="export_env_file"),
+            implied_by="export_env_file"),
     Setting("export_env_file", "Also write the exported variables to FILE as `export` lines (turns "
             "--pd-export-env on); a file pdserve did not write is never overwritten", text("a file path"), None,
             metavar="FILE"),
@@ -174,7 +173,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reuse", "Keep this run's clusters up when pytest ends and attach the next run with the same "
             "configuration to them (refused on CI unless --pd-reuse-mode=force); see `pdserve ls` and "
             "`pdserve stop --all`", boolean, False, kind="bool",
-            moved="reuse_mode"),
+            implied_by="reuse_mode"),
     Setting("reuse_mode", "How --pd-reuse applies: local (not on CI: CI or BUILD_NUMBER set) or force (on CI too); "
             "giving it turns --pd-reuse on", choice("local", "force"), "local", metavar="MODE"),
     Setting("reuse_ttl", "Seconds a kept cluster may stay idle before its keeper stops it", seconds, 900.0,

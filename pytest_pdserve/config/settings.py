@@ -239,33 +239,6 @@ def _base_dir(config: pytest.Config, source: str) -> Path:
     return config.invocation_params.dir
 
 
-def refuse_moved_values(args: Sequence[str], where: str) -> None:
-    """``--pd-reuse=MODE`` and ``--pd-export-env=FILE``, spellings from when those flags took a value, are a usage
-    error naming the setting that takes the value now (argparse's own error names neither).
-
-    Called when the plugin registers its options, before argparse sees the arguments, for each place pytest
-    reads them from (the command line, ``PYTEST_ADDOPTS``, the ini's ``addopts``).
-    """
-    for arg in args:
-        flag, eq, value = str(arg).partition("=")
-        s = _MOVED_BY_FLAG.get(flag)
-        if s is not None and eq and s.moved is not None:
-            new = SETTINGS_BY_NAME[s.moved]
-            shown = redaction.redact(repr(value if len(value) <= 200 else value[:200] + "..."))
-            raise pytest.UsageError(
-                f"pdserve: {flag}={shown} ({where}): {s.flag} takes no value now; write {s.flag} alone, and "
-                f"{new.flag}={new.metavar} for {_what(new)} (set {new.remedy})"
-            )
-
-
-def _what(s: Setting) -> str:
-    """``the file`` for a setting whose metavar is FILE."""
-    return f"the {(s.metavar or 'value').lower()}"
-
-
-_MOVED_BY_FLAG: Mapping[str, Setting] = {s.flag: s for s in SETTINGS if s.moved is not None}
-
-
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> PDServeConfig:
     """Resolve every setting; raise :class:`pytest.UsageError` naming the first bad value."""
     env = os.environ if environ is None else environ
@@ -285,8 +258,7 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             check_raw(raw)
             values[s.name] = s.parse(raw)
         except SettingError as exc:
-            moved = f"; {_what(SETTINGS_BY_NAME[s.moved])} is set with {remedy(s.moved)}" if s.moved else ""
-            raise _usage(s, raw, source, f"{exc}{moved}") from None
+            raise _usage(s, raw, source, str(exc)) from None
     _implied_flags(values, sources)
     # Secrets are registered before anything can print them (the header, errors, log headers).
     redaction.register(
@@ -392,8 +364,8 @@ def _shown(value: str | None) -> str:
 _SETTING_BY_ENV: Mapping[str, Setting] = {s.env_var: s for s in SETTINGS}
 
 
-#: The value a flag once took turns it on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.
-_IMPLIES = {s.moved: s.name for s in SETTINGS if s.moved is not None}
+#: A value that needs its flag turns it on when given: ``--pd-export-env-file=F`` means ``--pd-export-env``.
+_IMPLIES = {s.implied_by: s.name for s in SETTINGS if s.implied_by is not None}
 
 
 def _implied_flags(values: dict[str, Any], sources: Mapping[str, str]) -> None:
