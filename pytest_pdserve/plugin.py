@@ -21,12 +21,10 @@ from pytest_pdserve.config.setting_table import remedy
 from pytest_pdserve.config.settings import PDSERVE_CONFIG, add_options, resolve, settings_origin
 from pytest_pdserve.engines.vllm_checkout import confcutdir_for
 from pytest_pdserve.errors import PDServeError
-from pytest_pdserve.glue import export_env, kv_moved, last_user, logs, worker_verdict
+from pytest_pdserve.glue import last_user, logs, worker_verdict
 
 # the timeout hooks only observe pytest-timeout (optional hooks)
 from pytest_pdserve.glue.fixtures import (
-    CURRENT_ITEM,
-    MANAGER,
     end_faults,
     ensure_watchdog,
     fail_if_cluster_died,
@@ -36,6 +34,7 @@ from pytest_pdserve.glue.fixtures import (
     pd_cluster_factory,
     run_log_name,
     salted_test,
+    session_of,
     stop_manager,
     stop_unused_clusters,
 )
@@ -45,6 +44,7 @@ from pytest_pdserve.glue.session_engine import header_lines as session_engine_he
 from pytest_pdserve.glue.session_engine import pd_engine
 from pytest_pdserve.glue.session_engine import unbind as unbind_session_engine
 from pytest_pdserve.glue.session_inventory import get_inventory, start_inventory_detection
+from pytest_pdserve.glue.session_spec import is_xdist_controller, session_preset_name
 from pytest_pdserve.glue.timeout_pause import pytest_timeout_cancel_timer, pytest_timeout_set_timer
 
 
@@ -75,8 +75,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Register markers, resolve the settings (usage error on bad input), register the reuse plugin when
-    --pd-reuse is given, start GPU detection."""
+    """Register markers, resolve the settings (usage error on bad input), register the plugin of each feature that is
+    on (reuse/plugin.py for --pd-reuse, glue/export_env.py for --pd-export-env, glue/worker_verdict.py under
+    xdist), start GPU detection."""
     register_markers(config)
     child_env.enter_session(config.invocation_params.dir)  # where servers start, whatever a test chdir's to
     if config.getoption("help", False):
@@ -94,15 +95,16 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"pdserve: --pd-reuse: {exc} (reuse_dir from {cfg.source_of('reuse_dir')}; set {remedy('reuse_dir')})"
             ) from None
         config.pluginmanager.register(reuse, PLUGIN_NAME)
-    export_env.session_preset_name(config)  # --pd-preset auto that finds nothing: a usage error, now
+    if cfg.export_env:  # its own plugin too, registered only when on
+        # Here, not at the top: a run without --pd-export-env (the default) never imports export_env.py.
+        from pytest_pdserve.glue.export_env import PLUGIN_NAME as EXPORT_ENV
+        from pytest_pdserve.glue.export_env import ExportEnvPlugin
+
+        config.pluginmanager.register(ExportEnvPlugin(cfg, get_manager), EXPORT_ENV)
+    worker_verdict.register(config)  # xdist: a worker's verdict and reason to stop reach the controller
+    session_preset_name(config)  # --pd-preset auto that finds nothing: a usage error, now
     start_inventory_detection(config)
     bind_session_engine(config)  # pytest_pdserve.session_engine() answers for this session from now on
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """``--pd-export-env``: start the session cluster before collection and export its addresses."""
-    if PDSERVE_CONFIG in session.config.stash:
-        export_env.start(session.config, get_manager)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -126,12 +128,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         ]
     log_dir = str(cfg.log_dir) if cfg.log_dir is not None else "under basetemp"
     lines.append(f"pdserve: inventory {get_inventory(config).describe()}; log dir {log_dir}")
-    if cfg.log_dir is not None and not export_env.is_xdist_controller(config):
+    if cfg.log_dir is not None and not is_xdist_controller(config):
         lines.append(f"pdserve: this run's logs: {cfg.log_dir / run_log_name(config)}")
     given = settings_origin(cfg)
     if given:
         lines.append(f"pdserve: settings given: {given}")
-    lines += export_env.header_lines(config)
     lines += session_engine_header(config)
     if _CHECKOUT_NOTE in config.stash:
         lines.append(config.stash[_CHECKOUT_NOTE])
@@ -142,17 +143,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_make_collect_report(
     collector: pytest.Collector,
 ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-    """``--pd-export-env``: a vLLM module that cannot import openai & co. names the extra that installs them
-    (changed here, before any ``pytest_collectreport`` hook, so xdist workers send the same text). A collection
-    error's text is redacted too (a module that printed an exported secret at import), and a bad ``ClusterSpec`` at
-    module level shows its message and the module's line, not the plugin's source."""
+    """A collection error's text redacted (a module that printed an exported secret at import), and a bad
+    ``ClusterSpec`` at module level shown as its message and the module's line, not the plugin's source."""
     report = yield
     if report.failed:
         # Lazy: only a failed collection needs it (a passing one never loads it; see pytest_runtest_makereport).
         from pytest_pdserve.glue import start_failure
 
         start_failure.rewrite_collect_report(report)
-    export_env.name_missing_extra(collector.config, report)
     logs.redact_report(report)
     return report
 
@@ -166,7 +164,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """Remember the running test (to pause pytest-timeout while a cluster starts) and where logs end;
     after its fixtures, fail it at once if a cluster it got died under an earlier test."""
-    item.config.stash[CURRENT_ITEM] = item
+    session_of(item.config).current_item = item
     ensure_watchdog(item.config)
     logs.record_offsets(item)
     yield
@@ -174,11 +172,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     """Once the test's fixtures are torn down: end the faults it left (a paused server resumed, a killed one's cluster
-    stopped), then stop each cluster no remaining test uses (glue/last_user.py). Before them: the KV the test's module
-    moved (the session's last teardown stops the clusters, the exported one included)."""
-    kv_moved.module_boundary(item.config, item, nextitem, starting=False)
+    stopped), then stop each cluster no remaining test uses (glue/last_user.py)."""
     try:
         return (yield)
     finally:
@@ -202,7 +198,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A start error as its message alone; what each server and the proxy logged during a failed test as report
-    sections; passed modules noted for ``--pd-require-kv-transfer``."""
+    sections."""
     # Lazy: every module loaded costs each run; this one is needed only once a test runs: a
     # collection (--collect-only, an IDE's test discovery, the xdist controller) never loads it.
     from pytest_pdserve.glue import start_failure
@@ -210,76 +206,27 @@ def pytest_runtest_makereport(
     start_failure.report_as_message(call)
     report = yield
     logs.attach_sections(item, report)
-    kv_moved.test_passed(item.config, report)
     logs.redact_report(report)
     return report
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    """The test's cache salt on the plugin's clients (fixtures.salted_test); with ``--pd-export-env``: the KV each test
-    module moved from prefill to decode (kv_moved.module_boundary)."""
-    kv_moved.module_boundary(item.config, item, nextitem, starting=True)
-    try:
-        with salted_test(item):
-            return (yield)
-    finally:
-        kv_moved.module_boundary(item.config, item, nextitem, starting=False)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """``--pd-require-kv-transfer`` (on under ``--pd-preset``): a module that passed without moving KV from prefill
-    to decode fails the session (the terminal summary names it)."""
-    config = session.config
-    if PDSERVE_CONFIG not in config.stash:
-        return
-    vacuous = kv_moved.require_kv_transfer(config) and bool(kv_moved.vacuous_modules(config))
-    # An xdist worker's summary and exit status reach no one: its controller prints them and ends the run with it.
-    worker_verdict.send(config, lambda: [*export_env.summary_lines(config), *kv_moved.module_lines(config)], vacuous)
-    ended = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
-    if session.exitstatus in ended and vacuous:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    relayed = worker_verdict.exit_status(config)  # the workers' (xdist's controller): a usage error over a failure
-    if relayed and session.exitstatus in (*ended, pytest.ExitCode.TESTS_FAILED):
-        session.exitstatus = pytest.ExitCode(max(relayed, 1 if session.exitstatus else 0))
-
-
-def pytest_collection(session: pytest.Session) -> bool | None:
-    """An xdist worker whose session cluster did not start imports no module and collects nothing (after xdist's
-    own hook, which announces the collection; glue/worker_verdict.py)."""
-    if worker_verdict.stopped(session.config) is None:
-        return None
-    session.items = []
-    session.testscollected = 0
-    session.config.hook.pytest_collection_finish(session=session)
-    return True
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    """xdist's controller: keep what a worker's session cluster concluded (glue/worker_verdict.py)."""
-    worker_verdict.receive(node.config, node)
+    """The test's cache salt on the plugin's clients (fixtures.salted_test)."""
+    with salted_test(item):
+        return (yield)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """Say which cluster died under the tests, once, at the end (each failing test has the full reason); with
-    ``--pd-export-env``, what the session cluster's caches did (a vacuous pass shows hits 0)."""
-    manager = config.stash.get(MANAGER, None)
+    """Say which cluster died under the tests, once, at the end (each failing test has the full reason)."""
+    manager = session_of(config).manager
     for death in manager.deaths if manager is not None else ():
         terminalreporter.write_line(redact(f"pdserve: {death.summary()}"), red=True, bold=True)
-    for line in export_env.summary_lines(config):
-        terminalreporter.write_line(redact(line))
-    for line in kv_moved.module_lines(config):
-        terminalreporter.write_line(redact(line), red="no KV moved" in line and kv_moved.require_kv_transfer(config))
-    for line in worker_verdict.lines(config):
-        terminalreporter.write_line(line, red=worker_verdict.exit_status(config) != 0)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Stop every cluster this process started, even if the session fixture never finalised."""
     stop_manager(config)
-    export_env.restore(config)
     unbind_session_engine(config)
     child_env.leave_session(config.invocation_params.dir)
 

@@ -29,7 +29,7 @@ from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.config import commands
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.errors import ServerExitedEarly
-from pytest_pdserve.glue.fixtures import MANAGER
+from pytest_pdserve.glue.fixtures import session_of
 from pytest_pdserve.metrics import wait_settled
 from pytest_pdserve.prompts import prompt_with_tokens
 from pytest_pdserve.running.proctree import descendants, proc_table
@@ -451,7 +451,8 @@ def _argvs(engine: commands.EngineInfo) -> dict[str, list[str]]:
 
 @pytest.mark.timeout(1200)  # vLLM imported in a subprocess after the shared cluster: minutes on a loaded machine
 def test_vllm_accepts_every_argv_the_builder_produces(cluster: PDCluster, request: pytest.FixtureRequest) -> None:
-    manager = request.config.stash[MANAGER]
+    manager = session_of(request.config).manager
+    assert manager is not None  # the cluster fixture built it
     engine = manager.engine_for(cluster.spec).info
     argvs = _argvs(engine)
     if cluster.engine == "sim":

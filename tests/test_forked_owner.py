@@ -57,10 +57,10 @@ def _still_up(request, cluster):
     if os.getpid() != int((Path(os.environ["PDINFO_DIR"]) / "session-pid").read_text()):
         return  # a forked child running the rest of the session: the supervisors and leases are its parent's
 
-    from pytest_pdserve.glue.fixtures import MANAGER
+    from pytest_pdserve.glue.fixtures import session_of
     from pytest_pdserve.config.settings import PDSERVE_CONFIG
 
-    manager = request.config.stash[MANAGER]
+    manager = session_of(request.config).manager
     supervisors = manager.launcher.supervisors
     assert supervisors.watchdog is not None and supervisors.watchdog.alive, "the watchdog was told to exit"
     assert supervisors._guard is not None and supervisors._guard.poll() is None, "the guard is gone"

@@ -6,7 +6,7 @@ connector config, block size, lengths and memory. Each preset honours the enviro
 honours (``MAX_MODEL_LEN``, ``BLOCK_SIZE``, ``KV_CACHE_MEMORY_BYTES``, ``MODEL_NAMES``, ...); the ones that are
 also pdserve session settings (``GPU_MEMORY_UTILIZATION``, ``ATTENTION_BACKEND``, ``VLLM_SERVE_EXTRA_ARGS``,
 ``PREFILL_GPU_ID``/``DECODE_GPU_ID``) are read by the settings layer, and an explicit session setting beats the
-preset (see `export_env.session_spec`). Where the engine cannot take the script's value (vLLM's CPU backend
+preset (see `session_spec.session_spec`). Where the engine cannot take the script's value (vLLM's CPU backend
 takes only block sizes that are multiples of 32) the preset picks the nearest value that keeps the module's
 preconditions and says so in a note, which the report header prints.
 

@@ -2,12 +2,19 @@
 
 vLLM's own P/D modules (``tests/v1/kv_connector/nixl_integration/test_*.py``) read ``PREFILL_PORT`` & co. at
 import time, before any fixture exists. With ``--pd-export-env`` the plugin starts the session cluster (the
-settings plus ``--pd-preset``) in ``pytest_sessionstart``, through the same `ClusterManager` the fixtures use
-(same start-up timeout, progress lines, watchdog and teardown at ``pytest_unconfigure``), and puts its
+settings plus ``--pd-preset``: session_spec.py) in ``pytest_sessionstart``, through the same `ClusterManager` the
+fixtures use (same start-up timeout, progress lines, watchdog and teardown at ``pytest_unconfigure``), and puts its
 addresses into ``os.environ``; ``--pd-export-env-file=FILE`` also writes them as ``export`` lines.
 
+One plugin object, :class:`ExportEnvPlugin`, registered by plugin.py's ``pytest_configure`` only when the option is
+on (as pytest registers its last-failed plugin for ``--lf``): a run without it loads none of this module. Its hooks
+are the whole feature: the start, the report header, the missing-extra hint on a module that cannot import, the KV
+each module moved (kv_moved.py), ``--pd-require-kv-transfer``'s verdict and the terminal summary.
+
 Under pytest-xdist every worker starts and exports its own cluster (workers import the modules, the
-controller does not); the controller starts nothing.
+controller does not); the controller checks the preset and the export file before any worker starts, and starts
+nothing. A worker never stops the run itself: its reason to stop, its verdict and its summary lines go to the
+controller (worker_verdict.py).
 """
 
 from __future__ import annotations
@@ -20,41 +27,37 @@ import os
 import re
 import shlex
 import urllib.parse
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, short_source
+from pytest_pdserve.common.redaction import redact
+from pytest_pdserve.config.settings import PDServeConfig
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable, PDServeError
-from pytest_pdserve.glue import worker_verdict
-from pytest_pdserve.glue.session_inventory import get_inventory
+from pytest_pdserve.glue import kv_moved, worker_verdict
+from pytest_pdserve.glue.session_spec import is_xdist_controller, session_proxy_port, session_spec
 
-# The cluster-description modules (spec.py, presets.py, owned_flags.py, connector.py: costly at import) are
-# imported by the functions that describe the session cluster: the plugin loads this module for every run, and a
-# run without --pd-preset / --pd-export-env / pd_cluster never describes one.
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
-    from pytest_pdserve.config.presets import PresetResult
-    from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot
+    from pytest_pdserve.metrics import MetricsSnapshot
     from pytest_pdserve.running.manager import ClusterManager
     from pytest_pdserve.spec import ClusterSpec
+
+__all__ = ["PLUGIN_NAME", "VLLM_TESTS_EXTRA", "ExportEnvPlugin", "extra_modules", "variables"]
+
+#: The name the plugin is registered under (``config.pluginmanager.get_plugin(PLUGIN_NAME)``).
+PLUGIN_NAME = "pdserve-export-env"
 
 #: ``fixtures.get_manager``: the session's cluster manager, built on first use.
 GetManager = Callable[[pytest.Config, pytest.TempPathFactory], "ClusterManager"]
 
-#: Session settings that, when given explicitly, beat the preset's value (the spec field is cleared, so the
-#: command builder falls back to the session setting).
-_SESSION_WINS = ("model", "attention_backend", "block_size", "max_model_len", "gpu_memory_utilization")
-
 
 class Exported:
-    """What ``--pd-export-env`` started and exported (``config.stash[EXPORTED]``).
+    """What ``--pd-export-env`` started and exported (held by :class:`ExportEnvPlugin`).
 
-    A plain class, not a dataclass: defining a dataclass costs at import (per field), paid by every run that loads
-    the plugin, and only an exporting run makes one."""
+    Filled in two steps: described before the start (spec, preset, file), then what the started cluster exports."""
 
     def __init__(
         self, spec: ClusterSpec, *, notes: tuple[str, ...] = (), preset: str | None = None, file: Path | None = None
@@ -70,6 +73,10 @@ class Exported:
         #: The servers' metrics after the session's last test, before its teardown stopped them (kv_moved.py).
         self.final: dict[str, MetricsSnapshot] = {}
         self.preset = preset
+        #: The preset's own variables (its script's), exported after the cluster's addresses.
+        self.exports: dict[str, str] = {}
+        #: ``--pd-proxy-port``, else the port the preset's module hard-codes; None: leased.
+        self.proxy_port: int | None = None
         #: Per test module (its path as pytest shows it): KV moved into decode while it ran (tokens, NIXL bytes).
         self.moved: dict[str, tuple[float, float]] = {}
         #: The running module and its decode servers' metrics when it began.
@@ -77,8 +84,6 @@ class Exported:
         #: Modules with at least one passed test (only those must have moved KV).
         self.passed: set[str] = set()
 
-
-EXPORTED = pytest.StashKey[Exported]()
 
 #: pytest-pdserve's extra with what vLLM's own modules import (pyproject's [project.optional-dependencies] is the
 #: one list; it is read back from the installed metadata).
@@ -89,101 +94,6 @@ _OUTSIDE_EXTRA = {"lm_eval": "pip install 'lm_eval[api]' (it also downloads the 
 #: How pytest reports a test module whose import failed for a missing module (its CollectError text).
 #: A pattern, compiled (and cached by ``re``) at the first failed module of an exporting run, not when the plugin loads.
 _NO_MODULE = r"ModuleNotFoundError: No module named '([\w.]+)'"
-
-
-def _user_over_preset(preset: ClusterSpec, cfg: PDServeConfig) -> tuple[ClusterSpec, list[str]]:
-    """The preset's values as defaults the user's own settings override, as the scripts do: they append
-    ``"${EXTRA_ARGS[@]}"`` last, so CI's ``VLLM_SERVE_EXTRA_ARGS`` (and ``ATTENTION_BACKEND``) beat their fixed
-    flags. A session setting given explicitly, or a ``once`` flag (``--max-model-len``, ...) in the session's extra
-    args, clears the preset's field; each override is returned as a report-header note. Two of the user's own
-    sources that disagree are still refused, by `effective.effective` (``--max-model-len is given twice``).
-    """
-    # Lazy: ~14 M instructions at import (see the top); a preset is in use, so spec.py has loaded it already.
-    from pytest_pdserve.config import owned_flags
-    from pytest_pdserve.spec import ClusterSpec
-
-    cleared: dict[str, None] = {}
-    notes = []
-    for name in _SESSION_WINS:
-        if cfg.sources.get(name, "default") != "default" and getattr(preset, name) is not None:
-            cleared[name] = None
-            notes.append(f"{name} {getattr(cfg, name)!r} from {short_source(cfg.sources[name])} overrides the "
-                         f"preset's {getattr(preset, name)!r}")  # fmt: skip
-    source = short_source(cfg.sources.get("vllm_serve_extra_args", "VLLM_SERVE_EXTRA_ARGS"))
-    for hit in owned_flags.match(cfg.vllm_serve_extra_args):
-        field_name = hit.owned.spec_field
-        if hit.owned.policy != "once" or field_name is None or field_name in cleared:
-            continue
-        if getattr(preset, field_name) != getattr(ClusterSpec(), field_name):
-            cleared[field_name] = None
-            notes.append(f"{hit.shown!r} from {source} overrides the preset's {field_name}="
-                         f"{getattr(preset, field_name)!r}")  # fmt: skip
-    return preset.with_(**cleared), notes
-
-
-def session_spec(config: pytest.Config) -> tuple[ClusterSpec, PresetResult | None]:
-    """The session cluster's spec: ``--pd-preset`` (if any), explicit session settings over it, then the
-    session connector (``--pd-kv-connector-config``). ``pd_cluster`` and ``--pd-export-env`` both use it."""
-    # Lazy: the cluster-description modules, ~40 M instructions at import (see the top), loaded when a session
-    # cluster is first described.
-    from pytest_pdserve.config.connector import parse_kv_connector_config
-    from pytest_pdserve.config.presets import resolve as resolve_preset
-    from pytest_pdserve.spec import ClusterSpec
-
-    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    result = None
-    spec = ClusterSpec()
-    name = session_preset_name(config)
-    if name is not None:
-        result = resolve_preset(
-            name, spec_type=ClusterSpec, engine=cfg.resolved_engine, platform=get_inventory(config).platform
-        )
-        spec, overridden = _user_over_preset(result.spec, cfg)
-        result = replace(result, notes=(*result.notes, *overridden))
-    if cfg.kv_connector_config is not None:
-        spec = spec.with_(**parse_kv_connector_config(cfg.kv_connector_config))
-    return spec, result
-
-
-def session_preset_name(config: pytest.Config) -> str | None:
-    """``--pd-preset``'s name; for ``auto``, the preset of the vLLM modules this run collects, from its paths
-    (``config.args``: the command line's, else ``testpaths``, else the current directory).
-
-    Checked at configure time (``pytest_configure`` calls it), so a bad ``auto`` stops the run before any test.
-
-    :raises pytest.UsageError: ``auto`` finds no vLLM module (it would silently run the defaults: block size 128
-        where the module's script runs 16), or modules that need different presets.
-    """
-    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if cfg.preset != "auto":
-        return cfg.preset
-    # Lazy: presets.py, ~10 M instructions at import (see the top), only for --pd-preset auto.
-    from pytest_pdserve.config.presets import AUTO, PRESETS, auto_preset
-
-    base = config.invocation_params.dir if config.args_source != pytest.Config.ArgsSource.TESTPATHS else config.rootpath
-    where = f"--pd-preset auto (from {cfg.source_of('preset')})"
-    try:
-        name = auto_preset(config.args, base)
-    except ClusterSpecError as exc:
-        raise pytest.UsageError(f"pdserve: {where}: {exc}") from None
-    if name is None:
-        paths = " ".join(config.args) if len(config.args) <= 5 else " ".join(config.args[:5]) + " ..."
-        raise pytest.UsageError(
-            f"pdserve: {where} found none of vLLM's P/D modules ({', '.join(AUTO)}) in {paths}; name the preset "
-            f"(--pd-preset=NAME, one of {', '.join(PRESETS)}) or the module to run"
-        )
-    return name
-
-
-def session_proxy_port(cfg: PDServeConfig, result: PresetResult | None) -> int | None:
-    """``--pd-proxy-port``, else the port the preset's module hard-codes (8192), else None (leased)."""
-    if cfg.proxy_port is not None:
-        return cfg.proxy_port
-    return result.proxy_port if result is not None else None
-
-
-def is_xdist_controller(config: pytest.Config) -> bool:
-    return config.pluginmanager.hasplugin("dsession") and not hasattr(config, "workerinput")
 
 
 def variables(cluster: PDCluster, max_model_len: int | None, extra: Mapping[str, str]) -> dict[str, str]:
@@ -257,71 +167,6 @@ def _export(exported: Exported) -> None:
         write_replace(exported.file, text.encode(), mode=0o644)
 
 
-def start(config: pytest.Config, get_manager: GetManager) -> None:
-    """``pytest_sessionstart``: start the session cluster and export it (a no-op without ``--pd-export-env``).
-
-    ``get_manager`` is the fixtures' ``get_manager`` (the plugin passes it: fixtures.py imports this module for
-    the session spec, so this one does not import fixtures.py). A cluster that cannot start stops the run with
-    one message (``pytest.exit``), before any module is imported; pytest_unconfigure still stops whatever was started.
-    """
-    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
-    if not cfg.export_env:
-        return
-    where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
-    try:
-        spec, result = session_spec(config)
-    except ClusterSpecError as exc:
-        return _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
-    exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
-    if cfg.export_env_file is not None:
-        problem = foreign_file(cfg.export_env_file)
-        if problem is not None:
-            return _refuse(
-                config,
-                f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
-                "name a new file, or remove this one if it is yours",
-            )
-        exported.file = cfg.export_env_file
-    if is_xdist_controller(config):  # checked here, before any worker starts: each starts and exports its own
-        return None
-    config.stash[EXPORTED] = exported
-    tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
-    manager = get_manager(config, tmp_path_factory)
-    port = session_proxy_port(cfg, result)
-    if port is not None:
-        manager.proxy_ports[spec] = port
-    failure = None
-    try:
-        cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
-    except (ClusterUnavailable, PDServeError) as exc:
-        failure = str(exc)
-    if failure is not None:
-        return _stop_run(config, f"pdserve: the session cluster for {where} did not start: {failure}")
-    exported.cluster = cluster
-    max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
-    exported.variables = variables(cluster, max_len, result.exports if result else {})
-    try:
-        _export(exported)
-    except OSError as exc:
-        return _stop_run(config, f"pdserve: cannot write the export file {exported.file} (from {where}): "
-                         f"{exc.strerror or exc}")  # fmt: skip
-    with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
-        exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
-
-
-def _stop_run(config: pytest.Config, message: str) -> None:
-    """Stop the run with one message, before any module is imported; an xdist worker hands it to the controller
-    instead (``worker_verdict.stop``: its exit would be a crash, restarted by xdist)."""
-    if not worker_verdict.stop(config, message, pytest.ExitCode.TESTS_FAILED):
-        pytest.exit(message, returncode=1)
-
-
-def _refuse(config: pytest.Config, message: str) -> None:
-    """A usage error; an xdist worker hands it to the controller instead (``worker_verdict.stop``)."""
-    if not worker_verdict.stop(config, message, pytest.ExitCode.USAGE_ERROR):
-        raise pytest.UsageError(message)
-
-
 @functools.cache
 def extra_modules(extra: str) -> frozenset[str]:
     """Import names of what pytest-pdserve's *extra* installs (empty where the package metadata is missing)."""
@@ -341,11 +186,72 @@ def extra_modules(extra: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def name_missing_extra(config: pytest.Config, report: pytest.CollectReport) -> None:
-    """A module collected in an ``--pd-export-env`` session that failed to import one of what vLLM's modules need:
-    add to its error the command that installs it, instead of leaving a bare ``ModuleNotFoundError``."""
-    if not report.failed or EXPORTED not in config.stash:
-        return
+def _start(config: pytest.Config, cfg: PDServeConfig, get_manager: GetManager, exported: Exported) -> None:
+    """Start the session cluster and export it. A cluster that cannot start stops the run with one message
+    (:func:`_stop_run`), before any module is imported; pytest_unconfigure still stops whatever was started."""
+    where = cfg.source_of("export_env" if cfg.sources.get("export_env", "default") != "default" else "export_env_file")
+    spec = exported.spec
+    tmp_path_factory: pytest.TempPathFactory = getattr(config, "_tmp_path_factory")  # noqa: B009 - set by pytest
+    manager = get_manager(config, tmp_path_factory)
+    if exported.proxy_port is not None:
+        manager.proxy_ports[spec] = exported.proxy_port
+    failure = None
+    try:
+        cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+    except (ClusterUnavailable, PDServeError) as exc:
+        failure = str(exc)
+    if failure is not None:
+        return _stop_run(config, f"pdserve: the session cluster for {where} did not start: {failure}")
+    exported.cluster = cluster
+    max_len = spec.max_model_len if spec.max_model_len is not None else cfg.max_model_len
+    exported.variables = variables(cluster, max_len, exported.exports)
+    try:
+        _export(exported)
+    except OSError as exc:
+        return _stop_run(config, f"pdserve: cannot write the export file {exported.file} (from {where}): "
+                         f"{exc.strerror or exc}")  # fmt: skip
+    with contextlib.suppress(Exception):  # the summary's hit counts are a report, never a failure
+        exported.baseline = {s.name: s.metrics() for s in (*cluster.prefill, *cluster.decode)}
+
+
+def _describe(config: pytest.Config, cfg: PDServeConfig) -> Exported | None:
+    """What the session cluster is (preset, settings) and where its file goes; a usage error (:func:`_refuse`:
+    None) for a bad preset or an export file pdserve did not write."""
+    try:
+        spec, result = session_spec(config)
+    except ClusterSpecError as exc:
+        return _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
+    exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
+    exported.exports = dict(result.exports) if result else {}
+    exported.proxy_port = session_proxy_port(cfg, result)
+    if cfg.export_env_file is not None:
+        problem = foreign_file(cfg.export_env_file)
+        if problem is not None:
+            return _refuse(
+                config,
+                f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
+                "name a new file, or remove this one if it is yours",
+            )
+        exported.file = cfg.export_env_file
+    return exported
+
+
+def _stop_run(config: pytest.Config, message: str) -> None:
+    """Stop the run with one message, before any module is imported; an xdist worker hands it to the controller
+    instead (``worker_verdict.stop``: its exit would be a crash, restarted by xdist)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.TESTS_FAILED):
+        pytest.exit(message, returncode=1)
+
+
+def _refuse(config: pytest.Config, message: str) -> None:
+    """A usage error; an xdist worker hands it to the controller instead (``worker_verdict.stop``)."""
+    if not worker_verdict.stop(config, message, pytest.ExitCode.USAGE_ERROR):
+        raise pytest.UsageError(message)
+
+
+def _missing_extra(report: pytest.CollectReport) -> None:
+    """A module that failed to import one of what vLLM's modules need: add to its error the command that installs
+    it, instead of leaving a bare ``ModuleNotFoundError``."""
     match = re.search(_NO_MODULE, str(report.longrepr))
     if match is None:
         return
@@ -363,11 +269,8 @@ def name_missing_extra(config: pytest.Config, report: pytest.CollectReport) -> N
     )
 
 
-def restore(config: pytest.Config) -> None:
-    """``pytest_unconfigure``: put the environment back as it was (in-process pytester runs share it)."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None:
-        return
+def _restore(exported: Exported) -> None:
+    """Put the environment back as it was (in-process pytester runs share it)."""
     for key, value in exported.saved.items():
         if value is None:
             os.environ.pop(key, None)
@@ -376,12 +279,11 @@ def restore(config: pytest.Config) -> None:
     exported.saved.clear()
 
 
-def header_lines(config: pytest.Config) -> list[str]:
+def _header_lines(exported: Exported) -> list[str]:
     """Report-header lines: what was exported (and where), the preset and what it adapted."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None or exported.cluster is None:
+    if exported.cluster is None:
         return []
-    # Lazy: presets.py (see the top); a session cluster was exported, so it is loaded already.
+    # Lazy: presets.py is costly at import; a session cluster was exported, so it is loaded already.
     from pytest_pdserve.config.presets import describe_config
 
     lines = []
@@ -395,14 +297,13 @@ def header_lines(config: pytest.Config) -> list[str]:
     return lines
 
 
-def summary_lines(config: pytest.Config) -> list[str]:
+def _summary_lines(exported: Exported) -> list[str]:
     """Terminal-summary lines: each server's prefix-cache hits and KV received during the session.
 
     So a module that passed without exercising the cache (e.g. vLLM's test_edge_cases.py at a block size
     larger than its prompts) shows ``hits 0`` instead of looking like a real pass.
     """
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None or exported.cluster is None or not exported.baseline:
+    if exported.cluster is None or not exported.baseline:
         return []
     parts = []
     for server in (*exported.cluster.prefill, *exported.cluster.decode):
@@ -414,13 +315,100 @@ def summary_lines(config: pytest.Config) -> list[str]:
             delta = None
         if delta is None:
             continue
-        hits = delta_or_zero(delta, "vllm:prefix_cache_hits_total")
-        external = delta_or_zero(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        hits = kv_moved.delta_or_zero(delta, "vllm:prefix_cache_hits_total")
+        external = kv_moved.delta_or_zero(delta, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         parts.append(f"{server.name} prefix-cache hits {hits:g} tokens, external_kv_transfer {external:g} tokens")
     return [f"pdserve: during this session: {'; '.join(parts)}"] if parts else []
 
 
-def delta_or_zero(delta: MetricsDelta, name: str, **labels: str) -> float:
-    """A counter's delta, 0 when the server does not export it (yet)."""
-    value = delta.get(name, **labels)
-    return 0.0 if value is None else value
+class ExportEnvPlugin:
+    """``--pd-export-env`` for one pytest process: what it exported (None until the session starts, and on an xdist
+    controller, which starts nothing), and its hooks."""
+
+    def __init__(self, cfg: PDServeConfig, get_manager: GetManager) -> None:
+        self.cfg = cfg
+        #: ``fixtures.get_manager`` (plugin.py passes it: fixtures.py imports session_spec.py, not this module).
+        self.get_manager = get_manager
+        self.exported: Exported | None = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Start the session cluster before collection and export its addresses. xdist's controller only checks the
+        preset and the export file, before any worker starts: each worker starts and exports its own."""
+        config = session.config
+        exported = _describe(config, self.cfg)
+        if exported is None or is_xdist_controller(config):
+            return
+        self.exported = exported
+        _start(config, self.cfg, self.get_manager, exported)
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        return [redact(line) for line in _header_lines(self.exported)] if self.exported is not None else []
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        """A vLLM module that cannot import openai & co. names the extra that installs them (changed here, before
+        any ``pytest_collectreport`` hook, so xdist workers send the same text)."""
+        report = yield
+        if report.failed and self.exported is not None:
+            _missing_extra(report)
+        return report
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        """The KV each test module moved from prefill to decode (kv_moved.module_boundary)."""
+        kv_moved.module_boundary(self.exported, item, nextitem, starting=True)
+        try:
+            return (yield)
+        finally:
+            kv_moved.module_boundary(self.exported, item, nextitem, starting=False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+        """The KV the test's module moved, measured before the teardown: the session's last one stops the clusters,
+        the exported one included."""
+        kv_moved.module_boundary(self.exported, item, nextitem, starting=False)
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """The modules with a passed test (only those must have moved KV)."""
+        report = yield
+        kv_moved.test_passed(self.exported, report)
+        return report
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """``--pd-require-kv-transfer`` (on under ``--pd-preset``): a module that passed without moving KV from
+        prefill to decode fails the session (the terminal summary names it). An xdist worker's summary and exit
+        status reach no one: it hands both to its controller (worker_verdict.py), which prints them and ends the
+        run with it."""
+        vacuous = kv_moved.require_kv_transfer(self.cfg, self.exported) and bool(
+            kv_moved.vacuous_modules(self.exported)
+        )
+        worker_verdict.hand_over(session.config, self._summary, vacuous)
+        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) and vacuous:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _summary(self) -> list[str]:
+        """The terminal summary's lines (:meth:`pytest_terminal_summary`)."""
+        if self.exported is None:
+            return []
+        required = kv_moved.require_kv_transfer(self.cfg, self.exported)
+        return [*_summary_lines(self.exported), *kv_moved.module_lines(self.exported, required)]
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """What the session cluster's caches did (a vacuous pass shows hits 0) and the KV each module moved."""
+        if self.exported is None:
+            return
+        for line in _summary_lines(self.exported):
+            terminalreporter.write_line(redact(line))
+        required = kv_moved.require_kv_transfer(self.cfg, self.exported)
+        for line in kv_moved.module_lines(self.exported, required):
+            terminalreporter.write_line(redact(line), red="no KV moved" in line and required)
+
+    def pytest_unconfigure(self) -> None:
+        if self.exported is not None:
+            _restore(self.exported)

@@ -45,10 +45,31 @@ class ClusterFactory(Protocol):
     def stop(self, spec: ClusterSpec) -> None: ...
 
 
-MANAGER = pytest.StashKey["ClusterManager"]()
-SALT_TOKEN = pytest.StashKey[str]()
-CLIENTS_CONFIGURED = pytest.StashKey[bool]()
-CURRENT_ITEM = pytest.StashKey[pytest.Item]()
+class PDSession:
+    """What pdserve keeps for one pytest process between its hooks and fixtures, in one place (``session_of``): the
+    cluster manager (built at the first cluster), this run's log directory and name, the running test, whether the
+    factory exists, the session's salt token and whether the clients' options are set."""
+
+    def __init__(self) -> None:
+        self.manager: ClusterManager | None = None
+        #: This run's own name under ``--pd-log-dir`` (:func:`run_log_name`) and its log directory (:func:`log_dir`).
+        self.run_name: str | None = None
+        self.run_logs: Path | None = None
+        #: The running test (pytest-timeout's clock is paused for it while a cluster starts).
+        self.current_item: pytest.Item | None = None
+        #: ``pd_cluster_factory``'s request, once the factory exists (its manager listener with it).
+        self.factory_request: pytest.FixtureRequest | None = None
+        #: Per session: reruns never reuse a warm prefix cache.
+        self.salt_token = os.urandom(8).hex()
+        self.clients_configured = False
+
+
+_SESSION = pytest.StashKey[PDSession]()
+
+
+def session_of(config: pytest.Config) -> PDSession:
+    """This pytest process's :class:`PDSession` (made at the first ask)."""
+    return config.stash.setdefault(_SESSION, PDSession())
 
 
 def worker_id(config: pytest.Config) -> str:
@@ -57,24 +78,19 @@ def worker_id(config: pytest.Config) -> str:
     return str(workerinput["workerid"]) if workerinput else "master"
 
 
-RUN_LOGS = pytest.StashKey[Path]()
-
-
-RUN_NAME = pytest.StashKey[str]()
-
-
 def run_log_name(config: pytest.Config) -> str:
     """This run's own directory under ``--pd-log-dir``: two runs given the same log dir never share a file (their
     reports would carry each other's log tails). ``<time>-<pid>-<random>``, made by this run (``mkdir``, another
     name if taken: :func:`pytest_pdserve.common.created.make_unique_dir`), so two runs with the same pid in the same
     second (pytest as PID 1 in two containers) get two; xdist workers share their run's, by its id."""
-    if RUN_NAME not in config.stash:
+    session = session_of(config)
+    if session.run_name is None:
         workerinput = getattr(config, "workerinput", None)
         if workerinput and workerinput.get("testrunuid"):
-            config.stash[RUN_NAME] = f"xdist-{workerinput['testrunuid']}"
+            session.run_name = f"xdist-{workerinput['testrunuid']}"
         else:
-            config.stash[RUN_NAME] = f"{created.run_stem()}-{os.urandom(4).hex()}"
-    return config.stash[RUN_NAME]
+            session.run_name = f"{created.run_stem()}-{os.urandom(4).hex()}"
+    return session.run_name
 
 
 def _new_run_dir(config: pytest.Config, parent: Path) -> Path:
@@ -93,7 +109,7 @@ def _new_run_dir(config: pytest.Config, parent: Path) -> Path:
     except OSError as exc:
         raise PathError(f"cannot create this run's log directory in {parent}: {exc.strerror or exc}") from None
     if worker == "master":
-        config.stash[RUN_NAME] = path.name
+        session_of(config).run_name = path.name
     return path
 
 
@@ -104,17 +120,18 @@ def log_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> 
     Directories created here are private (0700: logs carry prompts) and marked as pdserve's (what pdserve creates in
     them may be removed by pdserve, nothing else: :mod:`pytest_pdserve.common.created`); an existing one keeps its mode.
     """
-    if RUN_LOGS not in config.stash:
+    session = session_of(config)
+    if session.run_logs is None:
         cfg = config.stash[PDSERVE_CONFIG]
         if cfg.log_dir is not None:
-            config.stash[RUN_LOGS] = _new_run_dir(config, cfg.log_dir)
+            session.run_logs = _new_run_dir(config, cfg.log_dir)
         else:
             if (reuse := reuse_plugin(config)) is not None and (kept_logs := reuse.run_log_dir()) is not None:
                 base = kept_logs
             else:
                 base = tmp_path_factory.getbasetemp() / "pdserve-logs"
-            config.stash[RUN_LOGS] = base / worker_id(config) if worker_id(config) != "master" else base
-    return ensure_dir(config.stash[RUN_LOGS], LOG_DIR_MODE, mark=created.RUN_LOGS)
+            session.run_logs = base / worker_id(config) if worker_id(config) != "master" else base
+    return ensure_dir(session.run_logs, LOG_DIR_MODE, mark=created.RUN_LOGS)
 
 
 def reuse_plugin(config: pytest.Config) -> ReusePlugin | None:
@@ -207,30 +224,31 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     )  # fmt: skip
     manager.pd_ready_check = cfg.ready_check
     # A restart (ServerHandle.restart) waits like a start, bounded by --pd-startup-timeout: not billed to the test.
-    manager.launcher.restart_clock = lambda: timeout_paused(config.stash.get(CURRENT_ITEM, None))
+    manager.launcher.restart_clock = lambda: timeout_paused(session_of(config).current_item)
     return manager
 
 
 def get_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> ClusterManager:
     """The process-wide manager, created on first use and stopped at unconfigure."""
-    if MANAGER not in config.stash:
+    session = session_of(config)
+    if session.manager is None:
         # The build (its imports, the GPU inventory's probes) is the first cluster start's: seconds on a loaded
         # machine, not billed to the timer of whichever test asked first either.
-        with timeout_paused(config.stash.get(CURRENT_ITEM, None)):
-            config.stash[MANAGER] = build_manager(config, tmp_path_factory)
-    return config.stash[MANAGER]
+        with timeout_paused(session.current_item):
+            session.manager = build_manager(config, tmp_path_factory)
+    return session.manager
 
 
 def ensure_watchdog(config: pytest.Config) -> None:
     """Before each test: a watchdog that died (killed, OOM) is replaced while our clusters run."""
-    manager = config.stash.get(MANAGER, None)
+    manager = session_of(config).manager
     if manager is not None:
         manager.ensure_watchdog()
 
 
 def stop_manager(config: pytest.Config) -> None:
     """Stop every cluster of this process (pytest_unconfigure; also the session fixture's teardown)."""
-    manager = config.stash.get(MANAGER, None)
+    manager = session_of(config).manager
     if manager is not None:
         manager.stop_all()
 
@@ -240,7 +258,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     cfg = config.stash[PDSERVE_CONFIG]
     manager = get_manager(config, request.getfixturevalue("tmp_path_factory"))
     skip_reason = fail_reason = None
-    item = config.stash.get(CURRENT_ITEM, None)
+    item = session_of(config).current_item
     try:
         with timeout_paused(item):
             if cfg.attach_mode:
@@ -270,21 +288,19 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     pytest.fail(fail_reason or "unreachable", pytrace=False)
 
 
-FACTORY_REQUEST = pytest.StashKey[pytest.FixtureRequest]()
-
-
 def stop_unused_clusters(item: pytest.Item) -> None:
     """After a test's teardown: stop the clusters no remaining test uses (glue/last_user.py)."""
-    if FACTORY_REQUEST in item.config.stash:  # the factory (and with it the manager's on_stop listener) exists
+    session = session_of(item.config)
+    if session.factory_request is not None:  # the factory (and with it the manager's on_stop listener) exists
         with timeout_paused(item):  # bounded by --pd-shutdown-timeout, not billed to this test's timer
-            last_user.stop_unused(item, item.config.stash.get(MANAGER, None))
+            last_user.stop_unused(item, session.manager)
 
 
 def end_faults(item: pytest.Item) -> None:
     """After a test's teardown: no server it left down on purpose (``ServerHandle.pause``/``kill``) reaches the next
     test. A paused one is resumed; the cluster of any other (killed, or a restart that failed) is stopped, so its next
     user starts it afresh. Each is said in a progress line."""
-    manager = item.config.stash.get(MANAGER, None)
+    manager = session_of(item.config).manager
     if manager is None:
         return
     for cluster in manager.running():
@@ -307,7 +323,7 @@ def end_faults(item: pytest.Item) -> None:
 def fail_if_cluster_died(item: pytest.Item) -> None:
     """Fail a test whose fixtures hold a cluster that died under an earlier test (session fixtures are cached,
     so this is checked per test, not when the fixture was made); the reason is the death's own message."""
-    if MANAGER not in item.config.stash:
+    if session_of(item.config).manager is None:
         return  # no cluster was ever made in this process
     from pytest_pdserve.cluster import PDCluster  # lazy (httpx): loaded already, the manager imported it
 
@@ -348,7 +364,7 @@ class _Factory:
 
         The next request for it, ``pd_cluster`` included, starts a fresh one: a stopped cluster is never handed out.
         """
-        manager = self._request.config.stash.get(MANAGER, None)
+        manager = session_of(self._request.config).manager
         if manager is not None:
             manager.stop(spec)  # the manager's on_stop listener (above) makes pytest forget it
 
@@ -388,10 +404,11 @@ def pd_cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactor
     that cluster first; ``pd_cluster_factory.stop(spec)`` stops one early. A cluster no remaining test uses is
     stopped after its last user (glue/last_user.py); everything else stops at session end.
     """
-    request.config.stash[FACTORY_REQUEST] = request
+    session = session_of(request.config)
+    session.factory_request = request
     yield _Factory(request)
     # The session's stop is bounded by --pd-shutdown-timeout, not by the timer of whichever test ran last.
-    with timeout_paused(request.config.stash.get(CURRENT_ITEM, None)):
+    with timeout_paused(session.current_item):
         stop_manager(request.config)
 
 
@@ -403,8 +420,8 @@ def pd_cluster(request: pytest.FixtureRequest) -> PDCluster:
     reach each server (``.url``, ``.client``, ``.metrics()``, ``.log_path``). ``--pd-preset``,
     ``--pd-kv-connector-config`` and ``--pd-proxy-port`` shape it (the same cluster ``--pd-export-env`` exports).
     """
-    # Lazy: export_env's session spec loads spec.py and presets (~40 M instructions, see _Factory), here at first use.
-    from pytest_pdserve.glue.export_env import session_proxy_port, session_spec
+    # Lazy: only for this fixture (the session spec loads spec.py and presets when called, see _Factory).
+    from pytest_pdserve.glue.session_spec import session_proxy_port, session_spec
 
     spec, preset = session_spec(request.config)
     port = session_proxy_port(request.config.stash[PDSERVE_CONFIG], preset)
@@ -422,9 +439,10 @@ def _configure_clients(config: pytest.Config) -> None:
     # start no cluster should pay.
     from pytest_pdserve.common import client_options as clients
 
-    if config.stash.get(CLIENTS_CONFIGURED, False):
+    session = session_of(config)
+    if session.clients_configured:
         return
-    config.stash[CLIENTS_CONFIGURED] = True
+    session.clients_configured = True
     cfg = config.stash[PDSERVE_CONFIG]
     s = SETTINGS_BY_NAME["request_timeout"]
     clients.OPTIONS.request_timeout = cfg.request_timeout
@@ -457,9 +475,7 @@ def salted_test(item: pytest.Item) -> Iterator[None]:
     _configure_clients(config)
     salt = None
     if config.stash[PDSERVE_CONFIG].cache_salt == "per-test":
-        if SALT_TOKEN not in config.stash:
-            config.stash[SALT_TOKEN] = os.urandom(8).hex()  # per session: reruns never reuse a warm cache
-        salt = clients.salt_for(item.nodeid, config.stash[SALT_TOKEN])
+        salt = clients.salt_for(item.nodeid, session_of(config).salt_token)
     item.stash[TEST_SALT] = salt
     with clients.salted(salt):
         yield

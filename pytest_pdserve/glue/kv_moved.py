@@ -1,6 +1,7 @@
 """``--pd-export-env``'s per-module proof that P/D happened: the KV each of vLLM's modules moved from prefill to
 decode (decode's ``external_kv_transfer`` tokens and NIXL bytes), the summary's lines, and
-``--pd-require-kv-transfer``'s verdict on a module that moved none (a proxy that never calls prefill).
+``--pd-require-kv-transfer``'s verdict on a module that moved none (a proxy that never calls prefill). Called by
+export_env.py's plugin, which holds the record (`Exported`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig
-from pytest_pdserve.glue.export_env import EXPORTED, delta_or_zero
+from pytest_pdserve.config.settings import PDServeConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # export_env.py imports this module
     from pytest_pdserve.cluster import PDCluster
-    from pytest_pdserve.metrics import MetricsSnapshot
+    from pytest_pdserve.glue.export_env import Exported
+    from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot
 
-__all__ = ["module_boundary", "module_lines", "require_kv_transfer", "test_passed", "vacuous_modules"]
+__all__ = ["delta_or_zero", "module_boundary", "module_lines", "require_kv_transfer", "test_passed", "vacuous_modules"]
+
+
+def delta_or_zero(delta: MetricsDelta, name: str, **labels: str) -> float:
+    """A counter's delta, 0 when the server does not export it (yet)."""
+    value = delta.get(name, **labels)
+    return 0.0 if value is None else value
 
 
 def _module_of(nodeid: str) -> str:
@@ -42,11 +49,11 @@ def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> t
     return tokens, nixl
 
 
-def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.Item | None, starting: bool) -> None:
-    """Around each test (``pytest_runtest_protocol``): snapshot decode's metrics when a module starts, and when it
-    ends record the KV it moved from prefill to decode (issue 26: vLLM's test_edge_cases primes decode directly,
-    so its prefix-cache hits stay the same through a proxy that never calls prefill; only these drop to 0)."""
-    exported = config.stash.get(EXPORTED, None)
+def module_boundary(exported: Exported | None, item: pytest.Item, nextitem: pytest.Item | None, starting: bool) -> None:
+    """Around each test (``pytest_runtest_protocol``, and before its teardown: the session's last one stops the
+    clusters): snapshot decode's metrics when a module starts, and when it ends record the KV it moved from prefill
+    to decode (issue 26: vLLM's test_edge_cases primes decode directly, so its prefix-cache hits stay the same
+    through a proxy that never calls prefill; only these drop to 0)."""
     if exported is None or exported.cluster is None:
         return
     module = _module_of(item.nodeid)
@@ -69,43 +76,38 @@ def module_boundary(config: pytest.Config, item: pytest.Item, nextitem: pytest.I
             exported.final = {s.name: s.metrics() for s in (*exported.cluster.prefill, *exported.cluster.decode)}
 
 
-def test_passed(config: pytest.Config, report: pytest.TestReport) -> None:
+def test_passed(exported: Exported | None, report: pytest.TestReport) -> None:
     """After each test's report is made (``pytest_runtest_makereport``): remember the modules with a passed test."""
-    exported = config.stash.get(EXPORTED, None)
     if exported is not None and report.when == "call" and report.passed:
         exported.passed.add(_module_of(report.nodeid))
 
 
-def require_kv_transfer(config: pytest.Config) -> bool:
+def require_kv_transfer(cfg: PDServeConfig, exported: Exported | None) -> bool:
     """``--pd-require-kv-transfer``, else on exactly when a preset is in use (the presets stand for P/D scripts)."""
-    cfg: PDServeConfig = config.stash[PDSERVE_CONFIG]
     if cfg.sources.get("require_kv_transfer", "default") != "default":
         return cfg.require_kv_transfer
-    exported = config.stash.get(EXPORTED, None)
     return exported is not None and exported.preset is not None
 
 
-def vacuous_modules(config: pytest.Config) -> list[str]:
+def vacuous_modules(exported: Exported | None) -> list[str]:
     """Modules that passed a test and moved no KV from prefill to decode."""
-    exported = config.stash.get(EXPORTED, None)
     if exported is None:
         return []
     return sorted(m for m, (tokens, nixl) in exported.moved.items() if m in exported.passed and not tokens and
                   not nixl)  # fmt: skip
 
 
-def module_lines(config: pytest.Config) -> list[str]:
+def module_lines(exported: Exported, required: bool) -> list[str]:
     """Terminal-summary lines: the KV each module moved from prefill to decode, and what requiring it did."""
-    exported = config.stash.get(EXPORTED, None)
-    if exported is None or not exported.moved:
+    if not exported.moved:
         return []
     lines = [f"pdserve: KV moved prefill -> decode in {m}: external_kv_transfer {t:.0f} tokens, NIXL {b:.0f} bytes"
              for m, (t, b) in sorted(exported.moved.items())]  # fmt: skip
-    vacuous = vacuous_modules(config)
+    vacuous = vacuous_modules(exported)
     if vacuous:
         why = ("failing the session (--pd-require-kv-transfer"
                + (", on under --pd-preset)" if exported.preset else ")"))  # fmt: skip
-        tail = why if require_kv_transfer(config) else "(--pd-require-kv-transfer fails the session for this)"
+        tail = why if required else "(--pd-require-kv-transfer fails the session for this)"
         lines.append(f"pdserve: no KV moved from prefill to decode in {', '.join(vacuous)}: the P/D path was not "
                      f"exercised (a proxy that never calls prefill passes this way); {tail}")  # fmt: skip
     return lines

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_pdserve.common.redaction import redact
-from pytest_pdserve.glue.fixtures import MANAGER
+from pytest_pdserve.glue.fixtures import session_of
 
 OFFSETS = pytest.StashKey[dict[str, int]]()
 #: Lines per server kept in a failure report; the full logs stay on disk (path in the section title).
@@ -22,7 +22,7 @@ MAX_LINES = 200
 
 def record_offsets(item: pytest.Item) -> None:
     """Remember where each running server's log ends, before ``item`` runs."""
-    manager = item.config.stash.get(MANAGER, None)
+    manager = session_of(item.config).manager
     offsets: dict[str, int] = {}
     if manager is not None:
         for cluster in manager.running():
@@ -36,7 +36,7 @@ def attach_sections(item: pytest.Item, report: pytest.TestReport) -> None:
     """Add one report section per server that wrote during this test, or is dead (failed reports only)."""
     if not report.failed:
         return
-    manager = item.config.stash.get(MANAGER, None)
+    manager = session_of(item.config).manager
     if manager is None:
         return
     offsets = item.stash.get(OFFSETS, {})

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest_pdserve.machine.gpu_probe as gpu_probe
 from gpuinner import GPU_ENV, compute_apps, describe, record
 from pytest_pdserve.machine import leases
-from pytest_pdserve.glue.fixtures import MANAGER
+from pytest_pdserve.glue.fixtures import session_of
 from pytest_pdserve.spec import ClusterSpec
 
 # A descendant that outlives its server for a while (like vLLM's EngineCore): it carries the run token,
@@ -59,7 +59,7 @@ def test_gate(request, pd_cluster_factory, tmp_path, monkeypatch):
     spec = ClusterSpec(env=GPU_ENV, name="gate")
     cluster = pd_cluster_factory(spec)
     info = describe(cluster)
-    manager = request.config.stash[MANAGER]
+    manager = session_of(request.config).manager
     files = [tmp_path / n for n in ("ready", "go", "exited")]
     env = {{**os.environ, "PDSERVE_RUN_TOKEN": manager.run_token,
             "CUDA_VISIBLE_DEVICES": ",".join(cluster.prefill[0].gpus)}}
