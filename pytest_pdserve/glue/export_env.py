@@ -220,18 +220,20 @@ def _describe(config: pytest.Config, cfg: PDServeConfig) -> Exported | None:
     try:
         spec, result = session_spec(config)
     except ClusterSpecError as exc:
-        return _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
+        _refuse(config, f"pdserve: preset {cfg.preset!r} (from {cfg.source_of('preset')}): {exc}")
+        return None
     exported = Exported(spec, notes=result.notes if result else (), preset=result.name if result else None)
     exported.exports = dict(result.exports) if result else {}
     exported.proxy_port = session_proxy_port(cfg, result)
     if cfg.export_env_file is not None:
         problem = foreign_file(cfg.export_env_file)
         if problem is not None:
-            return _refuse(
+            _refuse(
                 config,
                 f"pdserve: export_env_file {cfg.export_env_file} (from {cfg.source_of('export_env_file')}) {problem}; "
                 "name a new file, or remove this one if it is yours",
             )
+            return None
         exported.file = cfg.export_env_file
     return exported
 
