@@ -69,6 +69,5 @@ def test_the_worker_verdict_plugins_are_registered_only_under_xdist_each_where_i
         assert root.joinpath("verdict-main").read_text() == ""
     inner.run("-n", "2").assert_outcomes(passed=1)
     assert root.joinpath("verdict-main").read_text() == "pdserve-controller-verdicts"
-    assert root.joinpath("verdict-gw0").read_text() == root.joinpath("verdict-gw1").read_text() == (
-        "pdserve-worker-verdict"
-    )
+    for worker in ("gw0", "gw1"):
+        assert root.joinpath(f"verdict-{worker}").read_text() == "pdserve-worker-verdict"
