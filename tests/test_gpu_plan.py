@@ -40,13 +40,13 @@ def plans() -> Iterator[list[GpuPlan]]:
             lease.release()
 
 
-def planner(lease_dir: Path, gpus: int | Inventory, *, gpu_memory_utilization: float | None = None,
-            **kw: object) -> GpuPlanner:  # fmt: skip
+def planner(lease_dir: Path, gpus: int | Inventory, **kw: object) -> GpuPlanner:
     """A planner on ``gpus`` simulated GPUs (or that inventory) that waits at most 5 s for a lease; ``kw``: the
-    session's other settings (`ClusterSettings` fields)."""
+    session's settings (`ClusterSettings` fields, and ``gpu_memory_utilization``)."""
     inv = simulated_inventory("cuda", gpus) if isinstance(gpus, int) else gpus
     kw.setdefault("gpu_wait_timeout", 5.0)
-    defaults = SessionDefaults(gpu_memory_utilization=gpu_memory_utilization, platform=inv.platform)
+    util = kw.pop("gpu_memory_utilization", None)
+    defaults = SessionDefaults(gpu_memory_utilization=util, platform=inv.platform)  # type: ignore[arg-type]
     settings = ClusterSettings(defaults, inv, log_dir=lease_dir.parent / "logs", lease_dir=lease_dir, **kw)  # type: ignore[arg-type]
     return GpuPlanner(settings)
 
