@@ -1,7 +1,8 @@
 """The manager that shares P/D clusters between tests and stops them.
 
-`ClusterManager` is pytest-free: the fixtures give it the resolved settings, the inventory, a log
-directory and a reporter callback. It shares one cluster per equal `ClusterSpec`, remembers a spec that
+`ClusterManager` is pytest-free: the fixtures give it the session's `ClusterSettings` (every setting, the
+inventory, the log directory: ``config/cluster_settings.py``), which it shares with its launcher and GPU planner,
+and a reporter callback. It shares one cluster per equal `ClusterSpec`, remembers a spec that
 failed to start (later tests fail at once with the same error), stops its least recently used clusters
 when a new spec needs their GPUs, and stops everything at the end. Starting one cluster and cleaning up
 after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s; ``--pd-reuse`` (kept
