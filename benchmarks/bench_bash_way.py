@@ -75,6 +75,7 @@ def server_argv(preset: str, role: str, port: int) -> tuple[list[str], dict[str,
     """The simulator argv/env the plugin would build for this preset and role."""
     from pytest_pdserve.cluster import SIM_DEFAULT_MODELS, SIM_VERSION
     from pytest_pdserve.config import commands, presets
+    from pytest_pdserve.config.effective import effective
     from pytest_pdserve.spec import ClusterSpec
 
     spec = presets.resolve(preset, spec_type=ClusterSpec, environ={}, engine="sim").spec
@@ -82,7 +83,7 @@ def server_argv(preset: str, role: str, port: int) -> tuple[list[str], dict[str,
     cmd = commands.build_server_command(
         spec=spec, role=role, index=0, model=SIM_DEFAULT_MODELS[spec.model_kind],  # type: ignore[arg-type]
         ports=commands.ServerPorts(port, free_port(), free_port()), engine=engine,
-        defaults=commands.SessionDefaults(), gpu_env={},
+        asked=effective(spec, commands.SessionDefaults()), gpu_env={},
     )  # fmt: skip
     return list(cmd.argv), {k: v for k, v in cmd.env.items() if v is not None}
 

@@ -33,6 +33,7 @@ from _common import BENCH_DIR, fmt, load_average, print_table, probe_env, summar
 from pytest_pdserve.cluster import SIM_VERSION
 from pytest_pdserve.config import commands
 from pytest_pdserve.config.commands import EngineInfo, Role, ServerPorts, SessionDefaults
+from pytest_pdserve.config.effective import effective
 from pytest_pdserve.proxy.app import prefill_body
 from pytest_pdserve.running.process import ServerProcess, new_run_token, wait_all_ready
 from pytest_pdserve.spec import ClusterSpec
@@ -69,7 +70,7 @@ class Stack:
             cmd = commands.build_server_command(
                 spec=ClusterSpec(), role=role, index=0, model=MODEL,
                 ports=ServerPorts(ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]), engine=engine,
-                defaults=SessionDefaults(), gpu_env={},
+                asked=effective(ClusterSpec(), SessionDefaults()), gpu_env={},
             )  # fmt: skip
             env = probe_env(None, nodelay=nodelay)
             env.update({k: v for k, v in cmd.env.items() if v is not None})

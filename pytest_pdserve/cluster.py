@@ -332,6 +332,34 @@ class PDCluster:
         for server in self.servers:
             self._adopt(server)
 
+    @classmethod
+    def of(
+        cls,
+        spec: ClusterSpec,
+        servers: Sequence[ServerHandle],
+        proxy: ServerHandle,
+        *,
+        engine: str,
+        model: str,
+        block_size: int,
+        attention_backend_asked: str | None,
+        attached: bool = False,
+        platform: str = "cpu",
+        vllm_version: str | None = None,
+        started_seconds: float = 0.0,
+        reused: Reused | None = None,
+        notes: tuple[str, ...] = (),
+    ) -> PDCluster:
+        """The one way pdserve makes a cluster (a fresh start, attach mode, a kept cluster adopted): its prefill and
+        decode ``servers`` (in index order within each role) and ``proxy``, split by role here."""
+        return cls(
+            spec=spec, engine=engine, model=model, block_size=block_size,
+            attention_backend_asked=attention_backend_asked,
+            prefill=tuple(s for s in servers if s.role == "prefill"),
+            decode=tuple(s for s in servers if s.role == "decode"), proxy=proxy, attached=attached, platform=platform,
+            vllm_version=vllm_version, started_seconds=started_seconds, reused=reused, notes=notes,
+        )  # fmt: skip
+
     def set_proxy(self, proxy: ServerHandle) -> None:
         """Put ``proxy`` in front of the cluster (attach mode starts it after the servers answered)."""
         self.proxy = proxy

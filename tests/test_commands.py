@@ -13,6 +13,7 @@ import pytest
 from pytest_pdserve.cluster import served_model_name
 from pytest_pdserve.config import commands
 from pytest_pdserve.config.commands import EngineInfo, ServerPorts, SessionDefaults, build_server_command
+from pytest_pdserve.config.effective import effective
 from pytest_pdserve.config.extra_args import parse_extra_args
 from pytest_pdserve.engines.vllm_compat import Version
 from pytest_pdserve.errors import ClusterSpecError
@@ -41,7 +42,8 @@ def build(spec: ClusterSpec, role: str, engine: EngineInfo = VLLM_033, **kw: obj
     gpu = "0" if role == "prefill" else "1"
     return build_server_command(
         spec=spec, role=role, index=0, model=MODEL, ports=ports, engine=engine,  # type: ignore[arg-type]
-        defaults=kw.pop("session", defaults()), gpu_env={"CUDA_VISIBLE_DEVICES": gpu}, **kw,  # type: ignore[arg-type]
+        asked=effective(spec, kw.pop("session", defaults())), gpu_env={"CUDA_VISIBLE_DEVICES": gpu},  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from pytest_pdserve.assertions import (
 )
 from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.config import commands
+from pytest_pdserve.config.effective import effective
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.errors import ServerExitedEarly
 from pytest_pdserve.glue.fixtures import session_of
@@ -442,8 +443,8 @@ def _argvs(engine: commands.EngineInfo) -> dict[str, list[str]]:
         for role in ("prefill", "decode"):
             cmd = commands.build_server_command(
                 spec=spec, role=role, index=0, model="/models/tiny", ports=commands.ServerPorts(8100, 5559, 20000),
-                engine=engine, defaults=commands.SessionDefaults(attention_backend="CPU_ATTN", platform="cpu",
-                vllm_serve_extra_args=("--max-model-len", "512")), gpu_env={},
+                engine=engine, asked=effective(spec, commands.SessionDefaults(attention_backend="CPU_ATTN",
+                platform="cpu", vllm_serve_extra_args=("--max-model-len", "512"))), gpu_env={},
             )  # fmt: skip
             out[f"{name}/{role}"] = list(cmd.argv[len(engine.argv_prefix) :])
     return out

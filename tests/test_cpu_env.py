@@ -123,14 +123,16 @@ def test_cpu_server_args_and_block_size() -> None:
 def test_cpu_dtype_reaches_the_server_argv_before_user_args() -> None:
     """The platform's --dtype is in every CPU server's argv, and a user's --dtype (later) wins in argparse."""
     from pytest_pdserve.config import commands
+    from pytest_pdserve.config.effective import effective
     from pytest_pdserve.engines import vllm_compat
     from pytest_pdserve.spec import ClusterSpec
 
     engine = commands.EngineInfo("vllm", ("vllm",), vllm_compat.LATEST_KNOWN)
     ports = commands.ServerPorts(http=20000, side_channel=20001, vllm_port=20002)
+    spec = ClusterSpec(decode_extra_args=("--dtype", "bfloat16"))
     cmd = commands.build_server_command(
-        spec=ClusterSpec(decode_extra_args=("--dtype", "bfloat16")), role="decode", index=0, model="m", ports=ports,
-        engine=engine, defaults=commands.SessionDefaults(), gpu_env={}, platform_args=tuple(cpu.cpu_server_args()),
+        spec=spec, role="decode", index=0, model="m", ports=ports, engine=engine,
+        asked=effective(spec, commands.SessionDefaults()), gpu_env={}, platform_args=tuple(cpu.cpu_server_args()),
     )  # fmt: skip
     argv = list(cmd.argv)
     dtypes = [argv[i + 1] for i, a in enumerate(argv) if a == "--dtype"]

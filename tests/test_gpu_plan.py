@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_pdserve.config.cluster_settings import ClusterSettings
+from pytest_pdserve.config.effective import SessionDefaults
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
 from pytest_pdserve.glue.session_inventory import InventoryHolder
 from pytest_pdserve.machine import leases
@@ -38,10 +40,15 @@ def plans() -> Iterator[list[GpuPlan]]:
             lease.release()
 
 
-def planner(lease_dir: Path, gpus: int, **kw: object) -> GpuPlanner:
-    """A planner on ``gpus`` simulated GPUs that waits at most 5 s for a lease."""
+def planner(lease_dir: Path, gpus: int | Inventory, **kw: object) -> GpuPlanner:
+    """A planner on ``gpus`` simulated GPUs (or that inventory) that waits at most 5 s for a lease; ``kw``: the
+    session's settings (`ClusterSettings` fields, and ``gpu_memory_utilization``)."""
+    inv = simulated_inventory("cuda", gpus) if isinstance(gpus, int) else gpus
     kw.setdefault("gpu_wait_timeout", 5.0)
-    return GpuPlanner(simulated_inventory("cuda", gpus), lease_dir, **kw)  # type: ignore[arg-type]
+    util = kw.pop("gpu_memory_utilization", None)
+    defaults = SessionDefaults(gpu_memory_utilization=util, platform=inv.platform)  # type: ignore[arg-type]
+    settings = ClusterSettings(defaults, inv, log_dir=lease_dir.parent / "logs", lease_dir=lease_dir, **kw)  # type: ignore[arg-type]
+    return GpuPlanner(settings)
 
 
 def devices(inv: Inventory, plan: GpuPlan) -> list[str]:
@@ -116,7 +123,7 @@ def test_the_side_without_ids_waits_for_or_skips_gpus_another_run_holds(lease_di
     inv = simulated_inventory("cuda", 2)
     other = leases.acquire_gpus(lease_dir, [inv.gpus[0].uuid], 1, timeout=0)  # another run holds GPU 0
     try:
-        gp = GpuPlanner(inv, lease_dir, decode_gpu_ids=(1,), gpu_wait="skip")
+        gp = planner(lease_dir, inv, decode_gpu_ids=(1,), gpu_wait="skip")
         with pytest.raises(ClusterUnavailable, match="no 1 free GPU .*--pd-gpu-wait=skip"):
             gp.plan(ClusterSpec(), "t")
         # The pinned GPU taken before the failure went back.

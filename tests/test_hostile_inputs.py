@@ -143,7 +143,7 @@ def test_a_once_flag_given_twice_names_both(pytester: pytest.Pytester, monkeypat
         (ClusterSpec(decode_extra_args=("--max-m", "9")), "'--max-m 9' from ClusterSpec.decode_extra_args"),
     ]:
         cmd = build_server_command(spec=spec, role="decode", index=0, model="m", ports=PORTS, engine=SIM,
-                                   defaults=session, gpu_env={})  # fmt: skip
+                                   asked=effective(spec, session), gpu_env={})  # fmt: skip
         assert sum(a.startswith("--max-m") for a in cmd.argv) == 1, cmd.argv
         assert "512" not in cmd.argv
         assert (
@@ -158,16 +158,12 @@ def test_a_once_flag_given_twice_names_both(pytester: pytest.Pytester, monkeypat
         effective(ClusterSpec(), replace(session, max_model_len=2048))
     assert "2048 from the session setting max_model_len and '--max-model-len 512' from X (env)" in str(info.value)
     with pytest.raises(OwnedFlagError, match="True from ClusterSpec.trust_remote_code"):
-        build_server_command(spec=ClusterSpec(trust_remote_code=True, extra_args=("--trust-remote-code",)),
-                             role="prefill", index=0, model="m", ports=PORTS, engine=SIM, defaults=SessionDefaults(),
-                             gpu_env={})  # fmt: skip
+        effective(ClusterSpec(trust_remote_code=True, extra_args=("--trust-remote-code",)), SessionDefaults())
     with pytest.raises(OwnedFlagError, match="False from ClusterSpec.enable_prefix_caching"):
-        build_server_command(spec=ClusterSpec(enable_prefix_caching=False, extra_args=("--enable-prefix",)),
-                             role="prefill", index=0, model="m", ports=PORTS, engine=SIM, defaults=SessionDefaults(),
-                             gpu_env={})  # fmt: skip
+        effective(ClusterSpec(enable_prefix_caching=False, extra_args=("--enable-prefix",)), SessionDefaults())
     # Given once, in the extra args only, it passes through once.
     once = build_server_command(spec=ClusterSpec(), role="decode", index=0, model="m", ports=PORTS, engine=SIM,
-                                defaults=session, gpu_env={})  # fmt: skip
+                                asked=effective(ClusterSpec(), session), gpu_env={})  # fmt: skip
     assert once.argv.count("--max-model-len") == 1
 
 
@@ -294,7 +290,7 @@ def test_cluster_binds_loopback_keeps_the_key_off_argv_and_out_of_reports(
 def test_inherited_vllm_api_key_is_not_passed_to_servers() -> None:
     session = SessionDefaults()
     cmd = build_server_command(spec=ClusterSpec(), role="prefill", index=0, model="m", ports=PORTS, engine=SIM,
-                               defaults=session, gpu_env={})  # fmt: skip
+                               asked=effective(ClusterSpec(), session), gpu_env={})  # fmt: skip
     assert "VLLM_API_KEY" in cmd.env
     assert cmd.env["VLLM_API_KEY"] is None  # None: removed from the inherited environment
 

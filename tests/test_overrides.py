@@ -20,7 +20,7 @@ SESSION = SessionDefaults(vllm_serve_extra_args=("--max-model-len", "2048", "--d
 
 def argv(spec: ClusterSpec, role: str = "prefill", session: SessionDefaults = SESSION) -> tuple[str, ...]:
     return build_server_command(spec=spec, role=role, index=0, model="m", ports=PORTS, engine=SIM,  # type: ignore[arg-type]
-                                defaults=session, gpu_env={}).argv  # fmt: skip
+                                asked=effective(spec, session), gpu_env={}).argv  # fmt: skip
 
 
 def value(args: tuple[str, ...], flag: str) -> str | None:

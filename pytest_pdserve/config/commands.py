@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pytest_pdserve.common.redaction import redact_env
-from pytest_pdserve.config.effective import Role, SessionDefaults, effective
+from pytest_pdserve.config.effective import AskedConfig, Role, SessionDefaults
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.engines.engine import EngineInfo
 from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
     "PROXY_LIST_PLACEHOLDERS",
+    "AskedConfig",
     "PROXY_PLACEHOLDERS",
     "EngineInfo",
     "ProxyCommand",
@@ -104,20 +105,23 @@ def build_server_command(
     model: str,
     ports: ServerPorts,
     engine: EngineInfo,
-    defaults: SessionDefaults,
+    asked: AskedConfig,
     gpu_env: Mapping[str, str | None],
     platform_env: Mapping[str, str] | None = None,
     platform_args: tuple[str, ...] = (),
     host: str = "127.0.0.1",
 ) -> ServerCommand:
-    """Build one server's argv and env. Pure: same inputs, same output (tested against vLLM's argparse)."""
+    """Build one server's argv and env. Pure: same inputs, same output (tested against vLLM's argparse).
+
+    :param asked: ``spec`` merged with the session (``effective.effective(spec, defaults)``), made once per cluster
+        by the caller and shared by its servers.
+    """
     tp = spec.prefill_tp if role == "prefill" else spec.decode_tp
-    eff = effective(spec, defaults)
-    backend, block_size = eff.attention_backend, eff.block_size
-    util, max_len = eff.gpu_memory_utilization, eff.max_model_len
+    backend, block_size = asked.attention_backend, asked.block_size
+    util, max_len = asked.gpu_memory_utilization, asked.max_model_len
 
     argv: list[str] = [*engine.argv_prefix, "serve", model, "--host", host, "--port", str(ports.http)]
-    argv += ["--kv-transfer-config", kv_transfer_config(spec, role, engine, defaults.platform)]
+    argv += ["--kv-transfer-config", kv_transfer_config(spec, role, engine, asked.platform)]
     if backend is not None and vllm_compat.supports_attention_backend_flag(engine.version):
         # The same backend on P and D: the NIXL handshake's compatibility hash includes it.
         argv += ["--attention-backend", backend]
@@ -126,9 +130,9 @@ def build_server_command(
         argv += ["--gpu-memory-utilization", f"{util:g}"]
     if max_len is not None:
         argv += ["--max-model-len", str(max_len)]
-    if eff.enforce_eager:
+    if asked.enforce_eager:
         argv.append("--enforce-eager")
-    argv += ["--seed", str(eff.seed)]
+    argv += ["--seed", str(asked.seed)]
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
     if spec.trust_remote_code:
@@ -140,7 +144,7 @@ def build_server_command(
     argv += vllm_compat.mamba_cache_mode_args(spec.mamba_cache_mode, engine.version)
     # The platform's flags (cpu.py: --dtype float32) come before every user source, so a user's flag wins.
     argv += platform_args
-    argv += eff.extra_args(role)
+    argv += asked.extra_args(role)
 
     env: dict[str, str | None] = {}
     env.update(platform_env or {})
@@ -155,11 +159,11 @@ def build_server_command(
     # Dev mode exposes POST /reset_prefix_cache, which the cold-vs-warm determinism check needs.
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if engine.name == "sim":
-        env["PDSERVE_SIM_PLATFORM"] = defaults.platform  # the simulator follows the session's platform rules
+        env["PDSERVE_SIM_PLATFORM"] = asked.platform  # the simulator follows the session's platform rules
     env.update(spec.env)  # ClusterSpec refuses the variables set above that it may not replace (owned_flags)
     env.update(spec.prefill_env if role == "prefill" else spec.decode_env)
     # None removes an inherited key: a server must require a key exactly when the clients know it.
-    env["VLLM_API_KEY"] = eff.api_key
+    env["VLLM_API_KEY"] = asked.api_key
     return ServerCommand(role=role, index=index, argv=tuple(argv), env=env)
 
 

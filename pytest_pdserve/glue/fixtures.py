@@ -19,7 +19,7 @@ import pytest
 from pytest_pdserve.common import created
 from pytest_pdserve.common.redaction import redact
 from pytest_pdserve.config.setting_table import SETTINGS_BY_NAME
-from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, env_drift, short_source
+from pytest_pdserve.config.settings import PDSERVE_CONFIG, PDServeConfig, env_drift
 from pytest_pdserve.errors import AttachError, ClusterUnavailable, LeaseTimeout, PathError
 from pytest_pdserve.glue import last_user
 from pytest_pdserve.glue.session_inventory import get_inventory
@@ -187,7 +187,7 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     # Lazy: manager.py imports the launcher, the cluster objects, httpx and prometheus_client, which only a run
     # that needs a cluster pays. Lazy too: commands.py and engine.py load spec, presets, owned_flags and packaging,
     # which loading the plugin for a run that starts no cluster must not pay.
-    from pytest_pdserve.config.commands import SessionDefaults
+    from pytest_pdserve.config.cluster_settings import ClusterSettings
     from pytest_pdserve.engines.engine import engine_setup
     from pytest_pdserve.running.manager import ClusterManager
 
@@ -195,34 +195,16 @@ def build_manager(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     inventory = get_inventory(config)
     logs = log_dir(config, tmp_path_factory)
     _configure_clients(config)
-    defaults = SessionDefaults(
-        attention_backend=cfg.attention_backend,
-        vllm_serve_extra_args=cfg.vllm_serve_extra_args,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        enforce_eager=cfg.enforce_eager,
-        seed=cfg.seed,
-        api_key=cfg.api_key,
-        platform=inventory.platform,
-        extra_args_source=short_source(cfg.sources["vllm_serve_extra_args"]),
-        attention_backend_source=short_source(cfg.sources["attention_backend"]),
-    )
+    settings = ClusterSettings.for_config(cfg, inventory, log_dir=logs, terminal=writes_to_terminal(config))
     reuse = reuse_plugin(config)
     manager = ClusterManager(
+        settings,
         engine_setup=lambda name: engine_setup(
             name, vllm_argv=cfg.vllm_argv, vllm_executable=cfg.vllm_executable, platform=inventory.platform
         ),
-        default_engine=cfg.resolved_engine, defaults=defaults, inventory=inventory, log_dir=logs,
-        lease_dir=cfg.lease_dir, model=cfg.model, startup_timeout=cfg.startup_timeout,
-        shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
-        prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, proxy_command=cfg.proxy_command,
-        share_gpus=cfg.share_gpus, port_range=cfg.port_range,
-        reporter=make_reporter(config, logs / "pdserve.log"), terminal=writes_to_terminal(config),
-        reuser=reuse.reuser() if reuse is not None else None,
+        reporter=make_reporter(config, logs / "pdserve.log"), reuser=reuse.reuser() if reuse is not None else None,
         env_drift=lambda environ: env_drift(cfg, environ),  # a cluster's environment is read at its start
     )  # fmt: skip
-    manager.pd_ready_check = cfg.ready_check
     # A restart (ServerHandle.restart) waits like a start, bounded by --pd-startup-timeout: not billed to the test.
     manager.launcher.restart_clock = lambda: timeout_paused(session_of(config).current_item)
     return manager

@@ -23,7 +23,6 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytest_pdserve.errors import ClusterSpecError, ClusterUnavailable
@@ -31,7 +30,8 @@ from pytest_pdserve.machine import leases
 from pytest_pdserve.machine.gpu_probe import GPU_RELEASE_TIMEOUT, pids_off_gpus
 from pytest_pdserve.machine.inventory import Inventory
 
-if TYPE_CHECKING:  # annotations only: spec.py sits above machine/
+if TYPE_CHECKING:  # annotations only: config/ and spec.py sit above machine/
+    from pytest_pdserve.config.cluster_settings import ClusterSettings
     from pytest_pdserve.spec import ClusterSpec
 
 __all__ = [
@@ -136,30 +136,16 @@ class GpuPlan:
 
 
 class GpuPlanner:
-    """Plans, leases and releases the GPUs of clusters for one session (one per `ClusterManager`)."""
+    """Plans, leases and releases the GPUs of clusters for one session (the launcher's, one per `ClusterManager`)."""
 
-    def __init__(
-        self,
-        inventory: Inventory,
-        lease_dir: Path,
-        *,
-        gpu_wait: str = "wait",
-        gpu_wait_timeout: float = 1800.0,
-        prefill_gpu_ids: tuple[int, ...] | None = None,
-        decode_gpu_ids: tuple[int, ...] | None = None,
-        share_gpus: bool = False,
-        gpu_memory_utilization: float | None = None,
-        report: Callable[[str], None] = lambda msg: None,
-    ) -> None:
-        self.inventory = inventory
-        self.lease_dir = lease_dir
-        self.gpu_wait = gpu_wait
-        self.gpu_wait_timeout = gpu_wait_timeout
-        self.prefill_gpu_ids = prefill_gpu_ids
-        self.decode_gpu_ids = decode_gpu_ids
-        self.share_gpus = share_gpus
-        self.gpu_memory_utilization = gpu_memory_utilization
+    def __init__(self, settings: ClusterSettings, report: Callable[[str], None] = lambda msg: None) -> None:
+        self.settings = settings
         self.report = report
+
+    @property
+    def inventory(self) -> Inventory:
+        """The GPUs this process sees (the settings')."""
+        return self.settings.inventory
 
     # ------------------------------------------------------------------ plan
 
@@ -175,9 +161,9 @@ class GpuPlanner:
         tps = [spec.prefill_tp] * spec.num_prefill + [spec.decode_tp] * spec.num_decode
         if not self.inventory.gpus:
             return GpuPlan(tuple(() for _ in tps), (), tuple(None for _ in tps))
-        if self.prefill_gpu_ids is not None or self.decode_gpu_ids is not None:
+        if self.settings.prefill_gpu_ids is not None or self.settings.decode_gpu_ids is not None:
             plan = self._explicit(spec, tps, label, make_room)
-        elif self.share_gpus:
+        elif self.settings.share_gpus:
             plan = self._shared(spec, tps, label, make_room)
         else:
             plan = self._leased(spec, tps, label, make_room)
@@ -225,20 +211,21 @@ class GpuPlanner:
                 "PREFILL_GPU_ID / DECODE_GPU_ID (--pd-prefill-gpu-ids / --pd-decode-gpu-ids) only apply to a "
                 f"1P x 1D cluster; cluster {spec.name} is {spec.num_prefill}P x {spec.num_decode}D"
             )
-        sides = {"prefill": (self.prefill_gpu_ids, tps[0]), "decode": (self.decode_gpu_ids, tps[1])}
+        prefill_ids, decode_ids = self.settings.prefill_gpu_ids, self.settings.decode_gpu_ids
+        sides = {"prefill": (prefill_ids, tps[0]), "decode": (decode_ids, tps[1])}
         for side, (ids, tp) in sides.items():
             if ids is not None and len(ids) != tp:
                 raise ClusterSpecError(
                     f"{side} GPU ids {list(ids)} ({_IDS_FLAGS[side]}) do not match cluster {spec.name}'s {side} "
                     f"tensor-parallel size {tp}: give {tp} id{'s' if tp > 1 else ''}"
                 )
-        problem = explicit_ids_problem(self.inventory, self.prefill_gpu_ids, self.decode_gpu_ids)
+        problem = explicit_ids_problem(self.inventory, prefill_ids, decode_ids)
         if problem is not None:  # checked at configure time; kept for managers built without the settings
             raise ClusterSpecError(problem)
         # Every spec pins the same ids, so another of our clusters holds them: free all of ours first
         # (else the lease would wait for ourselves until --pd-gpu-wait-timeout).
         make_room(self.inventory.count)
-        pinned = sorted({*(self.prefill_gpu_ids or ()), *(self.decode_gpu_ids or ())})
+        pinned = sorted({*(prefill_ids or ()), *(decode_ids or ())})
         held = [self._acquire(pinned, len(pinned), spec, label)]
         try:
             plan: list[tuple[int, ...]] = []
@@ -266,8 +253,8 @@ class GpuPlanner:
     def _acquire(self, positions: list[int], count: int, spec: ClusterSpec, label: str) -> leases.GpuLease:
         """Lease ``count`` of the GPUs at ``positions``; the lease's positions are inventory positions."""
         keys = [self._key(p) for p in positions]
-        if self.gpu_wait == "skip":
-            lease = leases.try_acquire_gpus(self.lease_dir, keys, count, contiguous=False, purpose=label)
+        if self.settings.gpu_wait == "skip":
+            lease = leases.try_acquire_gpus(self.settings.lease_dir, keys, count, contiguous=False, purpose=label)
             if lease is None:
                 raise _unavailable(
                     f"no {count} free GPU{'s' if count > 1 else ''} for cluster {spec.name} (leased by other "
@@ -275,7 +262,7 @@ class GpuPlanner:
                 )
         else:
             lease = leases.acquire_gpus(
-                self.lease_dir, keys, count, contiguous=False, timeout=self.gpu_wait_timeout,
+                self.settings.lease_dir, keys, count, contiguous=False, timeout=self.settings.gpu_wait_timeout,
                 on_wait=self.report, purpose=label,
             )  # fmt: skip
         # Positions in `keys` -> positions in the inventory (what child_env takes).
@@ -294,7 +281,7 @@ class GpuPlanner:
             return tuple(None for _ in plan)
         given = spec.gpu_memory_utilization
         if given is None:
-            given = self.gpu_memory_utilization
+            given = self.settings.defaults.gpu_memory_utilization
         if given is not None:
             problem = shared_utilization_problem(given, sharing)
             if problem is not None:

@@ -186,12 +186,9 @@ def adopt(
                 raise ReuseError(f"{h.name} at {h.url} does not answer /health: {type(exc).__name__}") from None
             if status != 200:
                 raise ReuseError(f"{h.name} at {h.url} answers /health with HTTP {status}")
-    cluster = PDCluster(
-        spec=spec, engine=state.engine, model=state.model, block_size=state.block_size,
-        attention_backend_asked=state.attention_backend,
-        prefill=tuple(h for h in servers if h.role == "prefill"),
-        decode=tuple(h for h in servers if h.role == "decode"), proxy=proxy,
-        platform=state.platform, vllm_version=state.vllm_version,
+    cluster = PDCluster.of(
+        spec, servers, proxy, engine=state.engine, model=state.model, block_size=state.block_size,
+        attention_backend_asked=state.attention_backend, platform=state.platform, vllm_version=state.vllm_version,
         reused=Reused(kept.id, time.time() - kept.created, state.started_seconds),
     )  # fmt: skip
     # Everything a test left changed is named at once (a person fixes all of it in one go), then refused; the

@@ -24,7 +24,7 @@ from pytest_pdserve.common import created
 from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_argv, redact_env
-from pytest_pdserve.config.effective import effective
+from pytest_pdserve.config.effective import AskedConfig
 from pytest_pdserve.errors import ReuseError
 from pytest_pdserve.machine.lockfiles import want_file
 from pytest_pdserve.reuse import protocol
@@ -61,6 +61,7 @@ class KeptClusters:
         spec: ClusterSpec,
         setup: EngineSetup,
         model: str,
+        asked: AskedConfig,
         placement: Mapping[str, object],
         launcher: ClusterLauncher,
         environ: Mapping[str, str],
@@ -70,19 +71,16 @@ class KeptClusters:
         The fingerprint's environment is ``environ``, the copy a fresh cluster's servers would inherit
         (``running/start_env.py``), never one taken at configure: a variable set after it would otherwise be in
         the servers and not in the fingerprint, and the next run would reuse a cluster with another environment."""
-        defaults, report = launcher.defaults, launcher.report
+        settings, report = launcher.settings, launcher.report
         wanted = fingerprint(
-            spec=spec, defaults=defaults, setup=setup, model=model, placement=placement,
-            proxy_command=launcher.proxy_command, environ=environ,
+            spec=spec, defaults=settings.defaults, setup=setup, model=model, placement=placement,
+            proxy_command=settings.proxy_command, environ=environ,
         )  # fmt: skip
         self._wanted[spec] = wanted
         claim, why = find_reusable(self.options.directory, wanted, spec.name, report, ttl=self.options.ttl)
         if claim is not None:
             try:
-                running = adopt(
-                    claim, spec, api_key=defaults.api_key,
-                    max_model_len=effective(spec, defaults).max_model_len, report=report,
-                )  # fmt: skip
+                running = adopt(claim, spec, api_key=asked.api_key, max_model_len=asked.max_model_len, report=report)
             except Exception as exc:
                 claim.stop()
                 why = f"kept cluster {claim.kept.id} failed its check ({exc}); stopped it"

@@ -20,8 +20,7 @@ import httpx
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.common.digits import is_int
-from pytest_pdserve.config.commands import SessionDefaults
-from pytest_pdserve.config.effective import effective
+from pytest_pdserve.config.effective import AskedConfig
 from pytest_pdserve.errors import AttachError, MetricsScrapeError, ResponseTooLarge
 from pytest_pdserve.machine import leases
 from pytest_pdserve.metrics import scrape
@@ -43,21 +42,21 @@ _SERVER_SETTINGS = (
 
 
 def start_attached(
-    cfg: Any, launcher: ClusterLauncher, defaults: SessionDefaults, environ: Mapping[str, str]
+    cfg: Any, launcher: ClusterLauncher, asked: AskedConfig, environ: Mapping[str, str]
 ) -> LaunchedCluster:
     """Check every attached URL, then use the given proxy or start the built-in one in front of the servers.
 
     ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``);
-    ``environ`` is what the built-in proxy inherits (``start_env.start_environ``).
+    ``asked`` the attached cluster's spec merged with the session (``effective.effective``); ``environ`` is what the
+    built-in proxy inherits (``start_env.start_environ``).
     """
     __tracebackhide__ = True
     t0 = time.monotonic()
     origin = {role: cfg.source_of(f"{role}_urls" if role != "proxy" else "proxy_url") for role in ROLES}
-    eff = effective(ClusterSpec(name="attached"), defaults)
     cluster = attach(
         prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url, model=cfg.model,
-        api_key=eff.api_key, attention_backend=eff.attention_backend,
-        block_size=eff.block_size, check_only=cfg.proxy_url is None, origin=origin,
+        api_key=asked.api_key, attention_backend=asked.attention_backend,
+        block_size=asked.block_size, check_only=cfg.proxy_url is None, origin=origin,
     )  # fmt: skip
     processes: list[ServerProcess] = []
     port_leases: list[leases.PortLease] = []
@@ -136,11 +135,9 @@ def attach(
         source = "--pd-model" if model is not None else f"what {handles[0].name} serves first"
         raise AttachError(f"attach mode: model {wanted!r} ({source}) is not served everywhere: " + "; ".join(wrong))
     discovered = _attached_block_size(handles, timeout)
-    return PDCluster(
-        spec=ClusterSpec(name="attached"), engine="attached", model=wanted,
-        block_size=discovered or block_size, attention_backend_asked=attention_backend,
-        prefill=tuple(h for h in handles if h.role == "prefill"),
-        decode=tuple(h for h in handles if h.role == "decode"), proxy=proxy, attached=True,
+    return PDCluster.of(
+        ClusterSpec(name="attached"), handles, proxy, engine="attached", model=wanted,
+        block_size=discovered or block_size, attention_backend_asked=attention_backend, attached=True,
     )  # fmt: skip
 
 

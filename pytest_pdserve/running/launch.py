@@ -38,15 +38,14 @@ from pytest_pdserve.common.child_env import child_environ
 from pytest_pdserve.common.logfile import open_append
 from pytest_pdserve.common.redaction import redact_env
 from pytest_pdserve.config import acceptance, commands
-from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts, SessionDefaults
-from pytest_pdserve.config.effective import effective
+from pytest_pdserve.config.cluster_settings import ClusterSettings
+from pytest_pdserve.config.commands import Role, ServerCommand, ServerPorts
+from pytest_pdserve.config.effective import AskedConfig, effective
 from pytest_pdserve.engines.engine import EngineSetup
 from pytest_pdserve.errors import LeaseTimeout, PDServeError
 from pytest_pdserve.machine import leases
 from pytest_pdserve.machine.gpu_plan import GpuPlan, GpuPlanner
-from pytest_pdserve.machine.inventory import Inventory
 from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
-from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.running import port_race, verify
 from pytest_pdserve.running.process import ServerProcess, StopReport, new_run_token, wait_all_ready
 from pytest_pdserve.running.proctree import tree_pids
@@ -84,35 +83,13 @@ class LaunchedCluster:
 class ClusterLauncher:
     """Starts clusters and cleans up after them; owns the session's watchdog and guard (the supervisors)."""
 
-    def __init__(
-        self,
-        *,
-        defaults: SessionDefaults,
-        inventory: Inventory,
-        gpus: GpuPlanner,
-        log_dir: Path,
-        lease_dir: Path,
-        startup_timeout: float,
-        shutdown_timeout: float,
-        proxy_command: tuple[str, ...] | None,
-        report: Reporter,
-        port_range: tuple[int, int | None] = DEFAULT_PORT_RANGE,
-        terminal: bool = True,
-    ) -> None:
-        self.defaults = defaults
-        self.inventory = inventory
-        self.gpus = gpus
-        self.log_dir = log_dir
-        self.lease_dir = lease_dir
-        self.startup_timeout = startup_timeout
-        self.shutdown_timeout = shutdown_timeout
-        self.proxy_command = proxy_command
+    def __init__(self, settings: ClusterSettings, report: Reporter) -> None:
+        self.settings = settings
+        #: The session's GPU planner (which GPUs each server sees, their leases and release gate).
+        self.gpus = GpuPlanner(settings, report)
         self.report = report
-        #: Whether the reports reach a terminal (a person watching) or a log (CI): how often progress is shown.
-        self.terminal = terminal
         self.run_token = new_run_token()
-        self.port_range = port_range
-        self.supervisors = Supervisors(self.run_token, shutdown_timeout, self.log_path, report)
+        self.supervisors = Supervisors(self.run_token, settings.shutdown_timeout, self.log_path, report)
         #: Around a restart's wait (:meth:`respawn`): the pytest side pauses pytest-timeout's clock, as for a start.
         self.restart_clock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
@@ -121,7 +98,7 @@ class ClusterLauncher:
         first time (a plain ``mkdir`` made it 0755).
 
         :raises PathError: it cannot be made (the message names it)."""
-        return ensure_dir(self.log_dir, LOG_DIR_MODE, mark=created.RUN_LOGS) / name
+        return ensure_dir(self.settings.log_dir, LOG_DIR_MODE, mark=created.RUN_LOGS) / name
 
     # ------------------------------------------------------------------ supervisors (supervisors.py)
 
@@ -145,24 +122,23 @@ class ClusterLauncher:
         label: str,
         setup: EngineSetup,
         model: str,
+        asked: AskedConfig,
         *,
         make_room: Callable[[int], None],
         environ: Mapping[str, str],
         proxy_port: int | None = None,
-        pd_ready_check: bool = True,
     ) -> LaunchedCluster:
         """Start ``spec``'s servers and proxy and return them running (everything undone on failure); started again
         on other ports when another process took a port leased for it (port_race.py).
 
+        :param asked: ``spec`` merged with the session (``effective.effective``), made once for the cluster.
         :param environ: what every process of the cluster inherits (``start_env.start_environ``'s one copy)."""
         return port_race.start_retrying(
-            lambda held: self._launch_once(
-                spec, label, setup, model, make_room, proxy_port, pd_ready_check, held, environ
-            ),
+            lambda held: self._launch_once(spec, label, setup, model, asked, make_room, proxy_port, held, environ),
             label=label, fixed_port=proxy_port, report=self.report,
         )  # fmt: skip
 
-    def check_accepted(self, spec: ClusterSpec, setup: EngineSetup) -> None:
+    def check_accepted(self, spec: ClusterSpec, setup: EngineSetup, asked: AskedConfig) -> None:
         """Refuse what vLLM would refuse or die on (config/acceptance.py) before anything is leased, built or started:
         one command per role, with a placeholder model and ports (the rules read neither).
 
@@ -172,14 +148,15 @@ class ClusterLauncher:
         model = spec.model or f"<the {spec.model_kind} model>"
         for role in ("prefill", "decode"):
             cmd = commands.build_server_command(
-                spec=spec, role=role, index=0, model=model, ports=ports, engine=setup.info, defaults=self.defaults,
-                gpu_env={}, platform_env=setup.platform_env, platform_args=setup.platform_args,
+                spec=spec, role=role, index=0, model=model, ports=ports, engine=setup.info, asked=asked, gpu_env={},
+                platform_env=setup.platform_env, platform_args=setup.platform_args,
             )  # fmt: skip
-            acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+            acceptance.check_command(cmd, spec, setup.info, self.settings.defaults.platform)
 
     def _launch_once(
-        self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, make_room: Callable[[int], None],
-        proxy_port: int | None, pd_ready_check: bool, port_leases: list[leases.PortLease], environ: Mapping[str, str],
+        self, spec: ClusterSpec, label: str, setup: EngineSetup, model: str, asked: AskedConfig,
+        make_room: Callable[[int], None], proxy_port: int | None, port_leases: list[leases.PortLease],
+        environ: Mapping[str, str],
     ) -> LaunchedCluster:  # fmt: skip
         t0 = time.monotonic()
         processes: list[ServerProcess] = []
@@ -196,19 +173,23 @@ class ClusterLauncher:
             roles += [("decode", j) for j in range(spec.num_decode)]
             handles: list[ServerHandle] = []
             notes: dict[str, None] = {}  # ordered, once each: every server usually has the same
+            # Servers sharing a GPU get their share of its memory (gpu_plan.py) unless one was given: the merge again
+            # with that share as the session's (one per share; the cluster's own `asked` otherwise).
+            shared_asked = {
+                util: effective(spec, replace(self.settings.defaults, gpu_memory_utilization=util))
+                for util in set(gpu_plan.utilization) if util is not None
+            }  # fmt: skip
             for (role, index), positions, util in zip(roles, gpu_plan.positions, gpu_plan.utilization, strict=True):
                 ports, held = self._lease_ports(f"{label} {role}-{index}", 1)
                 port_leases += held
-                gpu_env = self.inventory.child_env(positions) if positions else {}
-                # Servers sharing a GPU get their share of its memory (gpu_plan.py) unless one was given.
-                defaults = self.defaults if util is None else replace(self.defaults, gpu_memory_utilization=util)
+                gpu_env = self.settings.inventory.child_env(positions) if positions else {}
                 cmd = commands.build_server_command(
                     spec=spec, role=role, index=index, model=model, ports=ports, engine=setup.info,
-                    defaults=defaults, gpu_env=gpu_env, platform_env=setup.platform_env,
-                    platform_args=setup.platform_args,
+                    asked=asked if util is None else shared_asked[util], gpu_env=gpu_env,
+                    platform_env=setup.platform_env, platform_args=setup.platform_args,
                 )  # fmt: skip
                 # What vLLM would refuse or die on is refused here, before any server starts (rules/).
-                verdict = acceptance.check_command(cmd, spec, setup.info, self.defaults.platform)
+                verdict = acceptance.check_command(cmd, spec, setup.info, self.settings.defaults.platform)
                 for replaced in verdict.replacements:
                     notes[replaced.describe()] = None
                 for limit in verdict.limits:
@@ -232,18 +213,17 @@ class ClusterLauncher:
             self._start_servers(spec, [*handles, proxy], gpu_plan.shared, t0, watchdog, hold_leases, fds)
             for h in [*handles, proxy]:  # ServerHandle.restart
                 h.respawn = functools.partial(self.respawn, processes, fds)
-            n_p = spec.num_prefill
-            eff = effective(spec, self.defaults)
-            cluster = PDCluster(
-                spec=spec, engine=setup.info.name, model=served_model_name(cmd.argv, model),
-                block_size=eff.block_size, attention_backend_asked=eff.attention_backend,
-                prefill=tuple(handles[:n_p]), decode=tuple(handles[n_p:]),
-                proxy=proxy, platform=self.inventory.platform, vllm_version=str(setup.info.version),
-                started_seconds=time.monotonic() - t0, notes=(*eff.overrides, *notes),
+            cluster = PDCluster.of(
+                spec, handles, proxy, engine=setup.info.name, model=served_model_name(cmd.argv, model),
+                block_size=asked.block_size, attention_backend_asked=asked.attention_backend,
+                platform=self.settings.inventory.platform, vllm_version=str(setup.info.version),
+                started_seconds=time.monotonic() - t0, notes=(*asked.overrides, *notes),
             )  # fmt: skip
             # What the servers really run must be what was asked (a mismatch fails the start), and P/D-ready, not
             # HTTP-ready: KV must move through the proxy. Both at once (verify.check_started).
-            pd_ready = verify.check_started(cluster, max_model_len=eff.max_model_len, pd_ready=pd_ready_check)
+            pd_ready = verify.check_started(
+                cluster, max_model_len=asked.max_model_len, pd_ready=self.settings.ready_check
+            )
             if pd_ready is not None:
                 cluster.pd_ready_seconds = pd_ready
                 cluster.started_seconds = time.monotonic() - t0
@@ -283,20 +263,19 @@ class ClusterLauncher:
             cmd.name, cmd.argv, env, log_path,
             health_url=f"{url}/health", models_url=f"{url}/v1/models",
             model_id=served_model_name(cmd.argv, model),
-            api_key=self.defaults.api_key, run_token=self.run_token, rpc_dir=rpc_dir,
+            api_key=self.settings.defaults.api_key, run_token=self.run_token, rpc_dir=rpc_dir,
         )  # fmt: skip
-        tokens = tuple(self.inventory.gpus[p].token for p in positions)
-        return ServerHandle(role, index, url, self.defaults.api_key, log_path, proc, cmd, ports, tokens)
+        tokens = tuple(self.settings.inventory.gpus[p].token for p in positions)
+        return ServerHandle(role, index, url, self.settings.defaults.api_key, log_path, proc, cmd, ports, tokens)
 
     def _lease_ports(self, label: str, width: int) -> tuple[ServerPorts, list[leases.PortLease]]:
-        low, high = self.port_range
+        low, high = self.settings.port_range
         held: list[leases.PortLease] = []
         try:
-            held.append(leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} http"))
+            lease_dir = self.settings.lease_dir
+            held.append(leases.acquire_ports(lease_dir, 1, low=low, high=high, purpose=f"{label} http"))
             for width_, what in ((width, "nixl side channel"), (commands.VLLM_PORT_WINDOW, "VLLM_PORT")):
-                held.append(
-                    leases.acquire_port_span(self.lease_dir, width_, low=low, high=high, purpose=f"{label} {what}")
-                )
+                held.append(leases.acquire_port_span(lease_dir, width_, low=low, high=high, purpose=f"{label} {what}"))
         except BaseException:
             # The caller only learns about leases we return: free the ones taken before the failure.
             for lease in held:
@@ -315,8 +294,8 @@ class ClusterLauncher:
         after_spawn: Callable[[], None] = lambda: None,
         inherit_fds: Sequence[int] = (),
     ) -> None:
-        deadline = t0 + self.startup_timeout
-        progress = StartProgress(self.report, self.terminal)
+        deadline = t0 + self.settings.startup_timeout
+        progress = StartProgress(self.report, self.settings.terminal)
         if shared:
             # Staggered: each server is ready before the next starts, so KV-cache profiling sees a quiet GPU.
             # (The proxy, last in `handles`, uses no GPU: it starts with the first server.)
@@ -358,14 +337,14 @@ class ClusterLauncher:
         port: int | None = None,
     ) -> ServerHandle:
         """Lease the proxy's port (``port`` exactly, when given) and build its process (not started)."""
-        low, high = self.port_range
+        low, high = self.settings.port_range
         if port is not None:
             try:
-                lease = leases.acquire_fixed_port(self.lease_dir, port, purpose=f"{label} proxy")
+                lease = leases.acquire_fixed_port(self.settings.lease_dir, port, purpose=f"{label} proxy")
             except LeaseTimeout as exc:
                 raise PDServeError(f"--pd-proxy-port {port}: {exc}; free it or choose another port") from None
         else:
-            lease = leases.acquire_ports(self.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
+            lease = leases.acquire_ports(self.settings.lease_dir, 1, low=low, high=high, purpose=f"{label} proxy")
         port_leases.append(lease)
         if hold:
             watchdog.hold(f"{label}-ports-{lease.base}", lease.fds)
@@ -373,17 +352,18 @@ class ClusterLauncher:
         prefill = [h for h in handles if h.role == "prefill"]
         decode = [h for h in handles if h.role == "decode"]
         cmd = commands.build_proxy_command(
-            self.proxy_command, port, [(httpx.URL(h.url).host, h.port, h.url) for h in prefill],
-            [(httpx.URL(h.url).host, h.port, h.url) for h in decode], self.defaults.api_key,
+            self.settings.proxy_command, port, [(httpx.URL(h.url).host, h.port, h.url) for h in prefill],
+            [(httpx.URL(h.url).host, h.port, h.url) for h in decode], self.settings.defaults.api_key,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         log_path = self.log_path(f"{label}-proxy.log")
         proc = ServerProcess(
             "proxy", cmd.argv, child_env(cmd.env, environ), log_path, health_url=f"{url}{cmd.health_path}",
-            api_key=self.defaults.api_key, run_token=self.run_token,
+            api_key=self.settings.defaults.api_key, run_token=self.run_token,
         )  # fmt: skip
         processes.append(proc)
-        return ServerHandle("proxy", 0, url, self.defaults.api_key, log_path, proc, None, ServerPorts(port, 0, 0))
+        api_key = self.settings.defaults.api_key
+        return ServerHandle("proxy", 0, url, api_key, log_path, proc, None, ServerPorts(port, 0, 0))
 
     def start_proxy(
         self,
@@ -406,8 +386,9 @@ class ClusterLauncher:
                 assert proxy.process is not None
                 proxy.process.start([fd for lease in held for fd in lease.fds])
                 watchdog.watch(proxy.process.pid or 0, proxy.process.pgid or 0)
-                progress = StartProgress(self.report, self.terminal)
-                proxy.ready_seconds = wait_all_ready([proxy.process], t0 + self.startup_timeout, progress)["proxy"]
+                progress = StartProgress(self.report, self.settings.terminal)
+                deadline = t0 + self.settings.startup_timeout
+                proxy.ready_seconds = wait_all_ready([proxy.process], deadline, progress)["proxy"]
             except BaseException:
                 self.cleanup(label, started, None, held)  # each attempt undoes its own (port_race's contract)
                 raise
@@ -425,7 +406,7 @@ class ClusterLauncher:
 
         :raises ServerStartupError: it did not come up again (killed first, as a failed start is).
         """
-        old.stop(self.shutdown_timeout)  # idempotent: a killed server returns its report at once
+        old.stop(self.settings.shutdown_timeout)  # idempotent: a killed server returns its report at once
         watchdog = self.watch()
         if old.pgid is not None:
             watchdog.unwatch(old.pgid)
@@ -434,8 +415,8 @@ class ClusterLauncher:
         fresh.start(inherit_fds)
         watchdog.watch(fresh.pid or 0, fresh.pgid or 0)
         with self.restart_clock():
-            deadline = time.monotonic() + self.startup_timeout
-            wait_all_ready([fresh], deadline, StartProgress(self.report, self.terminal))
+            deadline = time.monotonic() + self.settings.startup_timeout
+            wait_all_ready([fresh], deadline, StartProgress(self.report, self.settings.terminal))
         return fresh
 
     # ------------------------------------------------------------------ stop
@@ -478,7 +459,7 @@ class ClusterLauncher:
         started = [p for p in processes if p.pid is not None]
         if started:
             with ThreadPoolExecutor(max_workers=len(started)) as pool:
-                list(pool.map(lambda p: _safe_stop(p, self.shutdown_timeout), started))
+                list(pool.map(lambda p: _safe_stop(p, self.settings.shutdown_timeout), started))
         for p in started:
             if self.supervisors.watchdog is not None and p.pgid is not None:
                 try:

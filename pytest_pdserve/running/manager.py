@@ -1,7 +1,8 @@
 """The manager that shares P/D clusters between tests and stops them.
 
-`ClusterManager` is pytest-free: the fixtures give it the resolved settings, the inventory, a log
-directory and a reporter callback. It shares one cluster per equal `ClusterSpec`, remembers a spec that
+`ClusterManager` is pytest-free: the fixtures give it the session's `ClusterSettings` (every setting, the
+inventory, the log directory: ``config/cluster_settings.py``), which it shares with its launcher and GPU planner,
+and a reporter callback. It shares one cluster per equal `ClusterSpec`, remembers a spec that
 failed to start (later tests fail at once with the same error), stops its least recently used clusters
 when a new spec needs their GPUs, and stops everything at the end. Starting one cluster and cleaning up
 after it is `launch.py`'s job; attach mode (servers someone else started) is `attach.py`'s; ``--pd-reuse`` (kept
@@ -19,17 +20,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.common.owner import Owner
-from pytest_pdserve.config.commands import SessionDefaults
+from pytest_pdserve.config.cluster_settings import ClusterSettings
+from pytest_pdserve.config.effective import AskedConfig, effective
 from pytest_pdserve.engines.engine import SIM_DEFAULT_MODELS, EngineSetup
 from pytest_pdserve.errors import ClusterStopped, ClusterUnavailable, ServerDied
-from pytest_pdserve.machine.gpu_plan import GpuPlanner
 from pytest_pdserve.machine.inventory import Inventory
-from pytest_pdserve.machine.port_leases import DEFAULT_PORT_RANGE
 from pytest_pdserve.running.attach import attach_mismatch, start_attached
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster, Reporter
 from pytest_pdserve.running.start_env import Drift, start_environ
@@ -48,12 +47,14 @@ class Reuser(Protocol):
         spec: ClusterSpec,
         setup: EngineSetup,
         model: str,
+        asked: AskedConfig,
         placement: Mapping[str, object],
         launcher: ClusterLauncher,
         environ: Mapping[str, str],
     ) -> LaunchedCluster | None:
-        """A kept cluster for ``spec`` whose fingerprint (``environ``: what a fresh one's servers would inherit) is
-        this one's, claimed and checked; None: the manager starts a fresh one (with ``environ``)."""
+        """A kept cluster for ``spec`` (``asked``: merged with the session) whose fingerprint (``environ``: what a
+        fresh one's servers would inherit) is this one's, claimed and checked; None: the manager starts a fresh one
+        (with ``environ``)."""
         ...
 
     def stop(self, running: LaunchedCluster) -> bool:
@@ -68,52 +69,25 @@ class Reuser(Protocol):
 class ClusterManager:
     """Starts clusters on demand, shares equal specs, and stops everything at the end of the session."""
 
-    #: Prove each new cluster moves KV before handing it out (``--pd-ready-check``; fixtures.py sets it).
-    pd_ready_check: bool = True
-
     def __init__(
         self,
+        settings: ClusterSettings,
         *,
         engine_setup: Callable[[str], EngineSetup],
-        default_engine: str,
-        defaults: SessionDefaults,
-        inventory: Inventory,
-        log_dir: Path,
-        lease_dir: Path,
-        model: str | None = None,
-        startup_timeout: float = 1200.0,
-        shutdown_timeout: float = 30.0,
-        gpu_wait: str = "wait",
-        gpu_wait_timeout: float = 1800.0,
-        prefill_gpu_ids: tuple[int, ...] | None = None,
-        decode_gpu_ids: tuple[int, ...] | None = None,
-        share_gpus: bool = False,
-        proxy_command: tuple[str, ...] | None = None,
-        port_range: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
         reuser: Reuser | None = None,
-        terminal: bool = True,
         env_drift: Drift | None = None,
     ) -> None:
+        #: Every setting of the session's clusters (``ClusterSettings.for_config``), shared with the launcher.
+        self.settings = settings
         self._engine_setup = engine_setup
         self._engines: dict[str, EngineSetup] = {}
+        #: Each spec merged with the session (``effective.effective``), once per spec: see :meth:`asked`.
+        self._asked: dict[ClusterSpec, AskedConfig] = {}
         #: Called with each cluster :meth:`stop` stops (the fixtures make pytest forget a cached ``pd_cluster``).
         self.on_stop: list[Callable[[PDCluster], None]] = []
-        self.default_engine = default_engine
-        self.defaults = defaults
-        self.inventory = inventory
-        self.model = model
         self.report = reporter or (lambda msg: log.info("%s", msg))
-        self.gpus = GpuPlanner(
-            inventory, lease_dir, gpu_wait=gpu_wait, gpu_wait_timeout=gpu_wait_timeout,
-            prefill_gpu_ids=prefill_gpu_ids, decode_gpu_ids=decode_gpu_ids, share_gpus=share_gpus,
-            gpu_memory_utilization=defaults.gpu_memory_utilization, report=self.report,
-        )  # fmt: skip
-        self.launcher = ClusterLauncher(
-            defaults=defaults, inventory=inventory, gpus=self.gpus, log_dir=log_dir, lease_dir=lease_dir,
-            startup_timeout=startup_timeout, shutdown_timeout=shutdown_timeout, proxy_command=proxy_command,
-            report=self.report, port_range=port_range or DEFAULT_PORT_RANGE, terminal=terminal,
-        )  # fmt: skip
+        self.launcher = ClusterLauncher(settings, self.report)
         self.run_token = self.launcher.run_token
         self._running: dict[ClusterSpec, LaunchedCluster] = {}
         self._failed: dict[ClusterSpec, BaseException] = {}
@@ -168,6 +142,27 @@ class ClusterManager:
             self._running[spec] = running
             return running.cluster
 
+    @property
+    def inventory(self) -> Inventory:
+        """The platform and the GPUs this process sees (the settings')."""
+        return self.settings.inventory
+
+    @property
+    def default_engine(self) -> str:
+        """The engine of a spec that names none (``--pd-engine``, resolved)."""
+        return self.settings.default_engine
+
+    def asked(self, spec: ClusterSpec) -> AskedConfig:
+        """``spec`` merged with the session (``effective.effective``): computed at its first start (or check) and
+        kept, as both inputs are frozen; the acceptance check, a kept cluster's check and the start all use it.
+
+        :raises OwnedFlagError, ClusterSpecError: the merge's refusals (not kept: raised again at each ask).
+        """
+        asked = self._asked.get(spec)
+        if asked is None:
+            asked = self._asked[spec] = effective(spec, self.settings.defaults)
+        return asked
+
     def attached(self, spec: ClusterSpec, cfg: Any) -> PDCluster:
         """Attach mode: the servers at ``cfg.prefill_urls`` / ``cfg.decode_urls`` (started by someone else).
 
@@ -189,7 +184,7 @@ class ClusterManager:
                 self.owner.refuse("attach to the deployment and start its proxy")
                 environ = start_environ(self.env_drift, own_servers=False)
                 try:
-                    self._running[key] = start_attached(cfg, self.launcher, self.defaults, environ)
+                    self._running[key] = start_attached(cfg, self.launcher, self.asked(key), environ)
                 except Exception as exc:
                     self._failed[key] = exc
                     raise
@@ -265,8 +260,8 @@ class ClusterManager:
     def _resolve_model(self, spec: ClusterSpec, setup: EngineSetup) -> str:
         if spec.model is not None:
             return spec.model
-        if self.model is not None:
-            return self.model
+        if self.settings.model is not None:
+            return self.settings.model
         if setup.model_resolver is not None:
             return setup.model_resolver(spec)
         return SIM_DEFAULT_MODELS[spec.model_kind]
@@ -287,7 +282,7 @@ class ClusterManager:
 
         :raises VllmRefuses: with vLLM's reason.
         """
-        self.launcher.check_accepted(spec, self.engine_for(spec))
+        self.launcher.check_accepted(spec, self.engine_for(spec), self.asked(spec))
 
     def _find_or_start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
         """A kept cluster for ``spec`` when reusing (the reuser says why not), else a fresh one; both judged by, and
@@ -296,7 +291,8 @@ class ClusterManager:
         if self.reuser is not None:
             setup = self.engine_for(spec)
             model = self._resolve_model(spec, setup)
-            found = self.reuser.find(spec, setup, model, self._placement(spec), self.launcher, environ)
+            placement = self._placement(spec)
+            found = self.reuser.find(spec, setup, model, self.asked(spec), placement, self.launcher, environ)
             if found is not None:
                 return found
         return self._start(spec, environ)
@@ -305,17 +301,16 @@ class ClusterManager:
         """Where a cluster's servers run, as far as settings decide it (part of its reuse fingerprint)."""
         return {
             "gpus": [g.uuid or str(g.index) for g in self.inventory.gpus], "platform": self.inventory.platform,
-            "prefill_gpu_ids": self.gpus.prefill_gpu_ids, "decode_gpu_ids": self.gpus.decode_gpu_ids,
-            "share_gpus": self.gpus.share_gpus, "proxy_port": self.proxy_ports.get(spec),
+            "prefill_gpu_ids": self.settings.prefill_gpu_ids, "decode_gpu_ids": self.settings.decode_gpu_ids,
+            "share_gpus": self.settings.share_gpus, "proxy_port": self.proxy_ports.get(spec),
         }  # fmt: skip
 
     def _start(self, spec: ClusterSpec, environ: Mapping[str, str]) -> LaunchedCluster:
         self._counter += 1
         setup = self.engine_for(spec)
         return self.launcher.launch(
-            spec, f"{spec.name}-{self._counter}", setup, self._resolve_model(spec, setup),
+            spec, f"{spec.name}-{self._counter}", setup, self._resolve_model(spec, setup), self.asked(spec),
             make_room=self._make_room, environ=environ, proxy_port=self.proxy_ports.get(spec),
-            pd_ready_check=self.pd_ready_check,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ stop
