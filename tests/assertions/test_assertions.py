@@ -21,7 +21,7 @@ from pytest_pdserve import assertions as A
 from pytest_pdserve.metrics import MetricsSnapshot, parse_metrics
 from pytest_pdserve.proxy import prefill_body
 
-METRICS = Path(__file__).parent / "data" / "metrics"
+METRICS = Path(__file__).parents[1] / "data" / "metrics"
 BLOCK = 4
 BYTES_PER_BLOCK = 1000
 LONG = "one two three four five six seven eight nine ten"  # 10 tokens: 2 full blocks
@@ -616,7 +616,7 @@ def test_prefix_cache_hit_on_a_short_prompt_fails_naming_the_precondition(cluste
         A.assert_prefix_cache_hit(cluster.decode[0], {"prompt": "a b c"}, prime=True)
 
 
-SSE_CAPTURE = Path(__file__).parent / "data" / "vllm-cpu" / "decode-sse-stream.txt"
+SSE_CAPTURE = Path(__file__).parents[1] / "data" / "vllm-cpu" / "decode-sse-stream.txt"
 
 
 @pytest.mark.skipif(not SSE_CAPTURE.is_file(), reason="no real vLLM SSE capture in tests/data/vllm-cpu yet")

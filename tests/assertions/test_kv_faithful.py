@@ -235,8 +235,8 @@ def test_a_correct_hybrid_cluster_passes_sim(request: pytest.FixtureRequest) -> 
 
 def test_a_block_size_per_side_is_refused_before_a_start() -> None:
     """The cluster's block size is one setting, read back from every server at start (a server that runs another
-    fails the start: tests/test_start_checks.py); per-side sizes are refused before anything starts, on either engine.
-    What vLLM itself does with them is in docs/faithful-kv.md (tests/sim/test_sim_kvcontent.py models it)."""
+    fails the start: tests/running/test_start_checks.py); per-side sizes are refused before anything starts, on either
+    engine. What vLLM itself does with them is in docs/faithful-kv.md (tests/sim/test_sim_kvcontent.py models it)."""
     for engine in ENGINES:
         with pytest.raises(ClusterSpecError, match="--block-size"):
             ClusterSpec(engine=engine, prefill_extra_args=("--block-size", "64"))
@@ -261,7 +261,7 @@ def test_a_conv_state_layout_set_on_one_side_is_refused_before_a_start(
     """VLLM_SSM_CONV_STATE_LAYOUT=SD on the hybrid's prefill only (the seed script sets DS on both): NixlConnector's
     worker refuses a hybrid model without the dim-first conv state at start (pytest_pdserve/rules/conv_state.py), so
     the plugin refuses the cluster before starting anything, in vLLM's words. That vLLM itself dies on it is the
-    rule's negative control, one real server in tests/test_start_refusals.py."""
+    rule's negative control, one real server in tests/rules/test_start_refusals.py."""
     spec = ClusterSpec.hybrid_ssm(engine=engine, prefill_env={"VLLM_SSM_CONV_STATE_LAYOUT": "SD"}, name="conv-mismatch")
     with pytest.raises(VllmRefuses) as info:
         _cluster(request, spec)

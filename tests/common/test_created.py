@@ -4,7 +4,7 @@ Each case gives the rule's functions what a careless or hostile user leaves wher
 own files in a directory pdserve owns, a copied marker, a file replaced under the same name, links planted to
 their data, a directory swapped between the check and the removal, a read-only or a full file system. Whatever
 pdserve cannot prove it created must be there afterwards, unchanged. The doors (settings, ``pdserve ls|stop``,
-the keeper, pruning) are tests/test_data_loss.py.
+the keeper, pruning) are tests/common/test_data_loss.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ directory; a reuse directory that was accepted gets the user's files, links to t
 used by runs, ``pdserve ls``, ``pdserve stop`` and a kept cluster's keeper; a planted state file names the user's
 files as a server's log and IPC directory; a lease directory holds files named like lock files; the export file
 appears while the cluster starts. Nothing of the user's may be lost or changed. The rule's own cases (copied
-markers, swapped directories, read-only and full file systems) are tests/test_created.py.
+markers, swapped directories, read-only and full file systems) are tests/common/test_created.py.
 """
 
 from __future__ import annotations

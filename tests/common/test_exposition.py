@@ -18,7 +18,7 @@ from pytest_pdserve.common.exposition import parse_samples
 from pytest_pdserve.errors import MetricsScrapeError
 from pytest_pdserve.metrics import parse_metrics
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 #: Real scrapes: vLLM for CPU 0.32 (tests/data/vllm-cpu) and the metric fixtures of the assertion tests.
 SCRAPES = sorted([*DATA.glob("metrics/*.txt"), *DATA.glob("vllm-cpu/*-metrics.txt")])
 

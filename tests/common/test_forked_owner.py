@@ -26,7 +26,7 @@ from pytest_pdserve.running.watchdog import Watchdog
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-STANDIN = str(Path(__file__).with_name("_standin.py"))
+STANDIN = str(Path(__file__).parents[1] / "_standin.py")
 
 #: Each inner process records its test outcomes by pid, and the session's own pid at configure.
 OUTCOMES = r"""

@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_shared_log_dir import VIAS, log_dir_setting
 
 from pytest_pdserve.common import created
+
+from .test_shared_log_dir import VIAS, log_dir_setting
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

@@ -17,10 +17,10 @@ import pytest
 from pytest_pdserve.engines import cpu, tiny_model
 from pytest_pdserve.errors import PathError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
 REAL_PYTHON = REAL_VENV / "bin" / "python"
-DATA = Path(__file__).parent / "data" / "vllm-cpu"
+DATA = Path(__file__).parents[1] / "data" / "vllm-cpu"
 
 
 def needs_real_venv(test: Callable[..., None]) -> Callable[..., None]:

@@ -12,7 +12,7 @@ import pytest
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.engines.vllm_compat import Version
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REAL_VENV = Path(os.environ.get("PDSERVE_VLLM_VENV", REPO / ".venv-vllm"))
 
 

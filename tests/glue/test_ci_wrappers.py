@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from _pdsession import GONE_WITHIN_S, Inner, live_procs, wait_for
-from test_vllm_modules import MODULES_VERSION, fetch_modules
+
+from .test_vllm_modules import MODULES_VERSION, fetch_modules
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 

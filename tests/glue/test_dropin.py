@@ -1,5 +1,5 @@
 """The drop-in for vLLM's own P/D suite: presets, --pd-export-env, the session connector, --pd-proxy-port and
-the --confcutdir rule inside a vLLM checkout (the modules themselves run in tests/test_vllm_modules.py)."""
+the --confcutdir rule inside a vLLM checkout (the modules themselves run in tests/glue/test_vllm_modules.py)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from pytest_pdserve.config import presets
 from pytest_pdserve.engines import vllm_compat
 from pytest_pdserve.glue import export_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FETCH = REPO / "scripts" / "fetch-vllm-tests.sh"
 #: The modules import these (not the plugin's dependencies: pyproject's `vllm-tests` extra, in `test` too).
 MODULE_DEPS = tuple(sorted(export_env.extra_modules(export_env.VLLM_TESTS_EXTRA)))
@@ -263,7 +263,7 @@ def test_the_drop_in_conftest_of_docs_migrating(pytester: pytest.Pytester, vllm_
 # primes decode directly, so its decode-side prefix-cache hits are the same through a proxy that never calls prefill
 # (tests/data/proxies/bypass_prefill.py); only decode's external_kv_transfer tokens and NIXL bytes drop to 0.
 
-BYPASS = Path(__file__).parent / "data" / "proxies" / "bypass_prefill.py"
+BYPASS = Path(__file__).parents[1] / "data" / "proxies" / "bypass_prefill.py"
 BYPASS_ARGS = ("--no-pd-ready-check", f"--pd-proxy-command={sys.executable} {BYPASS} --port {{port}} "
                "--decode-port {decode_ports}")  # fmt: skip
 

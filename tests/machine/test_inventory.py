@@ -35,8 +35,8 @@ from pytest_pdserve.machine.inventory import (
     simulated_inventory,
 )
 
-H200 = Path(__file__).parent / "data" / "h200x2"
-ROCM = Path(__file__).parent / "data" / "rocm"
+H200 = Path(__file__).parents[1] / "data" / "h200x2"
+ROCM = Path(__file__).parents[1] / "data" / "rocm"
 UUID0 = "GPU-fefa1f67-af19-aea2-0552-784dbde5e9bf"
 UUID1 = "GPU-58cd8ead-6b31-0b20-5811-d70ec0f63feb"
 

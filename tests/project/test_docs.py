@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest_pdserve
 
 PACKAGE = Path(pytest_pdserve.__file__).resolve().parent
-ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def _tree_and_sections() -> tuple[str, list[str]]:

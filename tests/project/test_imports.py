@@ -20,7 +20,7 @@ import pytest
 from pytest_pdserve.config import owned_flags, setting_table
 
 PACKAGE = "pytest_pdserve"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 #: Cycles that another change removes, by the modules' own names (none left since the reuse split).
 KNOWN_CYCLES: set[frozenset[str]] = set()
@@ -213,7 +213,7 @@ def test_imports_follow_the_folder_order() -> None:
     graph = import_graph()
     found = upward_imports(graph, LAYERS)
     unexpected = [edge for edge in found if tuple(edge.replace(" -> ", ":").split(":")[::2]) not in KNOWN_UPWARD]
-    assert not unexpected, "imports against the folder order (tests/test_imports.py LAYERS):\n" + "\n".join(unexpected)
+    assert not unexpected, "imports against the folder order (LAYERS, test_imports.py):\n" + "\n".join(unexpected)
     gone = {edge for edge in KNOWN_UPWARD if edge[1] not in graph.get(edge[0], {})}
     assert not gone, f"KNOWN_UPWARD lists imports that are gone, take them out: {sorted(gone)}"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Writes the selected items' node ids and marker names as JSON (a plugin the inner sessions load with -p).
 PROBE = """
 import json, os, pytest
@@ -101,10 +101,11 @@ def test_the_unit_tier_is_the_tests_that_start_no_process(suite: pytest.Pytester
     assert len(unit) >= 400, len(unit)
     assert all("unit" in marks and not {"vllm", "gpu"} & set(marks) for marks in unit.values())
     assert {nodeid for nodeid, marks in everything.items() if "unit" in marks} == set(unit)
-    for starts_processes in ("tests/test_watchdog.py", "tests/test_lifecycle.py", "tests/test_reliability.py"):
+    processes = ("tests/running/test_watchdog.py", "tests/glue/test_lifecycle.py", "tests/promises/test_reliability.py")
+    for starts_processes in processes:
         assert not [nodeid for nodeid in unit if nodeid.startswith(starts_processes)], starts_processes
-    assert [nodeid for nodeid in unit if nodeid.startswith("tests/test_settings.py")] == [], "pytester sessions"
-    assert [nodeid for nodeid in unit if nodeid.startswith("tests/test_exposition.py")], "a pure module left out"
+    assert [nodeid for nodeid in unit if nodeid.startswith("tests/config/test_settings.py")] == [], "pytester sessions"
+    assert [nodeid for nodeid in unit if nodeid.startswith("tests/common/test_exposition.py")], "a pure module left out"
 
 
 #: A module the classification reads (tests/_tiers.py): which of its tests start a process, and through what.

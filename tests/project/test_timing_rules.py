@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _timing_scan import BOUND_FLOOR_S, TIMEOUT_FLOOR_S, scan_paths, scan_source
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_suite_has_no_verdict_that_depends_on_speed() -> None:
@@ -234,5 +234,5 @@ def test_the_scan_leaves_the_right_shapes_alone(source: str) -> None:
 
 
 def test_a_finding_names_its_file_line_and_rule() -> None:
-    [finding] = scan_source(textwrap.dedent(FOUND["issue-42"]), "tests/test_reliability.py")
-    assert str(finding) == "tests/test_reliability.py:4: inner-timeout: --timeout=2"
+    [finding] = scan_source(textwrap.dedent(FOUND["issue-42"]), "tests/promises/test_reliability.py")
+    assert str(finding) == "tests/promises/test_reliability.py:4: inner-timeout: --timeout=2"

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "under-load.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "under-load.sh"
 
 #: Counts the live busy loops of the script that started it (their $0 names the script's pid, its parent's), once
 #: they are all there (each is started in the background: awaited, bounded, not assumed).

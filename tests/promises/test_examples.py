@@ -16,7 +16,7 @@ from _pdsession import GONE_WITHIN_S, MARK_ENV, live_procs, unheld_locks, wait_f
 
 from pytest_pdserve import cli
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run_examples(pytester: pytest.Pytester, tmp_path: Path, engine: str, *extra: str) -> pytest.RunResult:

@@ -17,7 +17,7 @@ from pytest_pdserve.config._options_table import BEGIN, END, render
 from pytest_pdserve.config.setting_table import SETTINGS
 from pytest_pdserve.running.process import MAX_POLL_INTERVAL_S, POLL_INTERVAL_S, poll_interval
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_options_table_is_generated_from_the_settings() -> None:

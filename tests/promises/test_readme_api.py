@@ -18,7 +18,7 @@ from pytest_pdserve.glue.session_engine import SessionEngine
 from pytest_pdserve.metrics import MetricsDelta, MetricsSnapshot, parse_metrics
 from pytest_pdserve.spec import ClusterSpec
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def _table(after: str) -> list[list[str]]:

@@ -302,7 +302,7 @@ def test_port_taken_between_lease_and_bind_fails_with_a_hint(inner: Inner) -> No
     assert "address already in use" in out.lower()
     assert "hint: a port the server needs is taken" in out
     # Each lease is taken again the moment it is made: every start lost its port, the last one's error stands
-    # (running/port_race.py; a single lost race is tests/test_port_race.py's).
+    # (running/port_race.py; a single lost race is tests/running/test_port_race.py's).
     assert out.count(f"(attempt {port_race.ATTEMPTS} of {port_race.ATTEMPTS})") == 2, out[-3000:]
     inner.gone_within()
     unheld_locks(inner.lease_dir)

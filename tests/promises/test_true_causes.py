@@ -40,7 +40,7 @@ pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 inner = _reuse.inner
 reuse_dir = _reuse.reuse_dir
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pytest_pdserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "pytest_pdserve"
 PASSING = "def test_a(pd_cluster):\n    assert pd_cluster.complete('a b c', max_tokens=1)\n"
 
 

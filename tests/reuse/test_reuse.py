@@ -356,7 +356,7 @@ def test_a_kept_cluster_a_test_changed_at_run_time_is_not_reused(
         if MODEL_CACHE:  # where CI keeps the tiny model (clean_pdserve_env removed it)
             monkeypatch.setenv("PDSERVE_CACHE_DIR", MODEL_CACHE)
         timeout = 600.0
-    inner.pytester.makepyfile(RUNTIME_CHANGES, _lora=(Path(__file__).parent / "_lora.py").read_text())
+    inner.pytester.makepyfile(RUNTIME_CHANGES, _lora=(Path(__file__).parents[1] / "_lora.py").read_text())
     monkeypatch.setenv("LOAD_IT", "1")
     run_reuse(inner, reuse_dir, *extra, timeout=timeout).assert_outcomes(passed=1)
     [state] = states(reuse_dir)

@@ -1,5 +1,5 @@
 """``--pd-reuse`` attacked as careless CI authors and hostile local users would: real inner pytest sessions
-against real simulator processes (the helpers are tests/test_reuse.py's and tests/_pdsession.py's).
+against real simulator processes (the helpers are tests/reuse/test_reuse.py's and tests/_pdsession.py's).
 
 Each case names the promise of README's "Keep a cluster between runs" or docs/reuse.md it attacks: a reuse dir
 that is a user's directory, a stopped (SIGSTOP) keeper, `pdserve stop --all` checked at once, pytest SIGKILLed

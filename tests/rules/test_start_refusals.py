@@ -73,8 +73,8 @@ def test_max_model_len_above_the_models_is_refused_at_start(engine: str) -> None
 @pytest.mark.parametrize("engine", ["sim", "vllm"])
 def test_a_hybrid_nixl_server_without_the_ds_conv_state_dies_at_start(engine: str) -> None:
     """The negative control of rules/conv_state.py against the real thing: the plugin refuses such a server before a
-    start (tests/test_kv_faithful.py), so only here does vLLM itself meet it. NixlConnector's worker asserts the
-    dim-first conv state once the model is loaded; the engine dies and the server exits 1."""
+    start (tests/assertions/test_kv_faithful.py), so only here does vLLM itself meet it. NixlConnector's worker asserts
+    the dim-first conv state once the model is loaded; the engine dies and the server exits 1."""
     # The environment the plugin gives a server on the CPU platform (fork, not spawn, for the engine's worker).
     env = {**cpu_server_env(cache_base()), "VLLM_SSM_CONV_STATE_LAYOUT": "SD"}
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.usefixtures("clean_pdserve_env")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "pdserve-sim/tiny-llama"
 #: Four processes starting at once: seconds quiet, more on a loaded machine; bounded far beyond it.
 READY_TIMEOUT_S = 120.0

