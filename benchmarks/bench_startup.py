@@ -21,7 +21,7 @@ argv/env the plugin used; ratio = cluster time / slower of the two alone.
 
 Part D, a crash at startup noticed: a process that prints its CLOCK_MONOTONIC moment and exits 3 a moment after
 its start; latency = the moment ``wait_ready`` raised ``ServerExitedEarly`` - the moment it exited. (The tests only
-check that the crash is noticed long before the deadline: tests/test_process.py.)
+check that the crash is noticed long before the deadline: tests/running/test_process.py.)
 """
 
 from __future__ import annotations

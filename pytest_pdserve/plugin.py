@@ -1,8 +1,8 @@
 """pytest11 entry point for pytest-pdserve: hooks only.
 
 Imports stay light (stdlib + pytest + our pytest-free modules): loading the plugin imports none of httpx,
-prometheus_client, starlette, uvicorn, torch or vllm (tests/test_imports.py holds it); the cluster machinery loads
-when a test first needs a cluster.
+prometheus_client, starlette, uvicorn, torch or vllm (tests/project/test_imports.py holds it); the cluster machinery
+loads when a test first needs a cluster.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # `pytest --help` must work even when a setting is bad
     cfg = config.stash[PDSERVE_CONFIG] = resolve(config)
     if cfg.reuse:  # its own plugin, loaded only when asked for (as pytest's cacheprovider registers LFPlugin)
-        # Here, not at the top: a run without --pd-reuse (the default) never imports reuse/ (tests/test_reuse_layout).
+        # Here, not at the top: a run without --pd-reuse (the default) never imports reuse/
+        # (tests/reuse/test_reuse_layout.py).
         from pytest_pdserve.reuse import PLUGIN_NAME
         from pytest_pdserve.reuse.plugin import ReusePlugin
 

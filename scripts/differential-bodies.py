@@ -10,7 +10,7 @@ Each body is a valid one with one to three fields given values of any JSON type 
 Both answers are compared on status, error type, param and message (a message listing several union errors is
 exempt: docs/differential.md). Prints every difference and exits 1 if there is any. ``--record`` rewrites the fixed
 sample's recorded vLLM answers (tests/_bodies.py CASES) from the --vllm server instead.
-The fixed sample runs in the test suite (tests/sim/test_sim_bodies.py, tests/test_differential.py).
+The fixed sample runs in the test suite (tests/sim/test_sim_bodies.py, tests/sim/test_differential.py).
 """
 
 from __future__ import annotations

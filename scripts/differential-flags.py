@@ -16,8 +16,8 @@ starts costs 50-350 s on a loaded 2-core machine (it is stopped once /health ans
 arguments or building its config costs the time vLLM takes to import (40-100 s), at engine start 100-350 s. Prints
 one JSON line per set and exits 1 if any outcome differs and is not listed in tests/_flags.py ACCEPTED.
 ``--recorded`` runs the recorded sets again (``--record`` rewrites vLLM's outcomes there, which
-tests/test_start_outcomes.py compares the simulator with in every CI run). The fixed sample runs in
-tests/test_start_refusals.py.
+tests/rules/test_start_outcomes.py compares the simulator with in every CI run). The fixed sample runs in
+tests/rules/test_start_refusals.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 # per device call); installs them (offline, once per machine), then runs the suites named in PDSERVE_PROOF_SUITES
 # (default: all, in this order), every cluster on the one GPU (--pd-share-gpus):
 #   examples     pytest examples --pd-engine=vllm
-#   contract     pytest tests/test_contract.py (the [vllm] half runs real vLLM; [sim] the simulator in the same run)
+#   contract     pytest tests/sim/test_contract.py (the [vllm] half runs real vLLM; [sim] the simulator in the same run)
 #   edge         vLLM's test_edge_cases.py        --pd-export-env --pd-preset=vllm-edge-case
 #   mamba        vLLM's test_mamba_prefix_cache.py --pd-export-env --pd-preset=vllm-mamba-prefix-cache
 #   multi        vLLM's test_multi_connector_edge_cases.py --pd-export-env --pd-preset=vllm-multi-connector-edge-case
@@ -130,7 +130,7 @@ for s in $suites; do
       if [ "${PDSERVE_PROOF_EXAMPLES_ORDER:-grouped}" = file ]; then ex=(examples)
       else ex=($(cd "$repo" && ls examples/test_*.py | grep -v mamba) examples/rocm examples/test_mamba_prefix_cache.py); fi
       where=$repo run_suite examples "${ex[@]}" "${common[@]}" ;;
-    contract) where=$repo run_suite contract tests/test_contract.py "${base[@]}" ;;
+    contract) where=$repo run_suite contract tests/sim/test_contract.py "${base[@]}" ;;
     edge) module_suite edge test_edge_cases.py vllm-edge-case ;;
     # The script's FLASHINFER, as CI runs it; its 0.8 memory fraction twice does not fit one GPU, so the variable
     # the script honours sets 0.4, as a CI job would.

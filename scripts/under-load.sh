@@ -5,7 +5,7 @@
 # a command whose servers start sessions of their own. The loops end with the command; its exit status is kept.
 #
 #   scripts/under-load.sh [-n HOGS] COMMAND...
-#   scripts/under-load.sh .venv/bin/python -m pytest -p no:cacheprovider tests/test_lifecycle.py
+#   scripts/under-load.sh .venv/bin/python -m pytest -p no:cacheprovider tests/glue/test_lifecycle.py
 set -u
 hogs=3
 if [ "${1:-}" = -n ]; then

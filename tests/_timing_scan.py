@@ -1,7 +1,7 @@
 """The shapes of a verdict that depends on how fast the machine is, found in test source with ``ast``.
 
 A test must wait for the condition it is about; where it bounds that wait, the bound is one a loaded machine cannot
-reach. The scan finds the shapes that broke on loaded machines before (tests/test_timing_rules.py runs it over
+reach. The scan finds the shapes that broke on loaded machines before (tests/project/test_timing_rules.py runs it over
 tests/ and examples/, the inner sessions' code in string literals included):
 
 * ``inner-timeout``: an inner session given ``--timeout=N`` (argv, ``-o timeout=N``, an ini line) or a

@@ -39,11 +39,11 @@ def _inner_sessions_load_no_hypothesis(request: pytest.FixtureRequest, monkeypat
     """Inner pytest sessions (pytester, subprocesses) do not load hypothesis's or anyio's pytest plugin: at its
     terminal summary hypothesis imports all of hypothesis, about 0.45 s of CPU (2026-12-04), and anyio's imports
     asyncio and anyio's core, about 0.05 s, in each of the hundreds of inner sessions this suite runs; no inner
-    session uses either. Nor pytest-shard (it adds a header line), but tests/test_ci_wrappers.py's. A test that sets
-    PYTEST_ADDOPTS itself replaces this.
+    session uses either. Nor pytest-shard (it adds a header line), but tests/glue/test_ci_wrappers.py's. A test that
+    sets PYTEST_ADDOPTS itself replaces this.
 
     Pytester unsets PYTEST_ADDOPTS when it is set up, which happens after this autouse fixture unless it is set up
-    first: without that, every pytester session loaded both (tests/test_tiers.py checks that none does)."""
+    first: without that, every pytester session loaded both (tests/project/test_tiers.py checks that none does)."""
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")
     addopts = os.environ.get("PYTEST_ADDOPTS", "")
@@ -87,7 +87,7 @@ def _needs_real_vllm(item: pytest.Item) -> bool:
 
 
 def _uses_shared_real_cluster(item: pytest.Item) -> bool:
-    """Requests `real_pd_cluster`, or is a `[vllm]` contract test (tests/test_contract.py fetches it by name)."""
+    """Requests `real_pd_cluster`, or is a `[vllm]` contract test (tests/sim/test_contract.py fetches it by name)."""
     if "real_pd_cluster" in getattr(item, "fixturenames", ()):
         return True
     return Path(str(item.path)).name == "test_contract.py" and _needs_real_vllm(item)

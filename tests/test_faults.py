@@ -1,7 +1,7 @@
 """Faults a test causes on purpose (issue 47): ``ServerHandle.pause``/``resume``/``kill``/``restart``, the death
 detection told of them, what is left at a test's end, and the assertions of what P/D does then, with the negative
 control of each. On the simulator; examples/test_server_faults.py runs the faults on both engines
-(tests/test_examples.py).
+(tests/promises/test_examples.py).
 """
 
 from __future__ import annotations

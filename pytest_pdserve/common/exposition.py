@@ -9,7 +9,7 @@ spaces, one space before the value and before an optional timestamp, ``# HELP`` 
 at a time with regexes, and replays the reference parser's family bookkeeping, so the samples, their names (a
 ``counter`` family not named ``..._total`` renames its samples, as the reference does) and the order in which
 they come out are the reference's. Any line outside that subset returns ``None``: the caller then parses the
-whole text with prometheus_client, which also owns every error message. tests/test_exposition.py compares the
+whole text with prometheus_client, which also owns every error message. tests/common/test_exposition.py compares the
 two on real vLLM scrapes and on generated texts. [pytest-free, stdlib]
 """
 

@@ -54,7 +54,7 @@ class _CABundleAtFirstUse(ssl.SSLContext):
 @functools.lru_cache(maxsize=1)
 def ssl_context() -> ssl.SSLContext:
     """The process's one verifying context (shared by every client: a kept cluster's attach builds a dozen)."""
-    # What ssl.create_default_context() sets besides the CA bundle (tests/test_tls.py compares the two).
+    # What ssl.create_default_context() sets besides the CA bundle (tests/common/test_tls.py compares the two).
     ctx = _CABundleAtFirstUse(ssl.PROTOCOL_TLS_CLIENT)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = True

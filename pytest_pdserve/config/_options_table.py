@@ -1,7 +1,7 @@
 """Render the README's options table from the one declaration of each setting (`settings.SETTINGS`).
 
-``python -m pytest_pdserve.config._options_table`` prints it; tests/test_readme.py checks the README holds exactly
-this text, so the documentation cannot drift from the code.
+``python -m pytest_pdserve.config._options_table`` prints it; tests/promises/test_readme.py checks the README holds
+exactly this text, so the documentation cannot drift from the code.
 """
 
 from __future__ import annotations

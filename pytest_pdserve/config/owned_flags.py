@@ -35,7 +35,7 @@ sets it: that key (dotted or inside the JSON value) counts as ``--attention-back
 
 This module is pytest-free and imports no other module of the plugin but ``errors``: `spec.py` needs it, and the
 settings table (which names each setting's flag / env var / ini key) sits above `spec.py`. The remedies naming a
-plugin option are therefore spelled out in :data:`SETTING_REMEDIES`, which tests/test_imports.py keeps equal to
+plugin option are therefore spelled out in :data:`SETTING_REMEDIES`, which tests/project/test_imports.py keeps equal to
 ``setting_table.remedy`` (the one rule that derives them).
 """
 
@@ -97,7 +97,7 @@ class OwnedFlag:
 
 #: How to set each setting an owned flag names, exactly as ``setting_table.remedy(name)`` spells it (flag / env var /
 #: ini key). A copy, because the settings table imports this module through `spec.py` (an import cycle otherwise);
-#: tests/test_imports.py fails when the two differ.
+#: tests/project/test_imports.py fails when the two differ.
 SETTING_REMEDIES: Mapping[str, str] = {
     "attention_backend": "--attention-backend / ATTENTION_BACKEND / pdserve_attention_backend",
     "api_key": "--pd-api-key / PDSERVE_API_KEY / pdserve_api_key",

@@ -12,7 +12,7 @@ preconditions and says so in a note, which the report header prints.
 
 pytest-free: `resolve(name, spec_type=..., environ=..., engine=..., platform=...)` is a pure function of its
 inputs. The spec class comes in as ``spec_type`` (`ClusterSpec`, or the class ``ClusterSpec.preset`` is called on),
-so this module does not import spec.py, which calls it (no import cycle: tests/test_imports.py).
+so this module does not import spec.py, which calls it (no import cycle: tests/project/test_imports.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ __all__ = ["PATH_SETTINGS", "SETTINGS", "SETTINGS_BY_NAME", "Kind", "Setting", "
 
 #: How a setting appears on the command line: ``--pd-x VALUE``, ``--pd-x`` / ``--no-pd-x``, or repeatable. No kind
 #: takes an *optional* value: argparse would hand such a flag the next word (``--pd-x test_a.py``), which the user
-#: meant as a path for pytest (tests/test_settings.py walks every registered option to keep it so).
+#: meant as a path for pytest (tests/config/test_settings.py walks every registered option to keep it so).
 Kind = Literal["value", "bool", "append"]
 
 

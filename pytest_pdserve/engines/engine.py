@@ -59,7 +59,7 @@ class EngineSetup:
     """Everything engine-specific the manager needs: how to run it, its platform env, its default model.
 
     Defined here, not in cluster.py (which imports httpx): the settings resolve the engine when the plugin is
-    configured, and that must not import httpx (tests/test_imports.py).
+    configured, and that must not import httpx (tests/project/test_imports.py).
     """
 
     info: EngineInfo

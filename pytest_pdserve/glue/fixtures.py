@@ -28,7 +28,7 @@ from pytest_pdserve.machine.paths import LOG_DIR_MODE, ensure_dir
 
 log = logging.getLogger(__name__)
 
-# Loading the plugin imports none of httpx, prometheus_client, starlette (tests/test_imports.py holds it): the
+# Loading the plugin imports none of httpx, prometheus_client, starlette (tests/project/test_imports.py holds it): the
 # modules below import them, so this one imports them only for typing, and at run time where a cluster is needed.
 if TYPE_CHECKING:
     from pytest_pdserve.cluster import PDCluster
@@ -359,8 +359,8 @@ def forget_fixture_values(request: pytest.FixtureRequest, value: object) -> list
     "connection refused" (found under xdist with tests/conftest.py's ``real_pd_cluster``). pytest caches a fixture's
     value for its scope and has no public way to drop it, so this uses ``FixtureDef.finish`` (what pytest itself
     calls to tear a fixture down) through the fixture manager. Isolated here and tested
-    (tests/test_last_user.py, tests/test_hostile_lifecycle.py): should pytest's internals change, it warns and the
-    stopped cluster's own errors remain.
+    (tests/glue/test_last_user.py, tests/promises/test_hostile_lifecycle.py): should pytest's internals change, it warns
+    and the stopped cluster's own errors remain.
     """
     forgotten: list[str] = []
     try:

@@ -35,7 +35,7 @@ def _module_of(nodeid: str) -> str:
 def _decode_moved(cluster: PDCluster, start: Mapping[str, MetricsSnapshot]) -> tuple[float, float] | None:
     """Decode's external_kv_transfer tokens and NIXL bytes since ``start`` (None: metrics unreadable)."""
     # Lazy: metrics.py imports httpx and prometheus_client, which loading the plugin must not pay
-    # (tests/test_imports.py); a running cluster has imported it already.
+    # (tests/project/test_imports.py); a running cluster has imported it already.
     from pytest_pdserve.metrics import NIXL_BYTES_SUM
 
     tokens = nixl = 0.0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 __all__ = ["AUTH_HINT", "HINTS", "Hint", "hint_for", "lead_with_root_cause", "root_cause"]
 
 #: For a 401/403 during readiness (process.py); names the setting as the settings table derives it
-#: (tests/test_hints.py checks it against `settings.remedy("api_key")`).
+#: (tests/running/test_hints.py checks it against `settings.remedy("api_key")`).
 AUTH_HINT = (
     "the server wants an API key that pdserve did not send, or a different one: set it with "
     "--pd-api-key / PDSERVE_API_KEY / pdserve_api_key (servers get it as VLLM_API_KEY); not with --api-key in "

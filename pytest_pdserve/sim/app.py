@@ -4,7 +4,7 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v
 ``GET /metrics``, ``GET /version``, ``POST /reset_prefix_cache`` (and the sleep routes) when
 ``VLLM_SERVER_DEV_MODE=1``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` when
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``.
-Response and error bodies follow the shapes vLLM for CPU 0.32 serialises (tests/test_differential.py compares them);
+Response and error bodies follow the shapes vLLM for CPU 0.32 serialises (tests/sim/test_differential.py compares them);
 of 0.34's changes to them (read against 0.33's) the simulator keeps one out: 0.34 drops a chat message's
 ``annotations`` when it is None (``ChatMessage``, ``entrypoints/openai/chat_completion/protocol.py``).
 """
@@ -285,7 +285,7 @@ def _check_logprobs(count: int | None) -> None:
 def _response_head(
     rid: str, kind: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]
 ) -> dict[str, Any]:
-    """The keys every completion response starts with, in vLLM's order (tests/test_differential.py)."""
+    """The keys every completion response starts with, in vLLM's order (tests/sim/test_differential.py)."""
     return {
         "id": rid, "object": kind, "created": created, "model": model, "choices": choices,
         "service_tier": None, "system_fingerprint": None, "usage": usage,
@@ -705,7 +705,7 @@ def build_app(state: AppState) -> Starlette:
             }
             for index, (gen, chat_lp) in enumerate(zip(gens, chat_lps, strict=True))
         ]
-        # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/test_differential.py).
+        # Keys as vLLM 0.32's ChatCompletionResponse serialises them (checked by tests/sim/test_differential.py).
         return JSONResponse(
             {
                 **_response_head(rid, "chat.completion", created, model, choices, _usage(engine, gens)),

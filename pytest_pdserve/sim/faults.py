@@ -25,7 +25,7 @@ from pytest_pdserve.rules.versions import DEFAULT_VLLM_VERSION, Release, parse_v
 #: None by default: real vLLM 0.26.0 on an H200 with the project's tiny Llama gave identical tokens on FLASH_ATTN and
 #: TRITON_ATTN for repeats, P/D against one server, cold against warm and batch sizes 1-16 (docs/hardware.md),
 #: where the simulator's earlier default (FLASH_ATTN flips a token on every warm run) failed
-#: tests/test_contract.py's P/D-vs-single check that vLLM passed. Batch variance is a fault to ask for.
+#: tests/sim/test_contract.py's P/D-vs-single check that vLLM passed. Batch variance is a fault to ask for.
 DEFAULT_NONDETERMINISTIC_BACKENDS: frozenset[str] = frozenset()
 TIE_GAP = 1e-3
 """Nats between top-1 and top-2 at the tie position under ``PDSERVE_SIM_TIE_FLIP`` (a near-tie)."""

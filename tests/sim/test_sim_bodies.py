@@ -1,5 +1,5 @@
 """Mistyped request bodies get vLLM's 400, never a 500 (issue 25 class 7): the fixed sample of tests/_bodies.py
-against the answers recorded from vLLM for CPU 0.32.0 (the live comparison is in tests/test_differential.py)."""
+against the answers recorded from vLLM for CPU 0.32.0 (the live comparison is in tests/sim/test_differential.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The simulator keeps an idle HTTP connection open for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, as vLLM's API server
-does (``timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); tests/test_contract.py measures the default (5 s)
+does (``timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); tests/sim/test_contract.py measures the default (5 s)
 on both engines."""
 
 from __future__ import annotations

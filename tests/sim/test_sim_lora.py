@@ -1,6 +1,6 @@
 """Runtime LoRA routes as vLLM serves them: only with VLLM_ALLOW_RUNTIME_LORA_UPDATING, only useful with --enable-lora.
 
-The answers with ``--enable-lora`` are pinned against real vLLM by tests/test_reuse.py (``LORA_SCRIPT``, both
+The answers with ``--enable-lora`` are pinned against real vLLM by tests/reuse/test_reuse.py (``LORA_SCRIPT``, both
 engines); these are the cases that need no adapter: the route gate, the env rule, and a server without LoRA.
 """
 

@@ -1,4 +1,4 @@
-"""The simulator's start refusals (sim/start_rules.py) beyond what tests/test_start_refusals.py runs on both
+"""The simulator's start refusals (sim/start_rules.py) beyond what tests/rules/test_start_refusals.py runs on both
 engines: the VLLM_ALLOW_LONG_MAX_MODEL_LEN override, the KV cache that cannot hold one request, the CPU rule for
 attention backends and the simulated GPUs' rules (sim/attention.py)."""
 

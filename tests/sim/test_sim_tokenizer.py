@@ -163,7 +163,7 @@ def test_a_chat_template_without_jinja2_is_refused_at_start(sim_factory: Factory
 def test_completion_top_logprobs_have_as_many_entries_as_asked(sim_factory: Factory, tiny_llama_dir: Path) -> None:
     """Completion ``top_logprobs`` entries are keyed by token text, and byte-level pieces of one character all
     decode to U+FFFD: two such alternatives would make one entry. vLLM rewrites them from the context and gave
-    ``logprobs`` entries at every position in every differential run (tests/test_differential.py's
+    ``logprobs`` entries at every position in every differential run (tests/sim/test_differential.py's
     ``logprobs.shape``); the simulator keeps alternatives whose text is new."""
     server: SimServer = sim_factory("--max-model-len", "512", model=str(tiny_llama_dir)).wait_ready()
     counts = []

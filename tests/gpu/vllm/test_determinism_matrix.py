@@ -9,7 +9,7 @@ and whether it was a tie flip or a confident flip; that verdict is what the reco
 lines of a failure) to ``evidence.jsonl`` there, so a run's matrix can be read without its logs.
 
 Skipped unless the session runs real vLLM on a GPU: on the simulator every cell is deterministic by
-construction, which would prove nothing here (tests/test_assertions.py covers the checks themselves).
+construction, which would prove nothing here (tests/assertions/test_assertions.py covers the checks themselves).
 """
 
 from __future__ import annotations

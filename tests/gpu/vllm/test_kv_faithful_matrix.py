@@ -1,13 +1,13 @@
 """The break matrix of docs/faithful-kv.md on real vLLM on a GPU, per attention backend: the GPU column.
 
 Run by ``scripts/gpu-proof.sh --engine=vllm`` (suite ``faithful``) once per backend (``ATTENTION_BACKEND=FLASH_ATTN``,
-``TRITON_ATTN``, ``FLASHINFER``) on one GPU (``--pd-share-gpus``). The cells are tests/test_kv_faithful.py's: a correct
-cluster passes `assert_kv_faithful` (its measured P/D-against-direct distance is printed: the GPU tolerance in
+``TRITON_ATTN``, ``FLASHINFER``) on one GPU (``--pd-share-gpus``). The cells are tests/assertions/test_kv_faithful.py's:
+a correct cluster passes `assert_kv_faithful` (its measured P/D-against-direct distance is printed: the GPU tolerance in
 docs/faithful-kv.md comes from these lines), and every way P/D can hand decode the wrong KV fails it, or the cluster
 does not start.
 
 Skipped unless the session runs real vLLM on a GPU (the simulator and vLLM for CPU run the matrix in
-tests/test_kv_faithful.py).
+tests/assertions/test_kv_faithful.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_kv_faithful import BAD_HYBRID, BAD_LLAMA, NOT_STARTED, _by_hand, _gone, _swap_first_block
+from assertions.test_kv_faithful import BAD_HYBRID, BAD_LLAMA, NOT_STARTED, _by_hand, _gone, _swap_first_block
 
 from pytest_pdserve.assertions import CONFIDENT_FLIP, assert_kv_faithful, assert_pd_matches_single
 from pytest_pdserve.prompts import prompt_with_tokens
