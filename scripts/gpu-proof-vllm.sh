@@ -23,7 +23,8 @@
 # vLLM's modules come from .cache/vllm-tests/<version>/nixl_integration (scripts/fetch-vllm-tests.sh VERSION, run
 # where PyPI is reachable; carry ".cache/vllm-tests").
 # Files written to OUT_DIR (flat, at most 8): machine.txt, summary.txt, suites.log.xz (every suite's output),
-# evidence.jsonl (one line per determinism cell), versus.jsonl, gpu-memory.csv (nvidia-smi every second),
+# evidence.jsonl (one line per determinism cell; for faithful, each measured distance and each control's verdict),
+# versus.jsonl, gpu-memory.csv (nvidia-smi every second),
 # server-logs.tar.xz (every server's log, the FLASHINFER JIT's build logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +99,7 @@ run_suite() {  # name, then the pytest command's arguments; runs from the direct
   local line
   line=$(grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* in [0-9.]+s' "$out/$name.log" | tail -1)
   echo "$name: exit $rc after $((SECONDS - t0)) s: ${line:-no pytest summary (cut at $limit s?)}" | tee -a "$out/summary.txt"
-  grep -E "^pdserve: cluster .* ready in|PASSED|FAILED|SKIPPED|ERROR" "$out/$name.log" | head -60 >>"$out/summary.txt"
+  grep -E "^pdserve: cluster .* ready in|^faithful-kv |PASSED|FAILED|SKIPPED|ERROR" "$out/$name.log" | head -90 >>"$out/summary.txt"
   return 0
 }
 module_suite() {  # name, module file, preset

@@ -22,10 +22,13 @@ from _ports import free_port
 
 from pytest_pdserve.assertions import (
     CONFIDENT_FLIP,
+    MIN_CONTEXT_EFFECT,
     PRECONDITION_MESSAGE,
+    TOLERANCES,
     assert_kv_faithful,
     assert_pd_matches_single,
 )
+from pytest_pdserve.assertions._faithful import default_min_context_effect
 from pytest_pdserve.errors import ClusterSpecError, ServerStartupError, VllmRefuses
 from pytest_pdserve.glue.fixtures import log_dir
 from pytest_pdserve.prompts import prompt_with_tokens
@@ -231,6 +234,16 @@ def test_a_correct_hybrid_cluster_passes_sim(request: pytest.FixtureRequest) -> 
 
 
 # ------------------------------------------------------------------------------- what vLLM refuses before a request
+
+
+def test_the_default_context_guard_exceeds_every_default_tolerance() -> None:
+    """A guard at or below the tolerance is refused (a wrong context that small could not fail the check), so the
+    default guard grows with the tolerance: 0.05 nats where the tolerance is small, a fifth over it on a GPU."""
+    for engine, tolerance in TOLERANCES.items():
+        guard = default_min_context_effect(tolerance)
+        assert guard > tolerance, engine
+        assert guard == max(MIN_CONTEXT_EFFECT, 1.2 * tolerance), engine
+    assert default_min_context_effect(TOLERANCES["vllm-cpu"]) == MIN_CONTEXT_EFFECT
 
 
 def test_a_block_size_per_side_is_refused_before_a_start() -> None:
