@@ -53,6 +53,14 @@ class ClusterSettings:
     ready_check: bool = True
     #: Whether the reports reach a terminal (a person watching) or a log (CI): how often progress is shown.
     terminal: bool = True
+    #: Attach mode (``--pd-prefill-url``, ``--pd-decode-url``, ``--pd-proxy-url``): the servers someone else
+    #: started; empty when the session starts its own.
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    #: None: the built-in proxy is started in front of the attached servers.
+    proxy_url: str | None = None
+    #: Where each attach role's URLs came from (``("decode", "--pd-decode-url")``), for the error that names them.
+    attach_origin: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def for_config(cls, cfg: PDServeConfig, inventory: Inventory, *, log_dir: Path, terminal: bool) -> ClusterSettings:
@@ -80,5 +88,8 @@ class ClusterSettings:
             shutdown_timeout=cfg.shutdown_timeout, gpu_wait=cfg.gpu_wait, gpu_wait_timeout=cfg.gpu_wait_timeout,
             prefill_gpu_ids=cfg.prefill_gpu_ids, decode_gpu_ids=cfg.decode_gpu_ids, share_gpus=cfg.share_gpus,
             proxy_command=cfg.proxy_command, port_range=cfg.port_range or DEFAULT_PORT_RANGE,
-            ready_check=cfg.ready_check, terminal=terminal,
+            ready_check=cfg.ready_check, terminal=terminal, prefill_urls=cfg.prefill_urls,
+            decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url,
+            attach_origin=tuple((role, cfg.source_of(f"{role}_url{'' if role == 'proxy' else 's'}"))
+                                for role in ("prefill", "decode", "proxy")),
         )  # fmt: skip

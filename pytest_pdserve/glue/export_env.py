@@ -197,7 +197,7 @@ def _start(config: pytest.Config, cfg: PDServeConfig, get_manager: GetManager, e
         manager.proxy_ports[spec] = exported.proxy_port
     failure = None
     try:
-        cluster = manager.attached(spec, cfg) if cfg.attach_mode else manager.get(spec)
+        cluster = manager.attached(spec) if cfg.attach_mode else manager.get(spec)
     except (ClusterUnavailable, PDServeError) as exc:
         failure = str(exc)
     if failure is not None:

@@ -244,7 +244,7 @@ def _get_cluster(request: pytest.FixtureRequest, spec: ClusterSpec) -> PDCluster
     try:
         with timeout_paused(item):
             if cfg.attach_mode:
-                cluster = manager.attached(spec, cfg)
+                cluster = manager.attached(spec)
             else:
                 manager.check_accepted(spec)  # a spec vLLM refuses stops no other cluster to make room for it
                 last_user.make_cpu_room(item, manager, spec)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 
 from pytest_pdserve.cluster import PDCluster, ServerHandle
 from pytest_pdserve.common.deadline import get_within
 from pytest_pdserve.common.digits import is_int
+from pytest_pdserve.config.cluster_settings import ClusterSettings
 from pytest_pdserve.config.effective import AskedConfig
 from pytest_pdserve.errors import AttachError, MetricsScrapeError, ResponseTooLarge
 from pytest_pdserve.machine import leases
@@ -28,9 +28,6 @@ from pytest_pdserve.running.hints import AUTH_HINT
 from pytest_pdserve.running.launch import ClusterLauncher, LaunchedCluster
 from pytest_pdserve.running.process import ServerProcess
 from pytest_pdserve.spec import ClusterSpec
-
-#: The roles of an attached deployment, each with its own URL setting.
-ROLES = ("prefill", "decode", "proxy")
 
 #: ClusterSpec fields attach mode cannot apply to servers it did not start (compared with the defaults).
 _SERVER_SETTINGS = (
@@ -42,25 +39,25 @@ _SERVER_SETTINGS = (
 
 
 def start_attached(
-    cfg: Any, launcher: ClusterLauncher, asked: AskedConfig, environ: Mapping[str, str]
+    settings: ClusterSettings, launcher: ClusterLauncher, asked: AskedConfig, environ: Mapping[str, str]
 ) -> LaunchedCluster:
     """Check every attached URL, then use the given proxy or start the built-in one in front of the servers.
 
-    ``cfg`` is the session's `PDServeConfig` (its ``*_urls``, ``proxy_url``, ``model`` and ``source_of``);
+    ``settings`` are the session's (its ``*_urls``, ``proxy_url``, ``model`` and ``attach_origin``);
     ``asked`` the attached cluster's spec merged with the session (``effective.effective``); ``environ`` is what the
     built-in proxy inherits (``start_env.start_environ``).
     """
     __tracebackhide__ = True
     t0 = time.monotonic()
-    origin = {role: cfg.source_of(f"{role}_urls" if role != "proxy" else "proxy_url") for role in ROLES}
+    proxy_url = settings.proxy_url
     cluster = attach(
-        prefill_urls=cfg.prefill_urls, decode_urls=cfg.decode_urls, proxy_url=cfg.proxy_url, model=cfg.model,
-        api_key=asked.api_key, attention_backend=asked.attention_backend,
-        block_size=asked.block_size, check_only=cfg.proxy_url is None, origin=origin,
+        prefill_urls=settings.prefill_urls, decode_urls=settings.decode_urls, proxy_url=proxy_url,
+        model=settings.model, api_key=asked.api_key, attention_backend=asked.attention_backend,
+        block_size=asked.block_size, check_only=proxy_url is None, origin=dict(settings.attach_origin),
     )  # fmt: skip
     processes: list[ServerProcess] = []
     port_leases: list[leases.PortLease] = []
-    if cfg.proxy_url is None:
+    if proxy_url is None:
         # The servers answered: only now start a proxy in front of them (it leases its own port only).
         try:
             servers = [*cluster.prefill, *cluster.decode]

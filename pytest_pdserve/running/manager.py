@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from pytest_pdserve.cluster import PDCluster
 from pytest_pdserve.common.owner import Owner
@@ -163,10 +163,10 @@ class ClusterManager:
             asked = self._asked[spec] = effective(spec, self.settings.defaults)
         return asked
 
-    def attached(self, spec: ClusterSpec, cfg: Any) -> PDCluster:
-        """Attach mode: the servers at ``cfg.prefill_urls`` / ``cfg.decode_urls`` (started by someone else).
+    def attached(self, spec: ClusterSpec) -> PDCluster:
+        """Attach mode: the servers at ``settings.prefill_urls`` / ``settings.decode_urls`` (started by someone else).
 
-        Starts no server and leases no GPU and no server port; the given proxy (``cfg.proxy_url``) is
+        Starts no server and leases no GPU and no server port; the given proxy (``settings.proxy_url``) is
         used, or the built-in one is started in front of the servers (it leases only its own port).
         Every spec shares the one attached deployment; a spec asking for something the deployment does
         not have (another topology, model or block size, or server settings attach mode cannot apply)
@@ -184,7 +184,7 @@ class ClusterManager:
                 self.owner.refuse("attach to the deployment and start its proxy")
                 environ = start_environ(self.env_drift, own_servers=False)
                 try:
-                    self._running[key] = start_attached(cfg, self.launcher, self.asked(key), environ)
+                    self._running[key] = start_attached(self.settings, self.launcher, self.asked(key), environ)
                 except Exception as exc:
                     self._failed[key] = exc
                     raise
