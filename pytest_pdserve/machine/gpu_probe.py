@@ -1,4 +1,4 @@
-"""Ask the machine which GPUs it has, per vendor, without torch. [pytest-free]
+"""Ask the machine which GPUs it has, per vendor, without torch; `Gpu` is what a probe finds. [pytest-free]
 
 Every probe takes an injectable command runner / paths, so tests feed recorded outputs:
 
@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-# Gpu lives in gpu.py (an inventory that probes nothing loads it without this module); re-exported here.
 from pytest_pdserve.common.child_env import child_environ
-from pytest_pdserve.machine.gpu import Gpu
 
 __all__ = [
     "AMD_SMI_LIST",
@@ -54,6 +52,25 @@ __all__ = [
     "run_command",
     "wait_for_gate",
 ]
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU the caller can see.
+
+    ``index`` is the machine-wide index (nvidia-smi's index; HIP's physical index on ROCm);
+    ``token`` is how a child's visibility variable names it: the index, or the UUID when the
+    caller selected GPUs by UUID.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int | None
+    token: str
+    pci_bus_id: str | None = None
+    memory_used_mib: int | None = None
+
 
 SMI_TIMEOUT_S = 10.0
 """nvidia-smi can take seconds to initialise the driver when persistence mode is off; a wedged

@@ -20,16 +20,11 @@ import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pytest_pdserve.common.digits import is_int, parse_int
 from pytest_pdserve.errors import InventoryError
-from pytest_pdserve.machine.gpu import Gpu
-
-# The probes (gpu_probe.py, costly at import) load when something is detected:
-# an inventory that probes nothing (--pd-simulate-gpus, --pd-platform=cpu) never needs them.
-if TYPE_CHECKING:
-    from pytest_pdserve.machine.gpu_probe import Runner, SystemPaths
+from pytest_pdserve.machine.gpu_probe import Gpu, Runner, SystemPaths, probe_cuda, probe_rocm, run_command
 
 __all__ = [
     "Gpu",
@@ -266,8 +261,6 @@ def detect_inventory(
     """
     if platform == "cpu":
         return Inventory("cpu", (), None, "platform set to cpu")
-    # Lazy: the probes, ~12 M instructions at import (see the top), only when something is detected.
-    from pytest_pdserve.machine.gpu_probe import SystemPaths, probe_cuda, probe_rocm, run_command
 
     env = os.environ if environ is None else environ
     runner = run_command if runner is None else runner
