@@ -257,17 +257,21 @@ def assert_kv_faithful(
         pd_deltas, cluster.prefill, "local_cache_hit"
     )
     split_text = "cold: the direct serve computed the whole prompt at once"
+    warmed = 0
     if cached:
         # The cached blocks are computed in a batch as long as prefill's (the whole prompt; a hybrid's prefill stops
         # at the last full block): in bfloat16 a batch one token shorter may round differently.
-        on(decode, ids[: max(cached, min(expected, len(ids)))], direct_salt, max_tokens=1)
+        _, warm_deltas = on(decode, ids[: max(cached, min(expected, len(ids)))], direct_salt, max_tokens=1)
+        warmed = _tokens(warm_deltas, [decode], "local_compute")
     direct, direct_deltas = on(decode, ids, direct_salt)
     if cached:
         hit = _tokens(direct_deltas, [decode], "local_cache_hit")
         split_text = (
-            f"matched: {hit} tokens from the direct serve's own cache + {len(ids) - hit} computed, as P/D's decode"
-            if hit == cached
-            else f"not matched: the direct serve hit {hit} cached tokens, not {cached}"
+            f"matched: the direct serve computed {warmed} tokens at once as P/D's prefill did, then took {hit} from "
+            f"its own cache and computed {len(ids) - hit}, as P/D's decode"
+            if hit == cached and warmed == expected
+            else f"not matched: the direct serve first computed {warmed} tokens (P/D's prefill {expected}), then "
+            f"took {hit} from its own cache (P/D's decode {cached})"
         )
     loaded = _tokens(pd_deltas, cluster.decode, "external_kv_transfer")
     computed = _tokens(pd_deltas, cluster.decode, "local_compute")

@@ -13,6 +13,7 @@ drive prefill and decode themselves (`route=`) send what the toy proxy sends, wi
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from pytest_pdserve.assertions import (
     MIN_CONTEXT_EFFECT,
     PRECONDITION_MESSAGE,
     TOLERANCES,
+    FaithfulResult,
     assert_kv_faithful,
     assert_pd_matches_single,
 )
@@ -111,6 +113,16 @@ def _assert_right(cluster: Any, body: dict[str, Any]) -> None:
     assert result.context_effect >= 0.05
     assert result.transferred_tokens == result.prefill_tokens > 0
     assert result.split.startswith("matched")  # a prompt of several blocks: the direct serve split as P/D's decode
+    _assert_warmed_as_prefill(result)
+
+
+def _assert_warmed_as_prefill(result: FaithfulResult) -> None:
+    """The direct serve first computed what P/D's prefill computed, in one request (the whole prompt for a Llama):
+    its cached blocks then hold what a batch of prefill's length gives, which on a GPU may differ from a batch one
+    token shorter (docs/faithful-kv.md)."""
+    warmed = re.match(r"matched: the direct serve computed (\d+) tokens at once", result.split)
+    assert warmed is not None, result.split
+    assert int(warmed.group(1)) == result.prefill_tokens
 
 
 def test_a_correct_cluster_passes_sim(request: pytest.FixtureRequest) -> None:
